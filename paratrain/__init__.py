@@ -1,0 +1,23 @@
+"""paratrain: take a PyTorch training job from one device to N workers without changing its result."""
+
+from .env import (
+    barrier,
+    destroy,
+    init,
+    is_main_process,
+    local_rank,
+    main_process_first,
+    print_once,
+    rank,
+    save_on_main,
+    seed_everything,
+    world_size,
+)
+from .launch.spawn import launch
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "launch", "init", "destroy", "barrier", "rank", "world_size", "local_rank",
+    "is_main_process", "print_once", "save_on_main", "main_process_first", "seed_everything",
+]

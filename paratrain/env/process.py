@@ -1,0 +1,201 @@
+"""``torch.distributed`` setup and the main-process helpers every DDP script rewrites by hand.
+
+All helpers work before, during and without a process group: outside one they behave as rank 0
+of a world of 1, so the same script runs on one device and on many.
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import os
+import random
+import warnings
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .base import ProcessInfo
+from .detect import detect_process
+
+__all__ = [
+    "Dist", "init", "destroy", "select_device", "select_backend", "rank", "world_size",
+    "local_rank", "is_main_process", "barrier", "print_once", "save_on_main",
+    "main_process_first", "seed_everything",
+]
+
+_BACKENDS = ("gloo", "nccl", "mpi", "xccl", "hccl")
+
+
+@dataclass(frozen=True)
+class Dist:
+    """The process group this process joined: its position, device and backend."""
+
+    info: ProcessInfo
+    device: torch.device
+    backend: str | None  # None when the world is one process and no group was created
+
+    @property
+    def rank(self) -> int:
+        return self.info.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.info.world_size
+
+    @property
+    def local_rank(self) -> int:
+        return self.info.local_rank
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.info.rank == 0
+
+
+def select_device(local_rank: int, accelerator: str = "auto") -> torch.device:
+    """``cuda:<local_rank>`` (or another accelerator) when present and asked for, else CPU."""
+    if accelerator not in ("auto", "cpu", "cuda", "xpu", "mps"):
+        raise ValueError(f"accelerator {accelerator!r} is unknown: use auto, cpu, cuda, xpu or mps")
+    if accelerator == "cpu":
+        return torch.device("cpu")
+    acc = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
+    if acc is None and torch.cuda.is_available():
+        acc = torch.device("cuda")
+    if acc is None:
+        if accelerator != "auto":
+            raise RuntimeError(f"accelerator {accelerator!r} was asked for but none is available: use cpu")
+        return torch.device("cpu")
+    if accelerator != "auto" and acc.type != accelerator:
+        raise RuntimeError(f"accelerator {accelerator!r} was asked for but this machine has {acc.type}")
+    if acc.type == "mps":
+        return torch.device("mps")
+    count = torch.accelerator.device_count() if hasattr(torch, "accelerator") else torch.cuda.device_count()
+    return torch.device(acc.type, local_rank % max(1, count))
+
+
+def select_backend(device: torch.device, requested: str | None = None) -> str:
+    """``nccl`` on CUDA, ``xccl`` on XPU, otherwise ``gloo``; ``mpi``/``hccl`` when asked for."""
+    if requested in (None, "auto"):
+        return dist.Backend.default_device_backend_map.get(device.type, "gloo")
+    if requested not in _BACKENDS:
+        raise ValueError(f"backend {requested!r} is unknown: use one of {', '.join(_BACKENDS)} or auto")
+    if requested == "mpi" and not dist.is_mpi_available():
+        raise RuntimeError("backend 'mpi' was asked for but this torch build has no MPI support: use gloo")
+    if requested == "nccl" and device.type != "cuda":
+        raise RuntimeError(f"backend 'nccl' needs CUDA devices, but this process runs on {device}: use gloo")
+    return requested
+
+
+def init(
+    backend: str | None = None,
+    timeout_s: float = 600.0,
+    accelerator: str = "auto",
+) -> Dist:
+    """Join the job's process group (when the world is larger than one) and pick the device.
+
+    Reads rank and world size from torchrun/TorchElastic, ``paratrain.launch``, Slurm or OpenMPI.
+    ``timeout_s`` bounds every collective: a rank that never arrives makes the others fail with an
+    error after that long instead of hanging forever.
+    """
+    info = detect_process()
+    device = select_device(info.local_rank, accelerator)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if info.world_size == 1 and not dist.is_initialized():
+        return Dist(info, device, None)
+    chosen = select_backend(device, backend)
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", info.master_addr)
+        os.environ.setdefault("MASTER_PORT", str(info.master_port))
+        if os.environ["MASTER_ADDR"] in ("127.0.0.1", "localhost") and chosen == "gloo":
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        kwargs: dict[str, Any] = {}
+        if device.type == "cuda":
+            kwargs["device_id"] = device  # lets NCCL bind eagerly and fail fast on a bad rank
+        dist.init_process_group(
+            backend=chosen,
+            init_method="env://",
+            rank=info.rank,
+            world_size=info.world_size,
+            timeout=timedelta(seconds=timeout_s),
+            **kwargs,
+        )
+    return Dist(info, device, dist.get_backend())
+
+
+def destroy() -> None:
+    """Leave the process group (safe to call when there is none)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank() -> int:
+    """Global rank (0 outside a process group)."""
+    return dist.get_rank() if _initialized() else detect_process().rank
+
+
+def world_size() -> int:
+    """Number of processes in the job (1 outside a process group)."""
+    return dist.get_world_size() if _initialized() else detect_process().world_size
+
+
+def local_rank() -> int:
+    """Rank of this process on its node."""
+    return detect_process().local_rank
+
+
+def is_main_process() -> bool:
+    """True on global rank 0: the process that prints, logs and saves."""
+    return rank() == 0
+
+
+def barrier() -> None:
+    """Wait for every process (no-op outside a process group)."""
+    if _initialized():
+        dist.barrier()
+
+
+def print_once(*args: Any, **kwargs: Any) -> None:
+    """``print`` on the main process only."""
+    if is_main_process():
+        builtins.print(*args, **kwargs)
+
+
+def save_on_main(obj: Any, path: str | os.PathLike) -> None:
+    """``torch.save`` on the main process only, atomically (temp file, then rename)."""
+    if is_main_process():
+        tmp = f"{os.fspath(path)}.tmp-{os.getpid()}"
+        torch.save(obj, tmp)
+        os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def main_process_first() -> Iterator[None]:
+    """Let rank 0 run the block first (download, preprocess, cache), then the others."""
+    if not is_main_process():
+        barrier()
+    try:
+        yield
+    finally:
+        if is_main_process():
+            barrier()
+
+
+def seed_everything(seed: int, offset_by_rank: bool = False) -> int:
+    """Seed python, numpy and torch. With ``offset_by_rank`` each rank gets ``seed + rank``
+    (seed 002: different augmentation/dropout streams per rank); returns the seed used."""
+    used = seed + (rank() if offset_by_rank else 0)
+    random.seed(used)
+    np.random.seed(used % 2**32)
+    torch.manual_seed(used)
+    return used
+
+

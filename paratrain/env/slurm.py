@@ -1,0 +1,43 @@
+"""Slurm: one task per process, started by ``srun`` (``SLURM_PROCID``, ``SLURM_NTASKS``...)."""
+
+from __future__ import annotations
+
+import os
+import re
+
+from .base import ProcessInfo, env_int
+
+
+def first_host(nodelist: str) -> str:
+    """First host of a Slurm nodelist: ``node[03-05,7]`` -> ``node03``; ``a,b`` -> ``a``."""
+    m = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
+    if not m:
+        return "127.0.0.1"
+    prefix, ranges = m.group(1), m.group(2)
+    if not ranges:
+        return prefix
+    return prefix + ranges.split(",")[0].split("-")[0]
+
+
+def detect() -> ProcessInfo | None:
+    # Inside an interactive allocation (salloc) without srun there is no SLURM_PROCID: not a task.
+    if "SLURM_PROCID" not in os.environ or "SLURM_NTASKS" not in os.environ:
+        return None
+    world = env_int("SLURM_NTASKS")
+    nnodes = env_int("SLURM_NNODES", 1)
+    local_world = world // max(1, nnodes)
+    addr = os.environ.get("MASTER_ADDR") or first_host(
+        os.environ.get("SLURM_NODELIST", os.environ.get("SLURM_JOB_NODELIST", "127.0.0.1"))
+    )
+    # A per-job port so that two jobs on one node do not collide.
+    port = env_int("MASTER_PORT", 15000 + env_int("SLURM_JOB_ID", 0) % 20000)
+    return ProcessInfo(
+        rank=env_int("SLURM_PROCID"),
+        world_size=world,
+        local_rank=env_int("SLURM_LOCALID", 0),
+        local_world_size=local_world,
+        node_rank=env_int("SLURM_NODEID", 0),
+        master_addr=addr,
+        master_port=port,
+        source="slurm",
+    )

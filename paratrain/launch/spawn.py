@@ -1,0 +1,115 @@
+"""``paratrain.launch``: run a function on N local processes (seed 001's ``mp.spawn``).
+
+Built on :func:`torch.multiprocessing.start_processes`. Each process gets the same environment
+variables that ``torchrun`` sets (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``,
+``MASTER_PORT``), so code inside ``fn`` calls :func:`paratrain.init` exactly as under ``torchrun``.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import tempfile
+import time
+from typing import Any, Callable, Sequence
+
+import torch.multiprocessing as mp
+from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
+
+__all__ = ["launch", "free_port", "LaunchError"]
+
+
+class LaunchError(RuntimeError):
+    """A launched worker failed, or the launch ran past its time limit."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """Return a TCP port that is free on ``host`` right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _worker(local_rank: int, fn: Callable, nprocs: int, env: dict[str, str], args: tuple, out_dir: str) -> None:
+    os.environ.update(env)
+    os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), GROUP_RANK="0")
+    result = fn(local_rank, *args)
+    # Results travel through files in a private directory the parent created for this launch.
+    with open(os.path.join(out_dir, f"{local_rank}.pkl"), "wb") as f:
+        pickle.dump(result, f)
+
+
+def launch(
+    fn: Callable[..., Any],
+    nprocs: int,
+    args: Sequence[Any] = (),
+    *,
+    timeout: float | None = None,
+    master_addr: str = "127.0.0.1",
+    master_port: int | None = None,
+    env: dict[str, str] | None = None,
+) -> list[Any]:
+    """Run ``fn(local_rank, *args)`` in ``nprocs`` fresh processes and return their results.
+
+    Args:
+        fn: a picklable (module-level) function. It receives the process index first, like
+            :func:`torch.multiprocessing.spawn`.
+        nprocs: number of processes (the world size; one node).
+        args: extra positional arguments for ``fn``.
+        timeout: hard wall-clock limit in seconds; past it every worker is killed and
+            :class:`LaunchError` is raised. ``None`` waits forever.
+        master_addr: rendezvous address; loopback by default so nothing listens on other interfaces.
+        master_port: rendezvous port; a free one is picked when ``None``.
+        env: extra environment variables for the workers.
+
+    Returns:
+        ``fn``'s return value from each rank, in rank order.
+
+    Raises:
+        LaunchError: naming the first rank that failed (and its exception), or the ranks still
+            running when ``timeout`` expired.
+    """
+    if nprocs < 1:
+        raise ValueError(f"nprocs={nprocs} must be at least 1")
+    worker_env = {
+        "WORLD_SIZE": str(nprocs),
+        "LOCAL_WORLD_SIZE": str(nprocs),
+        "MASTER_ADDR": master_addr,
+        "MASTER_PORT": str(master_port or free_port(master_addr)),
+        **(env or {}),
+    }
+    if master_addr in ("127.0.0.1", "localhost"):
+        worker_env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    deadline = None if timeout is None else time.monotonic() + timeout
+    with tempfile.TemporaryDirectory(prefix="paratrain-launch-") as out_dir:
+        ctx = mp.start_processes(
+            _worker,
+            args=(fn, nprocs, worker_env, tuple(args), out_dir),
+            nprocs=nprocs,
+            join=False,
+            start_method="spawn",
+        )
+        try:
+            while not ctx.join(timeout=0.2, grace_period=5):
+                if deadline is not None and time.monotonic() > deadline:
+                    alive = [i for i, p in enumerate(ctx.processes) if p.is_alive()]
+                    raise LaunchError(
+                        f"launch timed out after {timeout:.0f}s with ranks {alive} still running "
+                        "(a collective that never completes?); all workers were killed"
+                    )
+        except ProcessRaisedException as e:
+            last = str(e).strip().splitlines()[-1]
+            raise LaunchError(f"rank {e.error_index} failed: {last}") from e
+        except ProcessExitedException as e:
+            raise LaunchError(f"rank {e.error_index} exited with code {e.exit_code}") from e
+        finally:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+        results = []
+        for rank in range(nprocs):
+            with open(os.path.join(out_dir, f"{rank}.pkl"), "rb") as f:
+                results.append(pickle.load(f))
+        return results
