@@ -13,11 +13,14 @@ from .env import (
     seed_everything,
     world_size,
 )
+from .config import DataConfig, OptimConfig, ParallelConfig, TrainConfig
 from .launch.spawn import launch
+from .parallel import Parallel, ParallelOptimizer
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "Parallel", "ParallelOptimizer", "ParallelConfig", "TrainConfig", "DataConfig", "OptimConfig",
     "launch", "init", "destroy", "barrier", "rank", "world_size", "local_rank",
     "is_main_process", "print_once", "save_on_main", "main_process_first", "seed_everything",
 ]

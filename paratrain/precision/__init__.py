@@ -1,0 +1,51 @@
+"""Precision plugins, chosen by name. Apex opt levels are accepted as aliases.
+
+==========  ==============  ==============================================================
+name        alias           what it does
+==========  ==============  ==============================================================
+``32``      ``O0``          fp32 everywhere (TF32 off)
+``tf32``                    fp32 weights, TF32 matmuls on Ampere+ GPUs
+``fp16-mixed`` ``O1``, ``O2``, ``16-mixed``  autocast fp16 + dynamic (or static) loss scaling
+``bf16-mixed`` ``bf16``     autocast bf16, no scaling needed
+==========  ==============  ==============================================================
+
+Apex's ``O2`` kept fp16 model weights with fp32 master weights; Apex itself is deprecated in favour
+of native autocast, which is what ``O1`` and ``O2`` map to here. Seed 001's fallback advice stands:
+if fp16 diverges or skips many steps, use ``bf16-mixed`` (on hardware with bf16) or ``32``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .amp import BF16Mixed, FP16Mixed
+from .base import FP32, TF32, Precision
+
+__all__ = ["Precision", "FP32", "TF32", "FP16Mixed", "BF16Mixed", "PRECISIONS", "ALIASES", "resolve", "build"]
+
+PRECISIONS: dict[str, type[Precision]] = {
+    "32": FP32,
+    "tf32": TF32,
+    "fp16-mixed": FP16Mixed,
+    "bf16-mixed": BF16Mixed,
+}
+ALIASES = {"O0": "32", "O1": "fp16-mixed", "O2": "fp16-mixed", "16-mixed": "fp16-mixed",
+           "fp32": "32", "bf16": "bf16-mixed", "fp16": "fp16-mixed"}
+
+
+def resolve(name: str) -> str:
+    """Canonical precision name, or a one-line error listing the choices."""
+    name = ALIASES.get(str(name), str(name))
+    if name not in PRECISIONS:
+        if str(name) == "O3":
+            raise ValueError("precision 'O3' (pure fp16 weights) is not supported: use fp16-mixed or bf16-mixed")
+        choices = ", ".join([*PRECISIONS, *ALIASES])
+        raise ValueError(f"precision {name!r} is unknown: use one of {choices}")
+    return name
+
+
+def build(name: str, device: torch.device, loss_scale: float | None = None) -> Precision:
+    cls = PRECISIONS[resolve(name)]
+    if loss_scale is not None and cls is not FP16Mixed:
+        raise ValueError(f"a static loss scale ({loss_scale}) only applies to fp16-mixed, not {name!r}")
+    return cls(device, loss_scale) if cls is FP16Mixed else cls(device)

@@ -1,0 +1,32 @@
+"""Strategies, one small module each, chosen by name."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..env.process import Dist
+from .base import Strategy
+from .ddp import DDPOptions, DistributedDataParallel
+from .dp import DataParallel
+from .single import SingleDevice
+
+__all__ = ["Strategy", "STRATEGIES", "DDPOptions", "build", "resolve"]
+
+STRATEGIES: dict[str, type[Strategy]] = {
+    "single": SingleDevice,
+    "dp": DataParallel,
+    "ddp": DistributedDataParallel,
+}
+
+
+def resolve(name: str) -> type[Strategy]:
+    if name not in STRATEGIES:
+        raise ValueError(f"strategy {name!r} is unknown: use one of {', '.join(STRATEGIES)}")
+    return STRATEGIES[name]
+
+
+def build(name: str, dist_info: Dist, sync_batchnorm: bool = False, options: Any = None) -> Strategy:
+    cls = resolve(name)
+    if cls is DistributedDataParallel:
+        return cls(dist_info, sync_batchnorm, options)
+    return cls(dist_info, sync_batchnorm)

@@ -1,0 +1,232 @@
+"""Typed, self-validating configuration (torchtitan style), loadable from TOML/YAML with overrides.
+
+A config file mirrors the dataclasses: top-level keys of :class:`TrainConfig`, and tables
+``[parallel]``, ``[parallel.ddp]``, ``[data]``, ``[optim]``. Any field can be overridden from
+the command line with ``--set section.field=value``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from . import precision as _precision
+from . import strategies as _strategies
+from .strategies.ddp import DDPOptions
+
+__all__ = ["ParallelConfig", "DataConfig", "OptimConfig", "TrainConfig", "load_config", "apply_overrides", "from_dict"]
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    """How one job is spread over processes and devices."""
+
+    strategy: str = "single"
+    """single, dp or ddp."""
+    precision: str = "32"
+    """32, tf32, fp16-mixed, bf16-mixed (Apex aliases O0, O1, O2)."""
+    global_batch: int = 64
+    """Samples per optimizer step, summed over all workers. Fixed when the world size changes."""
+    accumulation: int | None = None
+    """Micro-steps per optimizer step; derived from micro_batch when that is set, else 1."""
+    micro_batch: int | None = None
+    """Samples per worker per forward; set it (instead of accumulation) to cap memory."""
+    sync_batchnorm: bool = False
+    """Compute BatchNorm statistics over the global micro-batch (CPU/gloo too)."""
+    clip_grad_norm: float | None = None
+    """Clip the global gradient norm to this value."""
+    loss_scale: float | None = None
+    """Static fp16 loss scale (seed 001 used 128); None means dynamic GradScaler."""
+    seed: int = 0
+    """Seeds model init, data order and augmentation: the same on every rank."""
+    backend: str = "auto"
+    """auto (nccl on CUDA, else gloo), gloo, nccl or mpi."""
+    accelerator: str = "auto"
+    """auto, cpu, cuda, xpu or mps."""
+    timeout_s: float = 600.0
+    """Collective timeout: a missing rank fails the job after this long instead of hanging."""
+    ddp: DDPOptions = field(default_factory=DDPOptions)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.ddp, Mapping):
+            self.ddp = from_dict(DDPOptions, self.ddp, "parallel.ddp")
+        _strategies.resolve(self.strategy)
+        self.precision = _precision.resolve(self.precision)
+        if self.global_batch < 1:
+            raise ValueError(f"global_batch {self.global_batch} must be at least 1")
+        if self.clip_grad_norm is not None and self.clip_grad_norm <= 0:
+            raise ValueError(f"clip_grad_norm {self.clip_grad_norm} must be positive")
+        if self.timeout_s <= 0:
+            raise ValueError(f"timeout_s {self.timeout_s} must be positive")
+        if self.loss_scale is not None and self.precision != "fp16-mixed":
+            raise ValueError(f"loss_scale {self.loss_scale} only applies to precision fp16-mixed, not {self.precision}")
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    """Which data, and how it is loaded."""
+
+    dataset: str = "digits"
+    """digits (bundled, real), cifar10 (needs data_dir), synthetic (throughput only)."""
+    data_dir: str | None = None
+    """Folder holding cifar-10-batches-py (for cifar10)."""
+    synthetic_size: int = 4096
+    """Number of training samples of the synthetic dataset."""
+    augment: bool = True
+    """Batched random crop + flip on the device (cifar10/synthetic)."""
+    num_workers: int = 0
+    pin_memory: bool = False
+    persistent_workers: bool = False
+
+    def __post_init__(self) -> None:
+        if self.num_workers < 0:
+            raise ValueError(f"num_workers {self.num_workers} must be >= 0")
+        if self.persistent_workers and self.num_workers == 0:
+            raise ValueError("persistent_workers needs num_workers > 0")
+        if self.dataset == "cifar10" and self.data_dir is not None and not os.path.isdir(self.data_dir):
+            raise FileNotFoundError(f"data_dir {self.data_dir!r} does not exist: point --data-dir at the folder holding cifar-10-batches-py")
+
+
+@dataclass(kw_only=True)
+class OptimConfig:
+    """SGD with momentum (the seeds' optimizer), or AdamW; LR warmup and linear scaling."""
+
+    name: str = "sgd"
+    lr: float = 0.05
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+    warmup_steps: int = 0
+    """Linear warmup from lr/… to the (scaled) lr over this many optimizer steps (Goyal et al.)."""
+    base_batch: int | None = None
+    """Linear scaling rule: lr is multiplied by global_batch / base_batch when set."""
+
+    def __post_init__(self) -> None:
+        if self.name not in ("sgd", "adamw"):
+            raise ValueError(f"optimizer {self.name!r} is unknown: use sgd or adamw")
+        if self.lr <= 0:
+            raise ValueError(f"lr {self.lr} must be positive")
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps {self.warmup_steps} must be >= 0")
+        if self.base_batch is not None and self.base_batch < 1:
+            raise ValueError(f"base_batch {self.base_batch} must be at least 1")
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """A whole ``paratrain train`` job."""
+
+    model: str = "mlp"
+    """mlp, cnn, resnet8, resnet20, or torchvision:<name>."""
+    epochs: int = 10
+    max_steps: int | None = None
+    """Stop after this many optimizer steps (overrides epochs when reached first)."""
+    log_dir: str | None = "runs/latest"
+    """CSV/JSONL logs and result.json go here (main process only). None: no files."""
+    log_every: int = 10
+    progress: bool = True
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+
+    def __post_init__(self) -> None:
+        for name, cls in (("parallel", ParallelConfig), ("data", DataConfig), ("optim", OptimConfig)):
+            if isinstance(getattr(self, name), Mapping):
+                setattr(self, name, from_dict(cls, getattr(self, name), name))
+        if self.epochs < 1:
+            raise ValueError(f"epochs {self.epochs} must be at least 1")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ValueError(f"max_steps {self.max_steps} must be at least 1")
+        if self.log_every < 1:
+            raise ValueError(f"log_every {self.log_every} must be at least 1")
+
+
+# --- building from dicts, files and overrides ----------------------------------------------
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    """Convert ``value`` (possibly a command-line string) to the annotated type ``tp``."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+            return None
+        return _coerce(value, args[0], where)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
+            return value.lower() in ("true", "1", "yes", "on")
+        raise ValueError(f"{where}={value!r} is not a boolean: use true or false")
+    if tp in (int, float):
+        if isinstance(value, bool):
+            raise ValueError(f"{where}={value!r} is not a number")
+        try:
+            out = tp(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"{where}={value!r} is not {'an integer' if tp is int else 'a number'}") from None
+        if tp is int and isinstance(value, float) and value != out:
+            raise ValueError(f"{where}={value!r} is not an integer")
+        return out
+    if tp is str:
+        return str(value)
+    return value
+
+
+def from_dict(cls: type, data: Mapping[str, Any], where: str = "config") -> Any:
+    """Build dataclass ``cls`` from a mapping, refusing unknown keys with a one-line error."""
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ValueError(f"unknown key {unknown[0]!r} in [{where}]: known keys are {', '.join(sorted(names))}")
+    kwargs = {}
+    for key, value in data.items():
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp) and isinstance(value, Mapping):
+            kwargs[key] = from_dict(tp, value, f"{where}.{key}")
+        else:
+            kwargs[key] = _coerce(value, tp, f"{where}.{key}")
+    return cls(**kwargs)
+
+
+def load_config(path: str | os.PathLike | None) -> dict[str, Any]:
+    """Read a TOML or YAML config file into a plain dict (empty when ``path`` is None)."""
+    if path is None:
+        return {}
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"config file {path!r} does not exist")
+    if path.endswith((".yaml", ".yml")):
+        try:
+            import yaml
+        except ImportError:
+            raise ValueError(f"reading {path!r} needs PyYAML: pip install pyyaml, or use a .toml file") from None
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+    else:
+        import tomllib
+
+        with open(path, "rb") as f:
+            try:
+                data = tomllib.load(f)
+            except tomllib.TOMLDecodeError as e:
+                raise ValueError(f"config file {path!r} is not valid TOML: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"config file {path!r} must hold a table of settings")
+    return data
+
+
+def apply_overrides(data: dict[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """Set dotted keys (``parallel.global_batch``) in a nested dict; returns the same dict."""
+    for dotted, value in overrides.items():
+        node = data
+        *parents, leaf = dotted.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"cannot set {dotted!r}: {p!r} is not a section")
+        node[leaf] = value
+    return data

@@ -1,0 +1,39 @@
+"""The multilayer perceptron of seed 003: flatten -> Linear -> ReLU -> Linear."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["MLP"]
+
+
+class MLP(nn.Module):
+    """Seed 003's network: ``flatten -> Linear(in_features, hidden) -> ReLU -> Linear(hidden, K)``.
+
+    Seed 003 returned ``log_softmax`` outputs and trained with ``NLLLoss``; that is
+    ``log_softmax=True`` here. The default ``False`` returns raw logits, for ``CrossEntropyLoss``
+    (which equals ``NLLLoss`` on ``log_softmax``, so both train the same model).
+    """
+
+    def __init__(
+        self,
+        in_features: int = 784,
+        hidden: int = 512,
+        num_classes: int = 10,
+        log_softmax: bool = False,
+    ) -> None:
+        super().__init__()
+        if in_features < 1 or hidden < 1 or num_classes < 1:
+            raise ValueError(
+                f"MLP sizes must be >= 1: in_features={in_features}, hidden={hidden}, "
+                f"num_classes={num_classes}"
+            )
+        self.log_softmax = log_softmax
+        self.fc1 = nn.Linear(in_features, hidden)
+        self.relu = nn.ReLU()
+        self.fc2 = nn.Linear(hidden, num_classes)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = self.fc2(self.relu(self.fc1(torch.flatten(x, 1))))
+        return torch.log_softmax(out, dim=1) if self.log_softmax else out

@@ -1,0 +1,65 @@
+"""Build a model by name for a dataset's input shape and number of classes."""
+
+from __future__ import annotations
+
+import math
+
+from torch import nn
+
+from .mlp import MLP
+from .resnet import SmallCNN, resnet_cifar
+
+__all__ = ["MODEL_NAMES", "build_model"]
+
+#: The built-in model names (``"torchvision:<name>"`` is accepted too when torchvision is installed).
+MODEL_NAMES: tuple[str, ...] = ("mlp", "cnn", "resnet8", "resnet20")
+
+_TORCHVISION_MISSING = (
+    "torchvision is not installed: pip install torch==2.14.1 torchvision==0.29.1 (see README) "
+    "or use resnet20"
+)
+
+
+def _channels(name: str, input_shape: tuple[int, ...]) -> int:
+    if len(input_shape) != 3:
+        raise ValueError(
+            f"model {name!r} needs a (C, H, W) input shape, got {tuple(input_shape)}: "
+            "use 'mlp' for flat inputs"
+        )
+    return int(input_shape[0])
+
+
+def build_model(name: str, input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+    """Build model ``name`` for inputs of shape ``input_shape`` (no batch dim) and ``num_classes``.
+
+    Names: ``mlp`` (:class:`MLP`, logits), ``cnn`` (:class:`SmallCNN`), ``resnet8``/``resnet20``
+    (:func:`resnet_cifar`), or ``torchvision:<name>`` (``torchvision.models.get_model(name,
+    weights=None, num_classes=num_classes)``; untrained, nothing is downloaded).
+    """
+    input_shape = tuple(int(s) for s in input_shape)
+    if not input_shape or any(s < 1 for s in input_shape):
+        raise ValueError(f"input_shape {input_shape} must be non-empty with positive sizes")
+    if num_classes < 1:
+        raise ValueError(f"num_classes={num_classes} must be >= 1")
+    if name == "mlp":
+        return MLP(in_features=math.prod(input_shape), num_classes=num_classes)
+    if name == "cnn":
+        return SmallCNN(_channels(name, input_shape), num_classes)
+    if name in ("resnet8", "resnet20"):
+        depth = int(name[len("resnet"):])
+        return resnet_cifar(depth, in_channels=_channels(name, input_shape), num_classes=num_classes)
+    if name.startswith("torchvision:"):
+        tv_name = name.split(":", 1)[1]
+        try:
+            import torchvision
+        except ImportError:
+            raise ValueError(_TORCHVISION_MISSING) from None
+        try:
+            return torchvision.models.get_model(tv_name, weights=None, num_classes=num_classes)
+        except ValueError:
+            raise ValueError(
+                f"torchvision has no model {tv_name!r}: see torchvision.models.list_models()"
+            ) from None
+    raise ValueError(
+        f"unknown model {name!r}: choose one of {', '.join(MODEL_NAMES)} or 'torchvision:<name>'"
+    )

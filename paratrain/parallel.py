@@ -1,0 +1,249 @@
+"""``Parallel``: the small API that takes a user's own training loop to N workers.
+
+Seed 000's loop converts by changing a few lines::
+
+    pt = paratrain.Parallel(strategy="ddp", precision="fp16-mixed", global_batch=256)
+    model, optimizer = pt.setup(model, optimizer)      # device, SyncBN, DDP, autocast
+    loader = pt.train_loader(trainset)                 # sharded, seeded, no set_epoch
+    for epoch in range(epochs):
+        for images, labels in loader:                  # already on the device
+            optimizer.zero_grad()
+            loss = criterion(model(images), labels)
+            pt.backward(loss)                          # was: loss.backward()
+            optimizer.step()                           # steps once per global batch
+
+With accumulation, ``backward`` divides the loss by the number of micro-steps and gradient
+all-reduce is switched off on all but the last one; ``optimizer.step()``/``zero_grad()`` only act
+at the step boundary, so the loop body stays the same.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import fields
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from . import precision as precision_lib
+from . import strategies
+from .config import ParallelConfig
+from .data.loaders import EvalLoader, GlobalBatchLoader
+from .data.sampler import BatchPlan
+from .env import process
+
+__all__ = ["Parallel", "ParallelOptimizer"]
+
+
+class ParallelOptimizer:
+    """The user's optimizer, with ``step``/``zero_grad`` aware of accumulation and loss scaling.
+
+    Everything else (``param_groups``, ``state_dict``...) is the wrapped optimizer's; pass
+    ``.optimizer`` to LR schedulers.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, runtime: "Parallel") -> None:
+        self.optimizer = optimizer
+        self._runtime = runtime
+
+    def step(self, closure: Any = None) -> bool:
+        if closure is not None:
+            raise ValueError("closures are not supported by paratrain's optimizer step: compute the loss in the loop")
+        return self._runtime.step(self.optimizer)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._runtime.micro_step == 0:  # never wipe gradients mid-accumulation
+            self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.optimizer, name)
+
+
+class Parallel:
+    """Process setup + strategy + precision + global-batch data, for a loop the user writes.
+
+    Pass a :class:`~paratrain.config.ParallelConfig`, or its fields as keyword arguments.
+    """
+
+    def __init__(self, config: ParallelConfig | None = None, **kwargs: Any) -> None:
+        if config is not None and kwargs:
+            raise ValueError("pass either a ParallelConfig or keyword arguments, not both")
+        known = {f.name for f in fields(ParallelConfig)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ValueError(f"unknown Parallel option {unknown[0]!r}: known options are {', '.join(sorted(known))}")
+        self.config = cfg = config or ParallelConfig(**kwargs)
+        self.dist = process.init(None if cfg.backend == "auto" else cfg.backend, cfg.timeout_s, cfg.accelerator)
+        self.device = self.dist.device
+        self.strategy = strategies.build(cfg.strategy, self.dist, cfg.sync_batchnorm, cfg.ddp)
+        self.precision = precision_lib.build(cfg.precision, self.device, cfg.loss_scale)
+        self.plan = BatchPlan.derive(cfg.global_batch, self.strategy.data_parallel_size, cfg.accumulation, cfg.micro_batch)
+        # Same seed on every rank: identical initial weights, identical global data order.
+        process.seed_everything(cfg.seed)
+        self.global_step = 0
+        self.micro_step = 0
+        self._models: list[nn.Module] = []
+
+    # --- who am I --------------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return self.dist.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.dist.world_size
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.dist.is_main_process
+
+    @property
+    def accumulation(self) -> int:
+        return self.plan.accumulation
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """``print`` on the main process only."""
+        if self.is_main_process:
+            print(*args, **kwargs)
+
+    # --- model and optimizer ---------------------------------------------------------------
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Any:
+        """Place and wrap ``model`` for the strategy and precision; wrap ``optimizer`` if given.
+
+        Returns ``model`` or ``(model, optimizer)``. Parameters are kept (moved in place), so an
+        optimizer built before ``setup`` stays valid.
+        """
+        model = self.strategy.setup_model(self.precision.setup_model(model))
+        if self.accumulation > 1:
+            model.register_forward_pre_hook(self._sync_hook)
+        if self.precision.autocast:
+            model.forward = self._autocast_forward(model.forward)  # type: ignore[method-assign]
+        self._models.append(model)
+        if optimizer is None:
+            return model
+        return model, ParallelOptimizer(optimizer, self)
+
+    def _sync_hook(self, module: nn.Module, args: Any) -> None:
+        # Decide before DDP's forward whether this micro-step's backward all-reduces.
+        self.strategy.set_gradient_sync(module, self.micro_step == self.accumulation - 1)
+
+    def _autocast_forward(self, forward: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(forward)
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            with self.precision.forward_context():
+                out = forward(*args, **kwargs)
+            # Losses are computed outside the model: hand them fp32 logits (as Fabric does).
+            return _to_float32(out)
+
+        return wrapped
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        """The user's module without DDP/DataParallel wrappers (for saving or evaluation)."""
+        return self.strategy.unwrap(model)
+
+    # --- the step --------------------------------------------------------------------------
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of one micro-batch's loss (averaged over the accumulation steps)."""
+        if self.micro_step >= self.accumulation:
+            raise RuntimeError(
+                f"backward called {self.micro_step + 1} times without an optimizer step, but accumulation "
+                f"is {self.accumulation}: call optimizer.step() once per micro-batch"
+            )
+        self.precision.backward(loss / self.accumulation if self.accumulation > 1 else loss)
+        self.micro_step += 1
+
+    def step(self, optimizer: torch.optim.Optimizer | ParallelOptimizer) -> bool:
+        """Step at the end of a global batch (no-op on earlier micro-steps). True if weights changed."""
+        if isinstance(optimizer, ParallelOptimizer):
+            optimizer = optimizer.optimizer
+        if self.micro_step < self.accumulation:
+            return False
+        clip = None
+        if self.config.clip_grad_norm is not None:
+            max_norm = self.config.clip_grad_norm
+            clip = lambda: [self.strategy.clip_grad_norm(m, max_norm) for m in self._models]  # noqa: E731
+        stepped = self.precision.step(optimizer, clip)
+        optimizer.zero_grad(set_to_none=True)
+        self.micro_step = 0
+        self.global_step += 1
+        return stepped
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped because fp16 gradients overflowed."""
+        return self.precision.skipped_steps
+
+    # --- data ------------------------------------------------------------------------------
+    def train_loader(self, dataset: Dataset, transform: Callable[..., torch.Tensor] | None = None,
+                     shuffle: bool = True, **dataloader_kwargs: Any) -> GlobalBatchLoader:
+        """Micro-batches of this rank, from the current global step, epoch after epoch.
+
+        ``dataloader_kwargs`` go to :class:`torch.utils.data.DataLoader` (``num_workers``,
+        ``pin_memory``, ``persistent_workers``...); batch size and sampler are paratrain's.
+        """
+        for k in ("batch_size", "sampler", "batch_sampler", "shuffle", "drop_last"):
+            if k in dataloader_kwargs:
+                raise ValueError(f"train_loader sets {k!r} itself from the global batch: remove it")
+        if len(dataset) < self.plan.global_batch:  # type: ignore[arg-type]
+            raise ValueError(
+                f"the dataset has {len(dataset)} samples, fewer than one global batch of "  # type: ignore[arg-type]
+                f"{self.plan.global_batch} over {self.world_size} processes: lower the global batch"
+            )
+        return GlobalBatchLoader(
+            dataset, self.plan, self.strategy.data_parallel_rank, self.device, self.config.seed,
+            position=lambda: self.global_step, transform=transform, shuffle=shuffle, **dataloader_kwargs,
+        )
+
+    def eval_loader(self, dataset: Dataset, batch_size: int | None = None,
+                    transform: Callable[[torch.Tensor], torch.Tensor] | None = None, **dataloader_kwargs: Any) -> EvalLoader:
+        """This rank's shard of an evaluation set: every sample exactly once across ranks."""
+        return EvalLoader(dataset, batch_size or self.plan.micro_batch * self.accumulation,
+                          self.strategy.data_parallel_size, self.strategy.data_parallel_rank, self.device,
+                          transform, **dataloader_kwargs)
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, loader: EvalLoader,
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> dict[str, float]:
+        """Mean loss and accuracy over the whole evaluation set, reduced over ranks.
+
+        Runs the unwrapped module, so no collective happens per batch (eval on uneven shards
+        cannot hang); one all-reduce of (loss sum, correct, count) at the end.
+        """
+        net = self.unwrap(model)
+        was_training = net.training
+        net.eval()
+        loss_fn = loss_fn or nn.functional.cross_entropy
+        totals = torch.zeros(3, dtype=torch.float64, device=self.device)
+        for x, y in loader:
+            with self.precision.forward_context():
+                out = net(x)
+            out = out.float()
+            totals[0] += loss_fn(out, y).double() * len(y)
+            totals[1] += (out.argmax(1) == y).sum()
+            totals[2] += len(y)
+        net.train(was_training)
+        self.strategy.all_reduce_sum(totals)
+        loss_sum, correct, count = totals.tolist()
+        return {"loss": loss_sum / max(count, 1), "accuracy": correct / max(count, 1), "count": int(count)}
+
+    def all_reduce_mean(self, value: torch.Tensor) -> torch.Tensor:
+        """Average of ``value`` over the data-parallel ranks."""
+        value = value.detach().clone().float()
+        return self.strategy.all_reduce_sum(value) / self.strategy.data_parallel_size
+
+    def close(self) -> None:
+        """Leave the process group."""
+        process.destroy()
+
+
+def _to_float32(out: Any) -> Any:
+    if isinstance(out, torch.Tensor):
+        return out.float() if out.is_floating_point() and out.dtype != torch.float32 else out
+    if isinstance(out, (tuple, list)):
+        return type(out)(_to_float32(o) for o in out)
+    if isinstance(out, dict):
+        return {k: _to_float32(v) for k, v in out.items()}
+    return out
+

@@ -1,0 +1,84 @@
+"""The strategy interface: how a model is placed and wrapped, and how gradients meet."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..env.process import Dist
+
+__all__ = ["Strategy"]
+
+
+class Strategy:
+    """One way of parallelizing. Subclasses override :meth:`wrap` (and the sync hooks if needed).
+
+    ``data_parallel_size``/``data_parallel_rank`` tell the data layer how to shard batches;
+    ``processes`` says how many processes the strategy expects (``None``: any).
+    """
+
+    name: ClassVar[str] = "base"
+    processes: ClassVar[str] = "any"  # "one" or "any"
+
+    def __init__(self, dist_info: Dist, sync_batchnorm: bool = False, options: Any = None) -> None:
+        self.dist = dist_info
+        self.device = dist_info.device
+        self.sync_batchnorm = sync_batchnorm
+        self.options = options
+        if self.processes == "one" and dist_info.world_size > 1:
+            raise ValueError(
+                f"strategy {self.name!r} runs in one process but WORLD_SIZE={dist_info.world_size}: "
+                "use --strategy ddp, or launch a single process"
+            )
+
+    # --- data layout ----------------------------------------------------------------------
+    @property
+    def data_parallel_size(self) -> int:
+        return self.dist.world_size
+
+    @property
+    def data_parallel_rank(self) -> int:
+        return self.dist.rank
+
+    # --- model ----------------------------------------------------------------------------
+    def setup_model(self, model: nn.Module) -> nn.Module:
+        """Move to the device, convert BatchNorm if asked, and wrap."""
+        model = model.to(self.device)
+        if self.sync_batchnorm:
+            model = self.convert_batchnorm(model)
+        return self.wrap(model)
+
+    def convert_batchnorm(self, model: nn.Module) -> nn.Module:
+        if self.dist.world_size == 1:
+            return model  # one process: plain BatchNorm already sees the whole batch
+        from ..nn.syncbn import convert_sync_batchnorm
+
+        return convert_sync_batchnorm(model)
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        return model
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        """The user's module, without any wrapper this strategy added."""
+        return model.module if isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)) else model
+
+    def set_gradient_sync(self, model: nn.Module, enabled: bool) -> None:
+        """Turn gradient synchronisation off for accumulation micro-steps (``no_sync``)."""
+
+    # --- collectives for metrics ----------------------------------------------------------
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.dist.backend is not None and self.dist.world_size > 1:
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        return tensor
+
+    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+
+    @staticmethod
+    def warn(message: str, main_only: bool = True, rank: int = 0) -> None:
+        if not main_only or rank == 0:
+            warnings.warn(message, stacklevel=3)

@@ -1,0 +1,15 @@
+"""``single``: one process, one device — the reference every other strategy must match."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from .base import Strategy
+
+
+class SingleDevice(Strategy):
+    name = "single"
+    processes = "one"
+
+    def convert_batchnorm(self, model: nn.Module) -> nn.Module:
+        return model  # one process sees the whole batch: plain BatchNorm is already "synced"

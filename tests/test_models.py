@@ -1,0 +1,58 @@
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from paratrain.models import MLP, MODEL_NAMES, SmallCNN, build_model, resnet_cifar
+
+SHAPES = {"digits": (1, 8, 8), "cifar": (3, 32, 32)}
+
+
+@pytest.mark.parametrize("name", MODEL_NAMES)
+@pytest.mark.parametrize("data", sorted(SHAPES))
+def test_forward_shapes(name, data):
+    torch.manual_seed(0)
+    shape = SHAPES[data]
+    model = build_model(name, shape, num_classes=7)
+    out = model(torch.randn(4, *shape))
+    assert out.shape == (4, 7)
+    out.sum().backward()
+
+
+def test_mlp_matches_seed_003():
+    m = MLP()
+    assert m.fc1.in_features == 784 and m.fc1.out_features == 512 and m.fc2.out_features == 10
+    x = torch.randn(3, 1, 28, 28)
+    logp = MLP(log_softmax=True)
+    logp.load_state_dict(m.state_dict())
+    assert torch.allclose(logp(x), torch.log_softmax(m(x), 1))
+    assert torch.allclose(logp(x).exp().sum(1), torch.ones(3))
+
+
+def test_resnet_depths_and_batchnorm():
+    r8, r20 = resnet_cifar(8), resnet_cifar(20)
+    n_params = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+    assert n_params(r8) < n_params(r20)
+    assert 250_000 < n_params(r20) < 300_000  # He et al.'s ResNet-20 has ~0.27M parameters
+    assert any(isinstance(m, nn.BatchNorm2d) for m in r8.modules())
+    with pytest.raises(ValueError, match="depth 9"):
+        resnet_cifar(9)
+    assert SmallCNN(1, 3)(torch.randn(2, 1, 8, 8)).shape == (2, 3)
+
+
+def test_unknown_model():
+    with pytest.raises(ValueError, match="resnet20"):
+        build_model("vgg", (3, 32, 32), 10)
+
+
+def test_conv_model_needs_image_shape():
+    with pytest.raises(ValueError, match="mlp"):
+        build_model("resnet8", (64,), 10)
+    assert build_model("mlp", (64,), 10)(torch.randn(2, 64)).shape == (2, 10)
+
+
+def test_torchvision_missing(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torchvision", None)
+    with pytest.raises(ValueError, match="torchvision is not installed"):
+        build_model("torchvision:resnet50", (3, 32, 32), 10)
