@@ -87,7 +87,9 @@ class DataConfig:
             raise ValueError(f"num_workers {self.num_workers} must be >= 0")
         if self.persistent_workers and self.num_workers == 0:
             raise ValueError("persistent_workers needs num_workers > 0")
-        if self.dataset == "cifar10" and self.data_dir is not None and not os.path.isdir(self.data_dir):
+        if self.dataset == "cifar10" and self.data_dir is None:
+            raise ValueError("dataset cifar10 needs --data-dir: the folder holding cifar-10-batches-py")
+        if self.dataset == "cifar10" and not os.path.isdir(self.data_dir):  # type: ignore[arg-type]
             raise FileNotFoundError(f"data_dir {self.data_dir!r} does not exist: point --data-dir at the folder holding cifar-10-batches-py")
 
 

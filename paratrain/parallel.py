@@ -19,7 +19,6 @@ at the step boundary, so the loop body stays the same.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import fields
 from typing import Any, Callable
 
@@ -34,7 +33,7 @@ from .data.loaders import EvalLoader, GlobalBatchLoader
 from .data.sampler import BatchPlan
 from .env import process
 
-__all__ = ["Parallel", "ParallelOptimizer"]
+__all__ = ["Parallel", "ParallelModule", "ParallelOptimizer"]
 
 
 class ParallelOptimizer:
@@ -59,6 +58,42 @@ class ParallelOptimizer:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.optimizer, name)
+
+
+class ParallelModule(nn.Module):
+    """What :meth:`Parallel.setup` returns: the strategy's wrapper (DDP...) with forward run
+    under the precision's autocast and floating outputs returned in fp32 (losses are computed
+    outside the model). ``state_dict``/``load_state_dict`` are the user's module's, so
+    checkpoints have the user's keys whatever the strategy.
+    """
+
+    def __init__(self, wrapped: nn.Module, original: nn.Module, precision: precision_lib.Precision,
+                 before_forward: Callable[[nn.Module], None]) -> None:
+        super().__init__()
+        self.module = wrapped
+        object.__setattr__(self, "original", original)  # not a submodule: no duplicate keys
+        object.__setattr__(self, "_precision", precision)
+        object.__setattr__(self, "_before_forward", before_forward)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._before_forward(self.module)
+        if not self._precision.autocast:
+            return self.module(*args, **kwargs)
+        with self._precision.forward_context():
+            out = self.module(*args, **kwargs)
+        return _to_float32(out)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        return self.original.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        return self.original.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.__dict__["original"], name)  # the user's own attributes
 
 
 class Parallel:
@@ -112,35 +147,26 @@ class Parallel:
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Any:
         """Place and wrap ``model`` for the strategy and precision; wrap ``optimizer`` if given.
 
-        Returns ``model`` or ``(model, optimizer)``. Parameters are kept (moved in place), so an
-        optimizer built before ``setup`` stays valid.
+        Returns a :class:`ParallelModule` (or ``(module, optimizer)``). Parameters are kept (moved
+        in place), so an optimizer built before ``setup`` stays valid.
         """
-        model = self.strategy.setup_model(self.precision.setup_model(model))
-        if self.accumulation > 1:
-            model.register_forward_pre_hook(self._sync_hook)
-        if self.precision.autocast:
-            model.forward = self._autocast_forward(model.forward)  # type: ignore[method-assign]
-        self._models.append(model)
+        original = model
+        wrapped = self.strategy.setup_model(self.precision.setup_model(model))
+        module = ParallelModule(wrapped, original, self.precision, self._before_forward)
+        self._models.append(wrapped)
         if optimizer is None:
-            return model
-        return model, ParallelOptimizer(optimizer, self)
+            return module
+        return module, ParallelOptimizer(optimizer, self)
 
-    def _sync_hook(self, module: nn.Module, args: Any) -> None:
-        # Decide before DDP's forward whether this micro-step's backward all-reduces.
-        self.strategy.set_gradient_sync(module, self.micro_step == self.accumulation - 1)
-
-    def _autocast_forward(self, forward: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(forward)
-        def wrapped(*args: Any, **kwargs: Any) -> Any:
-            with self.precision.forward_context():
-                out = forward(*args, **kwargs)
-            # Losses are computed outside the model: hand them fp32 logits (as Fabric does).
-            return _to_float32(out)
-
-        return wrapped
+    def _before_forward(self, wrapped: nn.Module) -> None:
+        # Decide before DDP's forward whether this micro-step's backward all-reduces (no_sync).
+        if self.accumulation > 1:
+            self.strategy.set_gradient_sync(wrapped, self.micro_step == self.accumulation - 1)
 
     def unwrap(self, model: nn.Module) -> nn.Module:
-        """The user's module without DDP/DataParallel wrappers (for saving or evaluation)."""
+        """The user's module without paratrain/DDP/DataParallel wrappers (for saving or evaluation)."""
+        if isinstance(model, ParallelModule):
+            return model.original
         return self.strategy.unwrap(model)
 
     # --- the step --------------------------------------------------------------------------

@@ -10,8 +10,10 @@ name        alias           what it does
 ==========  ==============  ==============================================================
 
 Apex's ``O2`` kept fp16 model weights with fp32 master weights; Apex itself is deprecated in favour
-of native autocast, which is what ``O1`` and ``O2`` map to here. Seed 001's fallback advice stands:
-if fp16 diverges or skips many steps, use ``bf16-mixed`` (on hardware with bf16) or ``32``.
+of native autocast, which is what ``O1`` and ``O2`` map to here. Seed 001's fallback advice, in
+paratrain terms: start with ``fp16-mixed`` and a static ``loss_scale=128``; if it does not converge,
+use the dynamic scaler (``loss_scale=None``); if it still does not, use ``bf16-mixed`` (on hardware
+with bf16) or ``32``. ``skipped_steps`` tells how often fp16 overflowed.
 """
 
 from __future__ import annotations

@@ -57,6 +57,8 @@ class DistributedDataParallel(Strategy):
         if self.dist.backend is None:
             return model  # a world of one: DDP would only add overhead
         o: DDPOptions = self.options
+        # broadcast_buffers is passed only to turn it off: newer torch warns that it is deprecated.
+        extra = {} if o.broadcast_buffers else {"broadcast_buffers": False}
         ddp = DDP(
             model,
             device_ids=[self.device.index] if self.device.type == "cuda" else None,
@@ -64,7 +66,7 @@ class DistributedDataParallel(Strategy):
             find_unused_parameters=o.find_unused_parameters,
             static_graph=o.static_graph,
             gradient_as_bucket_view=o.gradient_as_bucket_view,
-            broadcast_buffers=o.broadcast_buffers,
+            **extra,
         )
         self._register_comm_hook(ddp, o)
         return ddp

@@ -1,0 +1,89 @@
+"""``fit``: the whole training loop, on one screen."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from ..parallel import Parallel
+from .logging import RunLogger, Throughput, progress
+
+__all__ = ["fit", "FitResult"]
+
+
+@dataclass
+class FitResult:
+    steps: int
+    train_loss: float
+    eval: dict[str, float] = field(default_factory=dict)
+    throughput: dict[str, float] = field(default_factory=dict)
+    skipped_steps: int = 0
+
+
+def fit(
+    pt: Parallel,
+    model: nn.Module,
+    optimizer: Any,
+    train_set: Dataset,
+    *,
+    epochs: int = 1,
+    max_steps: int | None = None,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = nn.functional.cross_entropy,
+    eval_set: Dataset | None = None,
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+    augment: Callable[..., torch.Tensor] | None = None,
+    eval_transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    logger: RunLogger | None = None,
+    log_every: int = 10,
+    progress_bar: bool = True,
+    loader_kwargs: dict[str, Any] | None = None,
+) -> FitResult:
+    """Train ``model`` (already ``pt.setup``) for ``epochs`` or ``max_steps`` optimizer steps.
+
+    Continues from ``pt.global_step`` (so a resumed run picks up mid-epoch). Evaluates after
+    every epoch; logs loss, lr and throughput every ``log_every`` steps on the main process.
+    """
+    loader = pt.train_loader(train_set, transform=augment, **(loader_kwargs or {}))
+    evaluator = pt.eval_loader(eval_set, transform=eval_transform) if eval_set is not None else None
+    logger = logger or RunLogger(None)
+    total = min(epochs * loader.steps_per_epoch, max_steps or math.inf)
+    bar = progress(int(total - pt.global_step), pt.is_main_process and progress_bar, "train")
+    meter, window_start, result = Throughput(), pt.global_step, FitResult(pt.global_step, math.nan)
+    running = torch.zeros((), device=pt.device)  # summed on device: no host sync per step
+    while pt.global_step < total:
+        model.train()
+        for x, y in meter.timed(loader):
+            loss = loss_fn(model(x), y)
+            pt.backward(loss)
+            running += loss.detach()
+            optimizer.step()
+            if pt.micro_step:  # mid-accumulation: the global batch is not complete yet
+                continue
+            if scheduler is not None:
+                scheduler.step()
+            bar.update()
+            if pt.global_step % log_every == 0 or pt.global_step >= total:
+                steps = pt.global_step - window_start
+                # One all-reduce per log line, on every rank alike (same step counts everywhere).
+                result.train_loss = pt.all_reduce_mean(running / (steps * pt.accumulation)).item()
+                result.throughput = meter.summary(steps * pt.plan.global_batch, steps)
+                record = {"step": pt.global_step, "loss": result.train_loss,
+                          "lr": optimizer.param_groups[0]["lr"], **result.throughput,
+                          "loss_scale": pt.precision.loss_scale, "skipped_steps": pt.skipped_steps}
+                logger.log(record)
+                bar.set_postfix(loss=f"{result.train_loss:.4f}")
+                running.zero_(), meter.reset()
+                window_start = pt.global_step
+            if pt.global_step >= total:
+                break
+        if evaluator is not None:
+            result.eval = pt.evaluate(model, evaluator, loss_fn)
+            logger.log({"step": pt.global_step, **result.eval}, kind="eval")
+    bar.close()
+    result.steps, result.skipped_steps = pt.global_step, pt.skipped_steps
+    return result

@@ -1,0 +1,93 @@
+"""Main-process-only logs (CSV + JSONL), a progress bar, and throughput accounting."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import time
+from typing import Any, Iterable, Iterator
+
+__all__ = ["RunLogger", "Throughput", "progress"]
+
+
+class RunLogger:
+    """Appends one row per record to ``<kind>.csv`` and ``<kind>.jsonl`` in ``log_dir``
+    (``train`` every few steps, ``eval`` after every epoch).
+
+    Only the main process writes; on other ranks (or with ``log_dir=None``) it does nothing.
+    """
+
+    def __init__(self, log_dir: str | None, enabled: bool = True) -> None:
+        self.enabled = enabled and log_dir is not None
+        self.log_dir = log_dir
+        self._csv_fields: dict[str, list[str]] = {}
+        if self.enabled:
+            os.makedirs(log_dir, exist_ok=True)  # type: ignore[arg-type]
+
+    def log(self, record: dict[str, Any], kind: str = "train") -> None:
+        if not self.enabled:
+            return
+        path = os.path.join(self.log_dir, kind)  # type: ignore[arg-type]
+        first = kind not in self._csv_fields
+        fields = self._csv_fields.setdefault(kind, list(record))
+        with open(path + ".jsonl", "w" if first else "a") as f:
+            f.write(json.dumps(record) + "\n")
+        with open(path + ".csv", "w" if first else "a", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
+            if first:
+                writer.writeheader()
+            writer.writerow(record)
+
+    def write_json(self, name: str, obj: Any) -> None:
+        if self.enabled:
+            path = os.path.join(self.log_dir, name)  # type: ignore[arg-type]
+            with open(path + ".tmp", "w") as f:
+                json.dump(obj, f, indent=2)
+            os.replace(path + ".tmp", path)
+
+
+class Throughput:
+    """Wraps an iterable to measure time spent waiting for data vs. total step time."""
+
+    def __init__(self) -> None:
+        self.data_wait = 0.0
+        self.start = time.perf_counter()
+
+    def reset(self) -> None:
+        self.data_wait = 0.0
+        self.start = time.perf_counter()
+
+    def timed(self, iterable: Iterable[Any]) -> Iterator[Any]:
+        it = iter(iterable)
+        while True:
+            t0 = time.perf_counter()
+            try:
+                item = next(it)
+            except StopIteration:
+                return
+            self.data_wait += time.perf_counter() - t0
+            yield item
+
+    def summary(self, samples: int, steps: int) -> dict[str, float]:
+        elapsed = max(time.perf_counter() - self.start, 1e-9)
+        return {
+            "samples_per_s": samples / elapsed,
+            "step_time_s": elapsed / max(steps, 1),
+            "data_wait_share": self.data_wait / elapsed,
+        }
+
+
+def progress(total: int, enabled: bool, desc: str = "") -> Any:
+    """A tqdm bar on the main process; a silent stand-in elsewhere."""
+    if enabled:
+        from tqdm.auto import tqdm
+
+        return tqdm(total=total, desc=desc, leave=False, dynamic_ncols=True)
+
+    class _Null:
+        def update(self, n: int = 1) -> None: ...
+        def set_postfix(self, *a: Any, **k: Any) -> None: ...
+        def close(self) -> None: ...
+
+    return _Null()

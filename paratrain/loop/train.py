@@ -1,0 +1,79 @@
+"""The built-in job behind ``paratrain train``: config -> data, model, optimizer -> ``fit``."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import torch
+
+from ..config import TrainConfig
+from ..data.augment import augment_for, eval_augment_for
+from ..data.datasets import build_dataset, dataset_info
+from ..models import build_model
+from ..parallel import Parallel
+from .fit import fit
+from .logging import RunLogger
+from .schedule import warmup_linear_scaling
+
+__all__ = ["run_training", "build_optimizer"]
+
+
+def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    o = cfg.optim
+    if o.name == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=o.lr, weight_decay=o.weight_decay)
+    return torch.optim.SGD(model.parameters(), lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
+
+
+def run_training(cfg: TrainConfig) -> dict[str, Any]:
+    """Train the configured built-in task on this process's share of the job; returns the summary."""
+    pt = Parallel(cfg.parallel)
+    try:
+        d = cfg.data
+        train_set = build_dataset(d.dataset, True, d.data_dir, d.synthetic_size, cfg.parallel.seed)
+        test_set = build_dataset(d.dataset, False, d.data_dir, d.synthetic_size, cfg.parallel.seed)
+        info = dataset_info(d.dataset)
+        model = build_model(cfg.model, tuple(info["input_shape"]), info["num_classes"])
+        optimizer = build_optimizer(model, cfg)
+        model, optimizer = pt.setup(model, optimizer)
+        scheduler = None
+        if cfg.optim.warmup_steps or cfg.optim.base_batch:
+            scheduler = warmup_linear_scaling(optimizer.optimizer, pt.plan.global_batch, cfg.optim.base_batch,
+                                              cfg.optim.warmup_steps)
+        logger = RunLogger(cfg.log_dir, enabled=pt.is_main_process)
+        pt.print(f"paratrain: {cfg.parallel.strategy} on {pt.world_size} process(es), {pt.device}, "
+                 f"precision {cfg.parallel.precision}; global batch {pt.plan.global_batch} = "
+                 f"{pt.plan.micro_batch} per worker x {pt.world_size} workers x {pt.accumulation} accumulation")
+        loader_kwargs = {"num_workers": d.num_workers, "pin_memory": d.pin_memory,
+                         "persistent_workers": d.persistent_workers}
+        start = time.perf_counter()
+        result = fit(pt, model, optimizer, train_set, epochs=cfg.epochs, max_steps=cfg.max_steps,
+                     eval_set=test_set, scheduler=scheduler, augment=augment_for(d.dataset) if d.augment else None,
+                     eval_transform=_eval_transform(d.dataset), logger=logger, log_every=cfg.log_every,
+                     progress_bar=cfg.progress, loader_kwargs=loader_kwargs)
+        summary = {
+            "config": dataclasses.asdict(cfg),
+            "world_size": pt.world_size,
+            "steps": result.steps,
+            "train_loss": result.train_loss,
+            "test_loss": result.eval.get("loss"),
+            "test_accuracy": result.eval.get("accuracy"),
+            "test_count": result.eval.get("count"),
+            "skipped_steps": result.skipped_steps,
+            "seconds": time.perf_counter() - start,
+            **result.throughput,
+        }
+        logger.write_json("result.json", summary)
+        pt.print(f"finished {result.steps} steps in {summary['seconds']:.1f}s: train loss {result.train_loss:.4f}, "
+                 f"test accuracy {100 * (summary['test_accuracy'] or 0):.2f}% on {summary['test_count']} samples"
+                 + (f", {result.skipped_steps} fp16 overflow steps skipped" if result.skipped_steps else ""))
+        return summary
+    finally:
+        pt.close()
+
+
+def _eval_transform(dataset: str) -> Any:
+    aug = eval_augment_for(dataset)
+    return None if aug is None else (lambda x: aug(x, 0))

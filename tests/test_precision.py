@@ -1,0 +1,320 @@
+"""Mixed precision on CPU: fp16 loss scaling (dynamic and static), overflow skips, bf16, aliases;
+plus overflow agreement under DDP and distributed evaluation that counts each sample once."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import paratrain
+
+INF = float("inf")
+
+
+def tiny_model():
+    return nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+
+
+def tiny_batch(n=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    # small inputs keep scaled fp16 gradients (scale 2**16) clear of fp16's 65504 maximum
+    return torch.randn(n, 6, generator=g) * 0.1, torch.randint(0, 3, (n,), generator=g)
+
+
+def inject_inf(param):
+    """A backward hook that puts +inf into one element of ``param``'s gradient (once)."""
+
+    def hook(grad):
+        grad = grad.clone()
+        grad.view(-1)[0] = INF
+        return grad
+
+    return param.register_hook(hook)
+
+
+def snapshot(model):
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def unchanged(model, snap):
+    return all(torch.equal(p, q) for p, q in zip(model.parameters(), snap))
+
+
+def train_step(pt, model, opt, x, y, poison=None):
+    opt.zero_grad()
+    handle = inject_inf(poison) if poison is not None else None
+    pt.backward(nn.functional.cross_entropy(model(x), y))
+    if handle is not None:
+        handle.remove()
+    return opt.step()
+
+
+# --- fp16-mixed, dynamic GradScaler -------------------------------------------------------------
+def test_fp16_dynamic_scaler_skips_overflow_and_lowers_scale():
+    pt = paratrain.Parallel(strategy="single", precision="fp16-mixed", global_batch=8)
+    assert pt.precision.name == "fp16-mixed" and pt.precision.scaler is not None
+    model = tiny_model()
+    model, opt = pt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = tiny_batch()
+
+    # autocast really runs the layers in fp16; the wrapped model hands back fp32
+    inner = []
+    h = pt.unwrap(model)[0].register_forward_hook(lambda m, i, o: inner.append(o.dtype))
+    out = model(x)
+    h.remove()
+    assert inner == [torch.float16] and out.dtype == torch.float32
+
+    scale0 = pt.precision.loss_scale
+    before = snapshot(model)
+    assert train_step(pt, model, opt, x, y, poison=pt.unwrap(model)[2].weight) is False
+    assert unchanged(model, before)
+    assert pt.skipped_steps == 1
+    assert pt.precision.loss_scale < scale0
+    assert pt.global_step == 1
+    assert all(p.grad is None for p in model.parameters()), "gradients of a skipped step must not leak"
+
+    scale1 = pt.precision.loss_scale
+    for i in range(3):
+        before = snapshot(model)
+        assert train_step(pt, model, opt, x, y) is True
+        assert not unchanged(model, before)
+    assert pt.skipped_steps == 1
+    assert pt.precision.loss_scale == scale1  # no growth before 2000 clean steps
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+# --- fp16-mixed, static loss scale --------------------------------------------------------------
+def test_fp16_static_scale_is_fixed_and_skips_overflow():
+    pt = paratrain.Parallel(strategy="single", precision="fp16-mixed", global_batch=8, loss_scale=128.0)
+    assert pt.precision.scaler is None and pt.precision.loss_scale == 128.0
+    model = tiny_model()
+    model, opt = pt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = tiny_batch()
+
+    for _ in range(2):
+        before = snapshot(model)
+        assert train_step(pt, model, opt, x, y) is True
+        assert not unchanged(model, before)
+        assert pt.precision.loss_scale == 128.0
+
+    before = snapshot(model)
+    assert train_step(pt, model, opt, x, y, poison=pt.unwrap(model)[0].weight) is False
+    assert unchanged(model, before)
+    assert pt.skipped_steps == 1
+    assert pt.precision.loss_scale == 128.0
+
+    before = snapshot(model)
+    assert train_step(pt, model, opt, x, y) is True
+    assert not unchanged(model, before)
+    assert pt.skipped_steps == 1
+    assert pt.precision.loss_scale == 128.0
+
+
+def test_fp16_static_scale_optimizer_sees_unscaled_gradients():
+    pt = paratrain.Parallel(strategy="single", precision="fp16-mixed", global_batch=8, loss_scale=128.0)
+    model = tiny_model()
+    reference = copy.deepcopy(model)  # plain fp32 copy, same weights
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    seen = []
+    opt.register_step_pre_hook(lambda o, a, k: seen.append([p.grad.detach().clone() for p in model.parameters()]))
+    model, opt = pt.setup(model, opt)
+    x, y = tiny_batch(seed=1)
+    x = x * 10  # unit-scale inputs: gradients well above fp16 rounding noise
+
+    assert train_step(pt, model, opt, x, y) is True
+    ref_opt.zero_grad()
+    nn.functional.cross_entropy(reference(x), y).backward()
+    ref_grads = [p.grad.clone() for p in reference.parameters()]
+    ref_opt.step()
+
+    assert len(seen) == 1
+    for got, want in zip(seen[0], ref_grads):
+        # unscaled: a forgotten 1/128 would be off by 128x
+        torch.testing.assert_close(got, want, rtol=1e-2, atol=2e-3)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-2, atol=1e-3)
+
+
+# --- bf16-mixed ---------------------------------------------------------------------------------
+def test_bf16_mixed_trains_and_returns_fp32():
+    pt = paratrain.Parallel(strategy="single", precision="bf16-mixed", global_batch=16, seed=1)
+    assert pt.precision.name == "bf16-mixed"
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 6, generator=g)
+    w = torch.randn(6, 3, generator=g)
+    y = (x @ w).argmax(1)  # learnable: a linear rule
+    model = tiny_model()
+    model, opt = pt.setup(model, torch.optim.SGD(model.parameters(), lr=0.3, momentum=0.9))
+    loader = pt.train_loader(TensorDataset(x, y))
+
+    inner = []
+    h = pt.unwrap(model)[0].register_forward_hook(lambda m, i, o: inner.append(o.dtype))
+    with torch.no_grad():
+        out = model(x)
+    h.remove()
+    assert inner == [torch.bfloat16]
+    assert out.dtype == torch.float32
+
+    def full_loss():
+        with torch.no_grad():
+            return nn.functional.cross_entropy(model(x), y).item()
+
+    start = full_loss()
+    losses = []
+    while pt.global_step < 30:
+        for xb, yb in loader:
+            opt.zero_grad()
+            loss = nn.functional.cross_entropy(model(xb), yb)
+            assert loss.dtype == torch.float32
+            pt.backward(loss)
+            assert opt.step() is True
+            losses.append(loss.item())
+            if pt.global_step == 30:
+                break
+    assert pt.skipped_steps == 0
+    end = full_loss()
+    assert end < 0.6 * start, (start, end)
+    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5
+
+
+# --- names and validation -----------------------------------------------------------------------
+@pytest.mark.parametrize("name,canonical", [("O0", "32"), ("O1", "fp16-mixed"), ("O2", "fp16-mixed"),
+                                            ("bf16", "bf16-mixed"), ("16-mixed", "fp16-mixed")])
+def test_apex_aliases(name, canonical):
+    pt = paratrain.Parallel(precision=name, global_batch=8)
+    assert pt.precision.name == canonical
+    assert pt.config.precision == canonical
+
+
+def test_unknown_precision_is_named():
+    with pytest.raises(ValueError, match="fp8-mixed"):
+        paratrain.Parallel(precision="fp8-mixed", global_batch=8)
+    with pytest.raises(ValueError, match="O3"):
+        paratrain.Parallel(precision="O3", global_batch=8)
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "32"])
+def test_loss_scale_only_for_fp16(precision):
+    with pytest.raises(ValueError, match="loss_scale"):
+        paratrain.Parallel(precision=precision, global_batch=8, loss_scale=128.0)
+    with pytest.raises(ValueError, match="loss scale"):
+        paratrain.precision.build(precision, torch.device("cpu"), 128.0)
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, INF, float("nan")])
+def test_static_scale_must_be_positive_finite(bad):
+    with pytest.raises(ValueError, match="loss scale"):
+        paratrain.Parallel(precision="fp16-mixed", global_batch=8, loss_scale=bad)
+
+
+# --- DDP: an overflow on one rank skips the step on every rank ----------------------------------
+def overflow_on_rank_1_worker(local_rank):
+    results = {}
+    for loss_scale in (None, 128.0):
+        pt = paratrain.Parallel(strategy="ddp", precision="fp16-mixed", global_batch=8, loss_scale=loss_scale)
+        model = tiny_model()
+        inner = model
+        model, opt = pt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        x, y = tiny_batch(n=32, seed=4)
+        loader = pt.train_loader(TensorDataset(x, y))
+        stepped, scales, changed = [], [], []
+        for i, (xb, yb) in enumerate(loader):  # 4 steps of 4 samples per rank
+            poison = inner[2].weight if (i == 1 and pt.rank == 1) else None
+            before = snapshot(inner)
+            stepped.append(train_step(pt, model, opt, xb, yb, poison=poison))
+            changed.append(not unchanged(inner, before))
+            scales.append(pt.precision.loss_scale)
+        results[loss_scale] = dict(
+            stepped=stepped, changed=changed, scales=scales, skipped=pt.skipped_steps,
+            state=[p.detach().clone() for p in inner.parameters()],
+        )
+    return results
+
+
+def two_rank_worker(local_rank):
+    # One 2-process launch serves both 2-rank tests: starting workers (torch + DDP imports) is the slow part.
+    overflow = overflow_on_rank_1_worker(local_rank)
+    evaluation = eval_worker(local_rank)  # closes the process group
+    return {"overflow": overflow, "eval": evaluation}
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    return paratrain.launch(two_rank_worker, nprocs=2, timeout=90)
+
+
+def test_ddp_fp16_overflow_on_one_rank_skips_everywhere(two_ranks):
+    ranks = [r["overflow"] for r in two_ranks]
+    for loss_scale in (None, 128.0):
+        r0, r1 = ranks[0][loss_scale], ranks[1][loss_scale]
+        for r in (r0, r1):
+            assert r["stepped"] == [True, False, True, True], (loss_scale, r["stepped"])
+            assert r["changed"] == [True, False, True, True]
+            assert r["skipped"] == 1
+        assert r0["scales"] == r1["scales"]
+        if loss_scale is None:
+            s = r0["scales"]
+            assert s[1] == s[0] / 2 and s[2] == s[1] and s[3] == s[1]
+        else:
+            assert r0["scales"] == [128.0] * 4
+        for p, q in zip(r0["state"], r1["state"]):
+            assert torch.equal(p, q)
+            assert torch.isfinite(p).all()
+
+
+# --- distributed evaluation ---------------------------------------------------------------------
+EVAL_N = 11
+
+
+def eval_data():
+    g = torch.Generator().manual_seed(5)
+    return torch.randn(EVAL_N, 6, generator=g), torch.randint(0, 3, (EVAL_N,), generator=g)
+
+
+def eval_worker(local_rank):
+    pt = paratrain.Parallel(strategy="ddp", global_batch=12, seed=2)
+    model = pt.setup(tiny_model())
+    loader = pt.eval_loader(TensorDataset(*eval_data()), batch_size=4)
+    shard = len(loader.sampler)
+    metrics = pt.evaluate(model, loader)
+    state = {k: v.clone() for k, v in pt.unwrap(model).state_dict().items()}
+    pt.close()
+    return metrics, shard, state
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_distributed_evaluation_counts_each_sample_once(world, request):
+    if world == 2:
+        results = [r["eval"] for r in request.getfixturevalue("two_ranks")]
+    else:
+        results = paratrain.launch(eval_worker, nprocs=world, timeout=90)
+    assert len(results) == world
+    assert sum(shard for _, shard, _ in results) == EVAL_N
+    metrics0, _, state = results[0]
+    for metrics, _, other in results:
+        assert metrics == metrics0  # every rank gets the reduced totals
+        for k in state:
+            assert torch.equal(other[k], state[k])
+    assert metrics0["count"] == EVAL_N
+
+    # the same model, one process, all 11 samples at once
+    model = tiny_model()
+    model.load_state_dict(state)
+    x, y = eval_data()
+    with torch.no_grad():
+        out = model(x)
+    accuracy = (out.argmax(1) == y).sum().item() / EVAL_N
+    loss = nn.functional.cross_entropy(out, y).item()
+    assert 0 < accuracy < 1  # a meaningful check, not all-right or all-wrong
+    assert metrics0["accuracy"] == pytest.approx(accuracy, abs=1e-12)
+    assert metrics0["loss"] == pytest.approx(loss, rel=1e-5)
+
+    # and paratrain's own single-process evaluation agrees
+    single = paratrain.Parallel(strategy="single", global_batch=12)
+    ref = single.evaluate(single.setup(model), single.eval_loader(TensorDataset(x, y), batch_size=4))
+    assert ref["count"] == EVAL_N
+    assert ref["accuracy"] == pytest.approx(accuracy, abs=1e-12)
+    assert ref["loss"] == pytest.approx(loss, rel=1e-5)
