@@ -1,0 +1,127 @@
+"""Rank/world detection from each launcher's environment, backend and device choice, helpers."""
+
+import pytest
+import torch
+
+import paratrain
+from paratrain.env import detect_process, global_rank
+from paratrain.env.process import select_backend, select_device
+from paratrain.env.slurm import first_host
+
+LAUNCH_VARS = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
+               "TORCHELASTIC_RUN_ID", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NODEID",
+               "SLURM_NNODES", "SLURM_NODELIST", "SLURM_JOB_ID", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
+               "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"]
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch):
+    for v in LAUNCH_VARS:
+        monkeypatch.delenv(v, raising=False)
+
+
+def test_no_launcher_is_one_process():
+    info = detect_process()
+    assert (info.rank, info.world_size, info.source) == (0, 1, "single")
+    assert paratrain.rank() == 0 and paratrain.world_size() == 1 and paratrain.is_main_process()
+
+
+def test_torchrun_env(monkeypatch):
+    # node 1 of 2, 4 procs per node, local rank 3 -> rank 7 (seed 001's arithmetic)
+    for k, v in dict(RANK="7", WORLD_SIZE="8", LOCAL_RANK="3", LOCAL_WORLD_SIZE="4", GROUP_RANK="1",
+                     MASTER_ADDR="10.0.0.1", MASTER_PORT="1234", TORCHELASTIC_RUN_ID="x").items():
+        monkeypatch.setenv(k, v)
+    info = detect_process()
+    assert (info.rank, info.world_size, info.local_rank, info.node_rank, info.nnodes) == (7, 8, 3, 1, 2)
+    assert info.rank == global_rank(info.node_rank, info.local_world_size, info.local_rank)
+    assert (info.master_addr, info.master_port, info.source) == ("10.0.0.1", 1234, "torchelastic")
+
+
+def test_slurm_env(monkeypatch):
+    for k, v in dict(SLURM_PROCID="5", SLURM_NTASKS="6", SLURM_LOCALID="2", SLURM_NODEID="1", SLURM_NNODES="2",
+                     SLURM_NODELIST="gpu[07-08]", SLURM_JOB_ID="4242").items():
+        monkeypatch.setenv(k, v)
+    info = detect_process()
+    assert (info.rank, info.world_size, info.local_rank, info.local_world_size, info.node_rank) == (5, 6, 2, 3, 1)
+    assert info.rank == global_rank(1, 3, 2)
+    assert info.master_addr == "gpu07" and info.source == "slurm"
+    assert info.master_port == 15000 + 4242
+
+
+def test_openmpi_env(monkeypatch):
+    for k, v in dict(OMPI_COMM_WORLD_RANK="3", OMPI_COMM_WORLD_SIZE="4", OMPI_COMM_WORLD_LOCAL_RANK="1",
+                     OMPI_COMM_WORLD_LOCAL_SIZE="2", MASTER_ADDR="host0").items():
+        monkeypatch.setenv(k, v)
+    info = detect_process()
+    assert (info.rank, info.world_size, info.local_rank, info.node_rank, info.source) == (3, 4, 1, 1, "mpi")
+
+
+def test_torchrun_wins_over_slurm(monkeypatch):
+    monkeypatch.setenv("SLURM_PROCID", "0")
+    monkeypatch.setenv("SLURM_NTASKS", "1")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert detect_process().world_size == 2
+
+
+def test_bad_env_values_are_named(monkeypatch):
+    monkeypatch.setenv("RANK", "x")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="RANK='x'"):
+        detect_process()
+    monkeypatch.setenv("RANK", "5")
+    with pytest.raises(ValueError, match="rank 5 .* outside world size 2"):
+        detect_process()
+
+
+@pytest.mark.parametrize("nodelist, host", [("node[03-05,7]", "node03"), ("a,b", "a"), ("single", "single")])
+def test_slurm_first_host(nodelist, host):
+    assert first_host(nodelist) == host
+
+
+def test_backend_and_device_choice():
+    cpu = torch.device("cpu")
+    assert select_backend(cpu) == "gloo"
+    assert select_backend(torch.device("cuda", 0)) == "nccl"
+    with pytest.raises(RuntimeError, match="nccl"):
+        select_backend(cpu, "nccl")
+    with pytest.raises(ValueError, match="backend 'tcp' is unknown"):
+        select_backend(cpu, "tcp")
+    if not torch.distributed.is_mpi_available():
+        with pytest.raises(RuntimeError, match="mpi"):
+            select_backend(cpu, "mpi")
+    assert select_device(0, "cpu") == cpu
+    if not torch.cuda.is_available():
+        assert select_device(3) == cpu
+
+
+def test_helpers_without_process_group(tmp_path, capsys):
+    paratrain.print_once("hello")
+    assert capsys.readouterr().out == "hello\n"
+    paratrain.barrier()
+    with paratrain.main_process_first():
+        pass
+    paratrain.save_on_main({"a": torch.ones(2)}, tmp_path / "x.pt")
+    assert torch.load(tmp_path / "x.pt", weights_only=True)["a"].sum() == 2
+    assert not list(tmp_path.glob("*.tmp-*"))
+    assert paratrain.seed_everything(5) == 5
+
+
+def _helpers_worker(local_rank, path):
+    import paratrain as pt
+
+    d = pt.init()
+    order = []
+    with pt.main_process_first():
+        order.append(("enter", d.rank))
+    pt.save_on_main({"rank": d.rank}, path)
+    pt.barrier()
+    seed = pt.seed_everything(10, offset_by_rank=True)
+    pt.destroy()
+    return d.rank, d.is_main_process, seed
+
+
+def test_helpers_in_a_process_group(tmp_path):
+    out = paratrain.launch(_helpers_worker, nprocs=2, args=(str(tmp_path / "m.pt"),), timeout=60)
+    assert out == [(0, True, 10), (1, False, 11)]  # per-rank seeding (seed 002)
+    assert torch.load(tmp_path / "m.pt", weights_only=True) == {"rank": 0}  # only main saved
