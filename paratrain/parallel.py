@@ -180,6 +180,11 @@ class Parallel:
         self.precision.backward(loss / self.accumulation if self.accumulation > 1 else loss)
         self.micro_step += 1
 
+    def training_step(self, model: nn.Module, batch: Any,
+                      loss_fn: Callable[..., torch.Tensor] = nn.functional.cross_entropy) -> torch.Tensor:
+        """``loss_fn(model(inputs), targets)`` and :meth:`backward`, the way the strategy runs them."""
+        return self.strategy.training_step(model, batch, loss_fn, self.backward)
+
     def step(self, optimizer: torch.optim.Optimizer | ParallelOptimizer) -> bool:
         """Step at the end of a global batch (no-op on earlier micro-steps). True if weights changed."""
         if isinstance(optimizer, ParallelOptimizer):

@@ -57,9 +57,8 @@ def fit(
     running = torch.zeros((), device=pt.device)  # summed on device: no host sync per step
     while pt.global_step < total:
         model.train()
-        for x, y in meter.timed(loader):
-            loss = loss_fn(model(x), y)
-            pt.backward(loss)
+        for batch in meter.timed(loader):
+            loss = pt.training_step(model, batch, loss_fn)  # loss_fn(model(x), y); pt.backward(loss)
             running += loss.detach()
             optimizer.step()
             if pt.micro_step:  # mid-accumulation: the global batch is not complete yet

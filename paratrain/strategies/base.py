@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import warnings
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -65,6 +65,16 @@ class Strategy:
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The user's module, without any wrapper this strategy added."""
         return model.module if isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)) else model
+
+    def training_step(self, model: nn.Module, batch: Any, loss_fn: Callable[..., torch.Tensor],
+                      backward: Callable[[torch.Tensor], None]) -> torch.Tensor:
+        """Forward, loss and backward of one micro-batch ``(inputs, targets)``; returns the loss.
+
+        Strategies whose schedule runs forward and backward together (pipeline) override this.
+        """
+        loss = loss_fn(model(batch[0]), batch[1])
+        backward(loss)
+        return loss
 
     def set_gradient_sync(self, model: nn.Module, enabled: bool) -> None:
         """Turn gradient synchronisation off for accumulation micro-steps (``no_sync``)."""
