@@ -31,7 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
+    args.argv = argv  # subcommands that re-launch themselves under torchrun pass it on
     try:
         return int(args.func(args) or 0)
     except (UsageError, ValueError, FileNotFoundError) as e:

@@ -1,0 +1,82 @@
+"""``paratrain run``: start a training script on N workers per node, through PyTorch's torchrun.
+
+Flags are spelled like ``torchrun``'s (``--nproc-per-node``, also ``--nproc_per_node``). One node:
+``paratrain run --nproc-per-node 4 train.py --lr 0.1``. Several nodes: the same command on every
+node with ``--nnodes N --node-rank K --master-addr A --master-port P`` (static rendezvous) or with
+``--nnodes MIN:MAX --rdzv-endpoint HOST:PORT`` (c10d rendezvous).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+from ..launch.torchrun import LaunchConfig, torchrun
+
+
+def add_launch_arguments(p: argparse.ArgumentParser) -> None:
+    """Add torchrun's launch flags (workers, nodes, rendezvous, restarts) to ``p``; see :func:`launch_config`."""
+    g = p.add_argument_group("launch (torchrun)")
+    g.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=1, metavar="N",
+                   help="workers on this node (default 1)")
+    g.add_argument("--nnodes", default="1", metavar="M|MIN:MAX", help="number of nodes (default 1)")
+    g.add_argument("--node-rank", "--node_rank", type=int, default=0, metavar="K",
+                   help="this node's rank, for static rendezvous (default 0)")
+    g.add_argument("--master-addr", "--master_addr", default=None, metavar="A",
+                   help="address of node 0 (static rendezvous)")
+    g.add_argument("--master-port", "--master_port", type=int, default=None, metavar="P",
+                   help="port on node 0 (static rendezvous)")
+    g.add_argument("--rdzv-endpoint", "--rdzv_endpoint", default=None, metavar="HOST:PORT",
+                   help="c10d rendezvous endpoint (instead of --master-addr/--master-port)")
+    g.add_argument("--rdzv-backend", "--rdzv_backend", default=None, metavar="B",
+                   help="rendezvous backend (default: static with --master-addr, c10d otherwise)")
+    g.add_argument("--rdzv-id", "--rdzv_id", default=None, metavar="ID", help="job id shared by all nodes")
+    g.add_argument("--max-restarts", "--max_restarts", type=int, default=0, metavar="R",
+                   help="restart the worker group up to R times after a failure (default 0)")
+    g.add_argument("--monitor-interval", "--monitor_interval", type=float, default=None, metavar="S",
+                   help="seconds between worker health checks")
+    g.add_argument("--local-addr", "--local_addr", default=None, metavar="A", help="this node's address")
+
+
+def launch_config(args: argparse.Namespace, *, log_dir: str | None = None) -> LaunchConfig:
+    """The :class:`LaunchConfig` for flags added by :func:`add_launch_arguments` (validated)."""
+    return LaunchConfig(
+        nproc_per_node=args.nproc_per_node,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
+        rdzv_endpoint=args.rdzv_endpoint,
+        rdzv_backend=args.rdzv_backend,
+        rdzv_id=args.rdzv_id,
+        max_restarts=args.max_restarts,
+        monitor_interval=args.monitor_interval,
+        local_addr=args.local_addr,
+        log_dir=log_dir,
+    )
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``paratrain run`` on the top-level subparsers."""
+    p = subparsers.add_parser(
+        "run",
+        help="run a script on N workers per node (torchrun)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_launch_arguments(p)
+    p.add_argument("--log-dir", "--log_dir", default=None, metavar="DIR", help="torchrun log directory")
+    p.add_argument("-m", "--module", action="store_true", help="run the program as a module, like python -m")
+    p.add_argument("script", help="the training script (or module with -m)")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+    p.set_defaults(func=main)
+    return p
+
+
+def main(args: argparse.Namespace) -> int:
+    """Validate the arguments, then run torchrun; returns its exit code."""
+    cfg = launch_config(args, log_dir=args.log_dir)
+    if not args.module and not os.path.isfile(args.script):
+        raise FileNotFoundError(f"script {args.script!r} does not exist: give the path to a Python file (or use -m)")
+    return torchrun(cfg, [args.script, *args.script_args], module=args.module)

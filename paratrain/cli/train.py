@@ -1,0 +1,107 @@
+"""``paratrain train``: train a built-in task (model × dataset) on N workers.
+
+Configuration comes from a TOML/YAML file (``--config``), then the flags below, then ``--set
+section.key=value`` overrides. With ``--nproc-per-node N`` (or ``--nnodes``) the command starts
+its own workers through torchrun; under an existing launcher (``torchrun``, ``paratrain run``,
+Slurm's ``srun``) it runs as one of the workers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+from ..config import TrainConfig, apply_overrides, from_dict, load_config
+from ..data.datasets import build_dataset
+from ..data.sampler import BatchPlan
+from ..env.detect import detect_process
+from ..launch.torchrun import torchrun
+from .run import add_launch_arguments, launch_config
+
+# flag -> dotted config key
+_FLAGS: dict[str, tuple[str, Any, str]] = {
+    "--model": ("model", str, "mlp, cnn, resnet8, resnet20 or torchvision:<name>"),
+    "--dataset": ("data.dataset", str, "digits (default, bundled), cifar10 or synthetic"),
+    "--data-dir": ("data.data_dir", str, "folder holding cifar-10-batches-py"),
+    "--strategy": ("parallel.strategy", str, "single, dp or ddp"),
+    "--precision": ("parallel.precision", str, "32, tf32, fp16-mixed, bf16-mixed, O0, O1, O2"),
+    "--global-batch": ("parallel.global_batch", int, "samples per optimizer step over all workers"),
+    "--accumulation": ("parallel.accumulation", int, "micro-steps per optimizer step"),
+    "--micro-batch": ("parallel.micro_batch", int, "samples per worker per forward"),
+    "--loss-scale": ("parallel.loss_scale", float, "static fp16 loss scale (default dynamic)"),
+    "--clip-grad-norm": ("parallel.clip_grad_norm", float, "clip the global gradient norm"),
+    "--comm-hook": ("parallel.ddp.comm_hook", str, "ddp gradient compression: none, fp16, bf16, powersgd"),
+    "--seed": ("parallel.seed", int, "seed for init, data order and augmentation"),
+    "--backend": ("parallel.backend", str, "auto, gloo, nccl or mpi"),
+    "--epochs": ("epochs", int, "epochs to train"),
+    "--max-steps": ("max_steps", int, "stop after this many optimizer steps"),
+    "--lr": ("optim.lr", float, "learning rate (before linear scaling)"),
+    "--optimizer": ("optim.name", str, "sgd or adamw"),
+    "--warmup-steps": ("optim.warmup_steps", int, "linear LR warmup steps"),
+    "--base-batch": ("optim.base_batch", int, "linear scaling rule: lr x global_batch/base_batch"),
+    "--num-workers": ("data.num_workers", int, "DataLoader worker processes"),
+    "--log-dir": ("log_dir", str, "where metrics CSV/JSONL and result.json go"),
+}
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("train", help="train a built-in task on N workers", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", metavar="FILE", help="TOML or YAML config file")
+    for flag, (key, tp, help_) in _FLAGS.items():
+        p.add_argument(flag, dest=key, type=tp, default=None, help=f"{help_} [{key}]")
+    p.add_argument("--sync-bn", dest="parallel.sync_batchnorm", action="store_const", const=True, default=None,
+                   help="synchronise BatchNorm statistics across workers")
+    p.add_argument("--no-progress", dest="progress", action="store_const", const=False, default=None,
+                   help="no progress bar")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override any config field, e.g. --set parallel.ddp.bucket_cap_mb=50")
+    add_launch_arguments(p)
+    p.set_defaults(func=main)
+    return p
+
+
+def build_config(args: argparse.Namespace) -> TrainConfig:
+    data = load_config(args.config)
+    flags = {key: getattr(args, key) for key, *_ in _FLAGS.values()}
+    flags["parallel.sync_batchnorm"] = getattr(args, "parallel.sync_batchnorm")
+    flags["progress"] = args.progress
+    apply_overrides(data, {k: v for k, v in flags.items() if v is not None})
+    for item in args.overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--set {item!r} is not KEY=VALUE, e.g. --set parallel.global_batch=128")
+        apply_overrides(data, {key: value})
+    return from_dict(TrainConfig, data)
+
+
+def main(args: argparse.Namespace) -> int:
+    cfg = build_config(args)  # validate before any process starts
+    launch = launch_config(args)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ or detect_process().world_size > 1:
+        from ..loop.train import run_training
+
+        run_training(cfg)  # we are one worker of a launched job
+        return 0
+    world = launch.nproc_per_node * launch.min_nodes
+    BatchPlan.derive(cfg.parallel.global_batch, world, cfg.parallel.accumulation, cfg.parallel.micro_batch)
+    _check_dataset_fits(cfg, world)
+    if world == 1 and launch.max_nodes == 1 and launch.max_restarts == 0:
+        from ..loop.train import run_training
+
+        run_training(cfg)
+        return 0
+    if cfg.parallel.strategy in ("single", "dp"):
+        raise ValueError(f"strategy {cfg.parallel.strategy!r} runs in one process, but {world} were asked for: "
+                         "use --strategy ddp or drop --nproc-per-node")
+    return torchrun(launch, ["paratrain", *args.argv], module=True)
+
+
+def _check_dataset_fits(cfg: TrainConfig, world: int) -> None:
+    """Fail before starting workers when the training set cannot fill one global batch."""
+    d = cfg.data
+    n = len(build_dataset(d.dataset, True, d.data_dir, d.synthetic_size, cfg.parallel.seed))  # type: ignore[arg-type]
+    if n < cfg.parallel.global_batch:
+        raise ValueError(f"the dataset has {n} samples, fewer than one global batch of {cfg.parallel.global_batch} "
+                         f"over {world} process(es): lower the global batch or use more data")

@@ -1,0 +1,58 @@
+"""Run the ``paratrain`` CLI in a fresh process group with a hard time limit.
+
+Past the limit the whole group (torchrun agent and its workers) is SIGKILLed and the test fails,
+so a deadlocked collective cannot hang the suite.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def cli_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.update(extra)
+    return env
+
+
+def start_cli(args: list[str], **env: str) -> subprocess.Popen:
+    """Start ``python -m paratrain ARGS`` from the repo root in a new process group."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "paratrain", *args],
+        cwd=ROOT, env=cli_env(**env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )
+
+
+def killpg(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def finish(proc: subprocess.Popen, timeout: float) -> subprocess.CompletedProcess:
+    """Wait for ``proc``; past ``timeout`` seconds SIGKILL its whole process group and fail."""
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        killpg(proc)
+        out, err = proc.communicate()
+        pytest.fail(f"paratrain {proc.args[3:]} ran past {timeout}s and was killed\n{err[-4000:]}")
+    finally:
+        killpg(proc)  # workers left behind by a failed agent
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def run_cli(args: list[str], timeout: float = 60, **env: str) -> subprocess.CompletedProcess:
+    return finish(start_cli(args, **env), timeout)

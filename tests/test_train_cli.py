@@ -1,0 +1,61 @@
+"""``paratrain train``: the main job end to end, and one-line errors for bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from clitools import run_cli
+
+pytestmark = pytest.mark.timeout(150)
+
+
+def test_ddp_on_two_processes_trains_digits(tmp_path):
+    res = run_cli(["train", "--strategy", "ddp", "--nproc-per-node", "2", "--epochs", "3", "--no-progress",
+                   "--log-dir", str(tmp_path)], timeout=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["world_size"] == 2
+    assert result["test_count"] == 359  # every test sample counted once
+    assert result["test_accuracy"] > 0.85
+    assert "test accuracy" in res.stdout and res.stdout.count("finished") == 1  # main process only
+    assert (tmp_path / "train.csv").read_text().startswith("step,loss,lr")
+
+
+def test_config_file_and_overrides(tmp_path):
+    cfg = tmp_path / "job.toml"
+    cfg.write_text('model = "cnn"\nepochs = 1\nmax_steps = 3\n[parallel]\nglobal_batch = 32\n'
+                   '[optim]\nlr = 0.1\nwarmup_steps = 2\nbase_batch = 16\n')
+    res = run_cli(["train", "--config", str(cfg), "--set", "parallel.accumulation=2", "--no-progress",
+                   "--log-dir", str(tmp_path / "out")], timeout=60)
+    assert res.returncode == 0, res.stderr[-3000:]
+    result = json.loads((tmp_path / "out" / "result.json").read_text())
+    assert result["steps"] == 3
+    assert result["config"]["model"] == "cnn" and result["config"]["parallel"]["accumulation"] == 2
+    lrs = [json.loads(line)["lr"] for line in (tmp_path / "out" / "train.jsonl").read_text().splitlines()]
+    assert lrs[-1] == pytest.approx(0.2)  # linear scaling: 0.1 x 32/16, warmup done
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--strategy", "ddp", "--nproc-per-node", "3", "--global-batch", "64"], "global batch 64 is not divisible by world size 3"),
+        (["--global-batch", "4", "--dataset", "synthetic", "--set", "data.synthetic_size=2"], "fewer than one global batch"),
+        (["--strategy", "ddp", "--nproc-per-node", "4", "--global-batch", "4", "--dataset", "synthetic",
+          "--set", "data.synthetic_size=3"], "fewer than one global batch"),
+        (["--strategy", "zero"], "strategy 'zero' is unknown"),
+        (["--precision", "fp7"], "precision 'fp7' is unknown"),
+        (["--dataset", "cifar10", "--data-dir", "/nonexistent/cifar"], "/nonexistent/cifar"),
+        (["--dataset", "cifar10"], "needs --data-dir"),
+        (["--strategy", "dp", "--nproc-per-node", "2"], "runs in one process"),
+        (["--set", "parallel.nope=1"], "unknown key 'nope'"),
+        (["--config", "/nonexistent.toml"], "/nonexistent.toml"),
+    ],
+)
+def test_bad_input_is_one_line_and_nonzero(args, needle):
+    res = run_cli(["train", "--no-progress", "--log-dir", "none", *args], timeout=60)
+    assert res.returncode != 0
+    lines = [line for line in res.stderr.strip().splitlines() if line.strip()]
+    assert len(lines) == 1, res.stderr
+    assert needle in lines[0], lines[0]
