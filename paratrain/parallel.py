@@ -29,7 +29,7 @@ from torch.utils.data import Dataset
 from . import precision as precision_lib
 from . import strategies
 from .config import ParallelConfig
-from .data.loaders import EvalLoader, GlobalBatchLoader
+from .data.loaders import EvalLoader, GlobalBatchLoader, to_device
 from .data.sampler import BatchPlan
 from .env import process
 
@@ -112,7 +112,7 @@ class Parallel:
         self.config = cfg = config or ParallelConfig(**kwargs)
         self.dist = process.init(None if cfg.backend == "auto" else cfg.backend, cfg.timeout_s, cfg.accelerator)
         self.device = self.dist.device
-        self.strategy = strategies.build(cfg.strategy, self.dist, cfg.sync_batchnorm, cfg.ddp)
+        self.strategy = strategies.build(cfg, self.dist)
         self.precision = precision_lib.build(cfg.precision, self.device, cfg.loss_scale)
         self.plan = BatchPlan.derive(cfg.global_batch, self.strategy.data_parallel_size, cfg.accumulation, cfg.micro_batch)
         # Same seed on every rank: identical initial weights, identical global data order.
@@ -156,7 +156,7 @@ class Parallel:
         self._models.append(wrapped)
         if optimizer is None:
             return module
-        return module, ParallelOptimizer(optimizer, self)
+        return module, ParallelOptimizer(self.strategy.setup_optimizer(wrapped, optimizer), self)
 
     def _before_forward(self, wrapped: nn.Module) -> None:
         # Decide before DDP's forward whether this micro-step's backward all-reduces (no_sync).
@@ -239,17 +239,21 @@ class Parallel:
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> dict[str, float]:
         """Mean loss and accuracy over the whole evaluation set, reduced over ranks.
 
-        Runs the unwrapped module, so no collective happens per batch (eval on uneven shards
-        cannot hang); one all-reduce of (loss sum, correct, count) at the end.
+        Data-parallel strategies run the unwrapped module, so no collective happens per batch and
+        uneven shards cannot hang. Strategies whose forward is itself a collective (FSDP, tensor,
+        pipeline) run the same number of forwards on every rank, padding with batches that are
+        not counted. One all-reduce of (loss sum, correct, count) at the end.
         """
         net = self.unwrap(model)
         was_training = net.training
         net.eval()
         loss_fn = loss_fn or nn.functional.cross_entropy
         totals = torch.zeros(3, dtype=torch.float64, device=self.device)
-        for x, y in loader:
+        for x, y, counted in self._eval_batches(loader):
             with self.precision.forward_context():
-                out = net(x)
+                out = self.strategy.eval_forward(net, x)
+            if out is None or not counted:  # not the last pipeline stage, or a padding batch
+                continue
             out = out.float()
             totals[0] += loss_fn(out, y).double() * len(y)
             totals[1] += (out.argmax(1) == y).sum()
@@ -258,6 +262,22 @@ class Parallel:
         self.strategy.all_reduce_sum(totals)
         loss_sum, correct, count = totals.tolist()
         return {"loss": loss_sum / max(count, 1), "accuracy": correct / max(count, 1), "count": int(count)}
+
+    def _eval_batches(self, loader: EvalLoader) -> Any:
+        if not self.strategy.collective_forward:
+            yield from ((x, y, True) for x, y in loader)
+            return
+        n = torch.tensor([len(loader)], device=self.device)
+        self.strategy.all_reduce_max(n)
+        pad = None
+        for x, y in loader:
+            pad = (x[:1], y[:1], False)
+            yield x, y, True
+        if pad is None:  # an empty shard (more ranks than samples) still joins every forward
+            x0, y0 = loader.dataloader.dataset[0]
+            pad = (to_device(torch.as_tensor(x0)[None], self.device), to_device(torch.as_tensor(y0)[None], self.device), False)
+        for _ in range(int(n.item()) - len(loader)):
+            yield pad
 
     def all_reduce_mean(self, value: torch.Tensor) -> torch.Tensor:
         """Average of ``value`` over the data-parallel ranks."""

@@ -25,8 +25,8 @@ def resolve(name: str) -> type[Strategy]:
     return STRATEGIES[name]
 
 
-def build(name: str, dist_info: Dist, sync_batchnorm: bool = False, options: Any = None) -> Strategy:
-    cls = resolve(name)
-    if cls is DistributedDataParallel:
-        return cls(dist_info, sync_batchnorm, options)
-    return cls(dist_info, sync_batchnorm)
+def build(cfg: Any, dist_info: Dist) -> Strategy:
+    """The strategy named by ``cfg.strategy`` (a ParallelConfig), with its options section
+    (``cfg.ddp`` for ddp, ``cfg.fsdp`` for fsdp...) when the config has one."""
+    cls = resolve(cfg.strategy)
+    return cls(dist_info, cfg.sync_batchnorm, getattr(cfg, cls.name, None))

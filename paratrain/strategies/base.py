@@ -23,6 +23,7 @@ class Strategy:
 
     name: ClassVar[str] = "base"
     processes: ClassVar[str] = "any"  # "one" or "any"
+    collective_forward: ClassVar[bool] = False  # does forward itself communicate (FSDP, TP, pipeline)?
 
     def __init__(self, dist_info: Dist, sync_batchnorm: bool = False, options: Any = None) -> None:
         self.dist = dist_info
@@ -66,6 +67,14 @@ class Strategy:
         """The user's module, without any wrapper this strategy added."""
         return model.module if isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)) else model
 
+    def setup_optimizer(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """Adapt an optimizer built before :meth:`setup_model` (e.g. rebuild it over sharded parameters)."""
+        return optimizer
+
+    def eval_forward(self, model: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+        """Evaluation forward of the unwrapped model; ``None`` when this rank produces no output."""
+        return model(x)
+
     def training_step(self, model: nn.Module, batch: Any, loss_fn: Callable[..., torch.Tensor],
                       backward: Callable[[torch.Tensor], None]) -> torch.Tensor:
         """Forward, loss and backward of one micro-batch ``(inputs, targets)``; returns the loss.
@@ -83,6 +92,11 @@ class Strategy:
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.dist.backend is not None and self.dist.world_size > 1:
             dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        return tensor
+
+    def all_reduce_max(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.dist.backend is not None and self.dist.world_size > 1:
+            dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
         return tensor
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:

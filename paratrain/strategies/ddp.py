@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from ..env.process import Dist
 from .base import Strategy
 
 COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")
@@ -50,7 +51,7 @@ class DDPOptions:
 class DistributedDataParallel(Strategy):
     name = "ddp"
 
-    def __init__(self, dist_info, sync_batchnorm=False, options: DDPOptions | None = None) -> None:
+    def __init__(self, dist_info: Dist, sync_batchnorm: bool = False, options: DDPOptions | None = None) -> None:
         super().__init__(dist_info, sync_batchnorm, options or DDPOptions())
 
     def wrap(self, model: nn.Module) -> nn.Module:
