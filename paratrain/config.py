@@ -17,6 +17,10 @@ from typing import Any, Mapping
 from . import precision as _precision
 from . import strategies as _strategies
 from .strategies.ddp import DDPOptions
+from .strategies.devices import DevicesOptions
+from .strategies.fsdp import FSDPOptions
+from .strategies.pipeline import PipelineOptions
+from .strategies.tensor import TensorOptions
 
 __all__ = ["ParallelConfig", "DataConfig", "OptimConfig", "TrainConfig", "load_config", "apply_overrides", "from_dict"]
 
@@ -26,7 +30,9 @@ class ParallelConfig:
     """How one job is spread over processes and devices."""
 
     strategy: str = "single"
-    """single, dp or ddp."""
+    """single, dp, ddp, fsdp (sharded data parallel, ZeRO-3/ZeRO-2-like) or tensor (Linear layers
+    split over processes, optionally combined with fsdp on a 2-D mesh). Also pipeline (one model stage
+    per process) and devices (model parts on several devices of one process)."""
     precision: str = "32"
     """32, tf32, fp16-mixed, bf16-mixed (Apex aliases O0, O1, O2)."""
     global_batch: int = 64
@@ -50,10 +56,22 @@ class ParallelConfig:
     timeout_s: float = 600.0
     """Collective timeout: a missing rank fails the job after this long instead of hanging."""
     ddp: DDPOptions = field(default_factory=DDPOptions)
+    fsdp: FSDPOptions = field(default_factory=FSDPOptions)
+    tensor: TensorOptions = field(default_factory=TensorOptions)
+    pipeline: PipelineOptions = field(default_factory=PipelineOptions)
+    devices: DevicesOptions = field(default_factory=DevicesOptions)
 
     def __post_init__(self) -> None:
         if isinstance(self.ddp, Mapping):
             self.ddp = from_dict(DDPOptions, self.ddp, "parallel.ddp")
+        if isinstance(self.fsdp, Mapping):
+            self.fsdp = from_dict(FSDPOptions, self.fsdp, "parallel.fsdp")
+        if isinstance(self.tensor, Mapping):
+            self.tensor = from_dict(TensorOptions, self.tensor, "parallel.tensor")
+        if isinstance(self.pipeline, Mapping):
+            self.pipeline = from_dict(PipelineOptions, self.pipeline, "parallel.pipeline")
+        if isinstance(self.devices, Mapping):
+            self.devices = from_dict(DevicesOptions, self.devices, "parallel.devices")
         _strategies.resolve(self.strategy)
         self.precision = _precision.resolve(self.precision)
         if self.global_batch < 1:
@@ -64,6 +82,18 @@ class ParallelConfig:
             raise ValueError(f"timeout_s {self.timeout_s} must be positive")
         if self.loss_scale is not None and self.precision != "fp16-mixed":
             raise ValueError(f"loss_scale {self.loss_scale} only applies to precision fp16-mixed, not {self.precision}")
+        if self.strategy == "pipeline":
+            self._check_pipeline()
+
+    def _check_pipeline(self) -> None:
+        if self.precision == "fp16-mixed":
+            raise ValueError("precision fp16-mixed is not supported with strategy pipeline (each stage would skip "
+                             "overflowing steps on its own): use bf16-mixed or 32")
+        # The pipeline is one data-parallel replica: a step's batch is global_batch / accumulation.
+        n, step_batch = self.pipeline.n_microbatches, self.micro_batch or self.global_batch // (self.accumulation or 1)
+        if step_batch % n:
+            raise ValueError(f"pipeline n_microbatches={n} does not divide the batch of {step_batch} samples per step "
+                             f"(global_batch {self.global_batch}): use a global batch that is a multiple of {n}")
 
 
 @dataclass(kw_only=True)
@@ -130,6 +160,15 @@ class TrainConfig:
     """CSV/JSONL logs and result.json go here (main process only). None: no files."""
     log_every: int = 10
     progress: bool = True
+    checkpoint_every: int = 0
+    """Write a checkpoint every this many optimizer steps (0: only at the end, if checkpoint_dir is set)."""
+    checkpoint_dir: str | None = None
+    """Where checkpoints go; defaults to <log_dir>/checkpoints when checkpoint_every > 0 or resume is set."""
+    keep_checkpoints: int = 3
+    """How many of the newest checkpoints to keep."""
+    resume: bool = False
+    """Continue from the newest loadable checkpoint in checkpoint_dir. After torchrun restarts a
+    failed worker group (--max-restarts) this happens automatically."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -144,6 +183,14 @@ class TrainConfig:
             raise ValueError(f"max_steps {self.max_steps} must be at least 1")
         if self.log_every < 1:
             raise ValueError(f"log_every {self.log_every} must be at least 1")
+        if self.checkpoint_every < 0:
+            raise ValueError(f"checkpoint_every {self.checkpoint_every} must be >= 0")
+        if self.keep_checkpoints < 1:
+            raise ValueError(f"keep_checkpoints {self.keep_checkpoints} must be at least 1")
+        if self.checkpoint_dir is None and (self.checkpoint_every or self.resume) and self.log_dir is not None:
+            self.checkpoint_dir = os.path.join(self.log_dir, "checkpoints")
+        if self.resume and self.checkpoint_dir is None:
+            raise ValueError("resume needs a checkpoint_dir (or a log_dir): set --checkpoint-dir")
 
 
 # --- building from dicts, files and overrides ----------------------------------------------

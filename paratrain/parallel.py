@@ -114,6 +114,7 @@ class Parallel:
         self.device = self.dist.device
         self.strategy = strategies.build(cfg, self.dist)
         self.precision = precision_lib.build(cfg.precision, self.device, cfg.loss_scale)
+        self.strategy.precision = self.precision.name  # sharded strategies pick their param/reduce dtypes
         self.plan = BatchPlan.derive(cfg.global_batch, self.strategy.data_parallel_size, cfg.accumulation, cfg.micro_batch)
         # Same seed on every rank: identical initial weights, identical global data order.
         process.seed_everything(cfg.seed)
@@ -170,14 +171,21 @@ class Parallel:
         return self.strategy.unwrap(model)
 
     # --- the step --------------------------------------------------------------------------
-    def backward(self, loss: torch.Tensor) -> None:
-        """Backward of one micro-batch's loss (averaged over the accumulation steps)."""
+    def backward(self, loss: torch.Tensor | Callable[[int], None]) -> None:
+        """Backward of one micro-batch's loss (averaged over the accumulation steps).
+
+        A strategy whose schedule runs backward itself (pipeline) passes a callable instead: it is
+        called with the divisor (the accumulation steps) its losses must be divided by.
+        """
         if self.micro_step >= self.accumulation:
             raise RuntimeError(
                 f"backward called {self.micro_step + 1} times without an optimizer step, but accumulation "
                 f"is {self.accumulation}: call optimizer.step() once per micro-batch"
             )
-        self.precision.backward(loss / self.accumulation if self.accumulation > 1 else loss)
+        if callable(loss):
+            loss(self.accumulation)
+        else:
+            self.precision.backward(loss / self.accumulation if self.accumulation > 1 else loss)
         self.micro_step += 1
 
     def training_step(self, model: nn.Module, batch: Any,
@@ -283,6 +291,22 @@ class Parallel:
         """Average of ``value`` over the data-parallel ranks."""
         value = value.detach().clone().float()
         return self.strategy.all_reduce_sum(value) / self.strategy.data_parallel_size
+
+    # --- checkpoints -----------------------------------------------------------------------
+    def save_checkpoint(self, directory: str, model: nn.Module, optimizer: Any, scheduler: Any = None,
+                        extra: dict[str, Any] | None = None, keep: int = 3) -> Any:
+        """Atomically write model, optimizer, scaler, scheduler, step (= data position) and every
+        rank's RNG state to ``directory/step-XXXXXXXX.pt``; keep the newest ``keep``. Call on all ranks."""
+        from .checkpoint import save_checkpoint
+
+        return save_checkpoint(self, directory, model, optimizer, scheduler, extra, keep)
+
+    def load_checkpoint(self, source: str, model: nn.Module, optimizer: Any = None, scheduler: Any = None) -> Any:
+        """Restore a run from a checkpoint file or the newest loadable one in a directory; the
+        next ``train_loader`` iteration continues mid-epoch. Returns ``extra`` (``None`` if none found)."""
+        from .checkpoint import load_checkpoint
+
+        return load_checkpoint(self, source, model, optimizer, scheduler)
 
     def close(self) -> None:
         """Leave the process group."""

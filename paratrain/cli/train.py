@@ -42,6 +42,8 @@ _FLAGS: dict[str, tuple[str, Any, str]] = {
     "--base-batch": ("optim.base_batch", int, "linear scaling rule: lr x global_batch/base_batch"),
     "--num-workers": ("data.num_workers", int, "DataLoader worker processes"),
     "--log-dir": ("log_dir", str, "where metrics CSV/JSONL and result.json go"),
+    "--checkpoint-every": ("checkpoint_every", int, "checkpoint every N optimizer steps"),
+    "--checkpoint-dir": ("checkpoint_dir", str, "checkpoint folder (default <log-dir>/checkpoints)"),
 }
 
 
@@ -53,6 +55,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         p.add_argument(flag, dest=key, type=tp, default=None, help=f"{help_} [{key}]")
     p.add_argument("--sync-bn", dest="parallel.sync_batchnorm", action="store_const", const=True, default=None,
                    help="synchronise BatchNorm statistics across workers")
+    p.add_argument("--resume", dest="resume", action="store_const", const=True, default=None,
+                   help="continue from the newest checkpoint (automatic after a torchrun restart)")
     p.add_argument("--no-progress", dest="progress", action="store_const", const=False, default=None,
                    help="no progress bar")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -67,6 +71,7 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
     flags = {key: getattr(args, key) for key, *_ in _FLAGS.values()}
     flags["parallel.sync_batchnorm"] = getattr(args, "parallel.sync_batchnorm")
     flags["progress"] = args.progress
+    flags["resume"] = args.resume
     apply_overrides(data, {k: v for k, v in flags.items() if v is not None})
     for item in args.overrides:
         key, sep, value = item.partition("=")

@@ -56,6 +56,9 @@ class GlobalBatchLoader:
         self.position = position or (lambda: self.sampler.position)
         self.transform = transform
         self.pin_memory = bool(dataloader_kwargs.get("pin_memory"))
+        # A private generator: each new DataLoader iterator draws a worker base seed from it, which
+        # would otherwise advance the global RNG (dropout) differently in a resumed run.
+        dataloader_kwargs.setdefault("generator", torch.Generator().manual_seed(seed))
         self.dataloader = DataLoader(dataset, batch_sampler=self.sampler, **dataloader_kwargs)
 
     @property

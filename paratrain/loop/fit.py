@@ -42,11 +42,17 @@ def fit(
     log_every: int = 10,
     progress_bar: bool = True,
     loader_kwargs: dict[str, Any] | None = None,
+    checkpoint_dir: str | None = None,
+    checkpoint_every: int = 0,
+    checkpoint_extra: dict[str, Any] | None = None,
+    keep_checkpoints: int = 3,
+    on_step: Callable[[Parallel], None] | None = None,
 ) -> FitResult:
     """Train ``model`` (already ``pt.setup``) for ``epochs`` or ``max_steps`` optimizer steps.
 
     Continues from ``pt.global_step`` (so a resumed run picks up mid-epoch). Evaluates after
-    every epoch; logs loss, lr and throughput every ``log_every`` steps on the main process.
+    every epoch; logs loss, lr and throughput every ``log_every`` steps on the main process;
+    checkpoints to ``checkpoint_dir`` every ``checkpoint_every`` steps and at the end.
     """
     loader = pt.train_loader(train_set, transform=augment, **(loader_kwargs or {}))
     evaluator = pt.eval_loader(eval_set, transform=eval_transform) if eval_set is not None else None
@@ -66,6 +72,10 @@ def fit(
             if scheduler is not None:
                 scheduler.step()
             bar.update()
+            if checkpoint_dir and checkpoint_every and pt.global_step % checkpoint_every == 0:
+                pt.save_checkpoint(checkpoint_dir, model, optimizer, scheduler, checkpoint_extra, keep_checkpoints)
+            if on_step is not None:
+                on_step(pt)
             if pt.global_step % log_every == 0 or pt.global_step >= total:
                 steps = pt.global_step - window_start
                 # One all-reduce per log line, on every rank alike (same step counts everywhere).
@@ -84,5 +94,7 @@ def fit(
             result.eval = pt.evaluate(model, evaluator, loss_fn)
             logger.log({"step": pt.global_step, **result.eval}, kind="eval")
     bar.close()
+    if checkpoint_dir and not (checkpoint_every and pt.global_step % checkpoint_every == 0):
+        pt.save_checkpoint(checkpoint_dir, model, optimizer, scheduler, checkpoint_extra, keep_checkpoints)
     result.steps, result.skipped_steps = pt.global_step, pt.skipped_steps
     return result

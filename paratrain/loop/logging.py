@@ -18,8 +18,9 @@ class RunLogger:
     Only the main process writes; on other ranks (or with ``log_dir=None``) it does nothing.
     """
 
-    def __init__(self, log_dir: str | None, enabled: bool = True) -> None:
+    def __init__(self, log_dir: str | None, enabled: bool = True, append: bool = False) -> None:
         self.enabled = enabled and log_dir is not None
+        self.append = append  # a resumed run continues the existing files
         self.log_dir = log_dir
         self._csv_fields: dict[str, list[str]] = {}
         if self.enabled:
@@ -29,12 +30,12 @@ class RunLogger:
         if not self.enabled:
             return
         path = os.path.join(self.log_dir, kind)  # type: ignore[arg-type]
-        first = kind not in self._csv_fields
+        first = kind not in self._csv_fields and not (self.append and os.path.exists(path + ".csv"))
         fields = self._csv_fields.setdefault(kind, list(record))
         with open(path + ".jsonl", "w" if first else "a") as f:
             f.write(json.dumps(record) + "\n")
         with open(path + ".csv", "w" if first else "a", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
+            writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore", restval="")
             if first:
                 writer.writeheader()
             writer.writerow(record)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import signal
 import time
 from typing import Any
 
@@ -42,7 +44,8 @@ def run_training(cfg: TrainConfig) -> dict[str, Any]:
         if cfg.optim.warmup_steps or cfg.optim.base_batch:
             scheduler = warmup_linear_scaling(optimizer.optimizer, pt.plan.global_batch, cfg.optim.base_batch,
                                               cfg.optim.warmup_steps)
-        logger = RunLogger(cfg.log_dir, enabled=pt.is_main_process)
+        resumed = _maybe_resume(pt, cfg, model, optimizer, scheduler)
+        logger = RunLogger(cfg.log_dir, enabled=pt.is_main_process, append=resumed)
         pt.print(f"paratrain: {cfg.parallel.strategy} on {pt.world_size} process(es), {pt.device}, "
                  f"precision {cfg.parallel.precision}; global batch {pt.plan.global_batch} = "
                  f"{pt.plan.micro_batch} per worker x {pt.world_size} workers x {pt.accumulation} accumulation")
@@ -52,10 +55,13 @@ def run_training(cfg: TrainConfig) -> dict[str, Any]:
         result = fit(pt, model, optimizer, train_set, epochs=cfg.epochs, max_steps=cfg.max_steps,
                      eval_set=test_set, scheduler=scheduler, augment=augment_for(d.dataset) if d.augment else None,
                      eval_transform=_eval_transform(d.dataset), logger=logger, log_every=cfg.log_every,
-                     progress_bar=cfg.progress, loader_kwargs=loader_kwargs)
+                     progress_bar=cfg.progress, loader_kwargs=loader_kwargs, checkpoint_dir=cfg.checkpoint_dir,
+                     checkpoint_every=cfg.checkpoint_every, checkpoint_extra={"config": dataclasses.asdict(cfg)},
+                     keep_checkpoints=cfg.keep_checkpoints, on_step=_fault_injection())
         summary = {
             "config": dataclasses.asdict(cfg),
             "world_size": pt.world_size,
+            "resumed_from_step": resumed,
             "steps": result.steps,
             "train_loss": result.train_loss,
             "test_loss": result.eval.get("loss"),
@@ -72,6 +78,33 @@ def run_training(cfg: TrainConfig) -> dict[str, Any]:
         return summary
     finally:
         pt.close()
+
+
+def _maybe_resume(pt: Parallel, cfg: TrainConfig, model: Any, optimizer: Any, scheduler: Any) -> int | None:
+    """Load the newest checkpoint when asked to, or automatically after torchrun restarted us."""
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    if not (cfg.resume or restarted) or cfg.checkpoint_dir is None:
+        return None
+    if pt.load_checkpoint(cfg.checkpoint_dir, model, optimizer, scheduler) is None:
+        pt.print(f"paratrain: no checkpoint in {cfg.checkpoint_dir} yet, starting from step 0")
+        return None
+    pt.print(f"paratrain: resumed from step {pt.global_step} in {cfg.checkpoint_dir}"
+             + (f" (restart {os.environ['TORCHELASTIC_RESTART_COUNT']})" if restarted else ""))
+    return pt.global_step
+
+
+def _fault_injection() -> Any:
+    """Test hook: ``PARATRAIN_TEST_KILL_AT=rank:step`` SIGKILLs that rank at that step, first attempt only."""
+    spec = os.environ.get("PARATRAIN_TEST_KILL_AT")
+    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return None
+    rank, step = (int(v) for v in spec.split(":"))
+
+    def maybe_die(pt: Parallel) -> None:
+        if pt.rank == rank and pt.global_step == step:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return maybe_die
 
 
 def _eval_transform(dataset: str) -> Any:

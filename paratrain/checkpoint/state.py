@@ -1,0 +1,117 @@
+"""What a paratrain checkpoint holds, and how a run is restored from it exactly.
+
+A checkpoint is taken at an optimizer-step boundary and holds: the model and optimizer state,
+the loss scaler and skipped-step count, the LR scheduler, the global step (which *is* the
+sampler position, mid-epoch included), the global batch and seed, every rank's RNG states and
+the caller's ``extra`` (e.g. the config). Because the data order depends only on (seed, step),
+a checkpoint written at world size 4 resumes at 1 or 2 with the same global batches.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from .io import CheckpointError, list_checkpoints, load_file, load_latest, write_checkpoint
+from .rng import rng_state, set_rng_state
+
+if TYPE_CHECKING:
+    from ..parallel import Parallel
+
+__all__ = ["save_checkpoint", "load_checkpoint"]
+
+FORMAT = 1
+
+
+def _distributed(pt: "Parallel") -> bool:
+    return pt.dist.backend is not None and pt.world_size > 1
+
+
+def _gather_rng(pt: "Parallel") -> list[Any]:
+    mine = rng_state()
+    if not _distributed(pt):
+        return [mine]
+    out: list[Any] = [None] * pt.world_size if pt.is_main_process else []
+    dist.gather_object(mine, out if pt.is_main_process else None, dst=0)
+    return out
+
+
+def save_checkpoint(pt: "Parallel", directory: str | os.PathLike, model: torch.nn.Module, optimizer: Any,
+                    scheduler: Any = None, extra: dict[str, Any] | None = None, keep: int = 3) -> Path | None:
+    """Write a checkpoint of the current step (collective: call it on every rank)."""
+    if pt.micro_step:
+        raise RuntimeError(f"checkpoint asked for in the middle of an accumulation (micro-step {pt.micro_step}): "
+                           "save after optimizer.step()")
+    optimizer = getattr(optimizer, "optimizer", optimizer)
+    rngs = _gather_rng(pt)  # every rank takes part
+    if not pt.is_main_process:
+        return None
+    state = {
+        "format": FORMAT,
+        "global_step": pt.global_step,
+        "global_batch": pt.plan.global_batch,
+        "seed": pt.config.seed,
+        "world_size": pt.world_size,
+        "model": pt.unwrap(model).state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "precision": pt.precision.state_dict(),
+        "scheduler": scheduler.state_dict() if scheduler is not None else None,
+        "rng": rngs,
+        "extra": extra or {},
+    }
+    return write_checkpoint(directory, pt.global_step, state, keep=keep)
+
+
+def _choose(pt: "Parallel", source: str | os.PathLike) -> str | None:
+    """Rank 0 picks the checkpoint file (newest loadable one of a directory); all ranks agree."""
+    choice: list[Any] = [None]
+    if pt.is_main_process:
+        src = Path(source)
+        if src.is_dir():
+            found = load_latest(src)
+            choice[0] = str(found[0]) if found else None
+        elif src.exists():
+            choice[0] = str(src)
+        else:
+            choice[0] = f"missing:{src}"
+    if _distributed(pt):
+        dist.broadcast_object_list(choice, src=0)
+    if choice[0] and choice[0].startswith("missing:"):
+        raise CheckpointError(f"checkpoint {choice[0][8:]!r} does not exist")
+    return choice[0]
+
+
+def load_checkpoint(pt: "Parallel", source: str | os.PathLike, model: torch.nn.Module, optimizer: Any = None,
+                    scheduler: Any = None) -> dict[str, Any] | None:
+    """Restore everything from ``source`` (a checkpoint file, or a directory: its newest loadable
+    checkpoint). Returns the checkpoint's ``extra``, or ``None`` when a directory holds none."""
+    path = _choose(pt, source)
+    if path is None:
+        return None
+    state = load_file(path)
+    if state.get("format") != FORMAT:
+        raise CheckpointError(f"checkpoint {path!r} has format {state.get('format')!r}, expected {FORMAT}")
+    if state["global_batch"] != pt.plan.global_batch:
+        raise ValueError(f"checkpoint {path!r} was written with global batch {state['global_batch']}, this run uses "
+                         f"{pt.plan.global_batch}: resume with the same global batch (the world size may change)")
+    pt.unwrap(model).load_state_dict(state["model"])
+    if optimizer is not None:
+        getattr(optimizer, "optimizer", optimizer).load_state_dict(state["optimizer"])
+    pt.precision.load_state_dict(state["precision"])
+    if scheduler is not None and state["scheduler"] is not None:
+        scheduler.load_state_dict(state["scheduler"])
+    pt.global_step, pt.micro_step = int(state["global_step"]), 0
+    rngs = state["rng"]
+    if pt.rank < len(rngs):
+        set_rng_state(rngs[pt.rank])
+    else:  # a rank that did not exist when the checkpoint was written
+        torch.manual_seed(pt.config.seed * 1_000_003 + pt.global_step * 1_009 + pt.rank)
+    return state["extra"]
+
+
+def has_checkpoint(directory: str | os.PathLike) -> bool:
+    return bool(list_checkpoints(directory))

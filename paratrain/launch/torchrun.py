@@ -1,0 +1,235 @@
+"""``paratrain.launch.torchrun``: a thin layer over PyTorch's ``torchrun`` (``torch.distributed.run``).
+
+Nothing here re-implements the elastic agent or the rendezvous: :func:`torchrun` builds the
+argument list ``torchrun`` would get and runs it with ``torch.distributed.run`` in this process.
+What it adds:
+
+* safe single-node defaults: a c10d rendezvous on ``127.0.0.1:<free port>`` with a fresh id and
+  ``--local-addr 127.0.0.1`` (so ``MASTER_ADDR`` and gloo's sockets are loopback too). Caveat:
+  PyTorch's ``TCPStore`` server (the agent's rendezvous store, rank 0's store) listens on the
+  wildcard address whatever host it is given; torch 2.13 offers no bind address for it;
+* environment defaults (``setdefault``, a user's own value wins): ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``
+  (the rendezvous TCP store shared with the workers is flaky across restarts) and, when the
+  rendezvous address is loopback, ``GLOO_SOCKET_IFNAME=lo``;
+* one line on stderr instead of a traceback when a worker or the rendezvous fails, and the
+  failing worker's exit code as the return value.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from .spawn import free_port
+
+__all__ = ["LaunchConfig", "torchrun"]
+
+_PREFIX = "paratrain run: error:"
+_NOT_AVAILABLE = "<N/A>"  # ProcessFailure.error_file when the worker wrote no error file
+
+
+def _min_max_nodes(nnodes: str) -> tuple[int, int]:
+    """``"N"`` or ``"MIN:MAX"`` -> ``(min, max)``; ``ValueError`` naming the value otherwise."""
+    parts = nnodes.split(":")
+    try:
+        if len(parts) not in (1, 2):
+            raise ValueError
+        lo, hi = int(parts[0]), int(parts[-1])
+    except ValueError:
+        raise ValueError(f"nnodes={nnodes!r} is not a number of nodes: use N or MIN:MAX, e.g. 2 or 1:4") from None
+    if not 0 < lo <= hi:
+        raise ValueError(f"nnodes={nnodes!r} needs 0 < MIN <= MAX: use e.g. 2 or 1:4")
+    return lo, hi
+
+
+def _endpoint_host(endpoint: str) -> str:
+    """Host part of ``HOST``, ``HOST:PORT`` or ``[IPv6]:PORT``."""
+    if endpoint.startswith("["):
+        return endpoint[1:endpoint.find("]")]
+    return endpoint.rsplit(":", 1)[0] if endpoint.count(":") == 1 else endpoint
+
+
+def _is_loopback(host: str) -> bool:
+    return host == "localhost" or host.startswith("127.") or host == "::1"
+
+
+@dataclass
+class LaunchConfig:
+    """What ``torchrun`` needs to start this node's workers (names follow ``torchrun``'s flags).
+
+    Single node (``nnodes="1"``) with no ``master_*``/``rdzv_endpoint`` binds to loopback. Several
+    nodes need either ``master_addr`` (+ ``master_port``): static rendezvous, node ``node_rank``;
+    or ``rdzv_endpoint``: c10d (or ``rdzv_backend``) rendezvous, ranks assigned on arrival.
+    """
+
+    nproc_per_node: int = 1
+    nnodes: str = "1"  # "N" or "MIN:MAX" (elastic)
+    node_rank: int = 0
+    master_addr: str | None = None
+    master_port: int | None = None
+    rdzv_endpoint: str | None = None
+    rdzv_backend: str | None = None
+    rdzv_id: str | None = None
+    max_restarts: int = 0
+    monitor_interval: float | None = None
+    local_addr: str | None = None
+    log_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.nnodes, int):  # tolerate LaunchConfig(nnodes=2)
+            self.nnodes = str(self.nnodes)
+        if self.nproc_per_node < 1:
+            raise ValueError(f"nproc_per_node={self.nproc_per_node} must be at least 1")
+        _, max_nodes = _min_max_nodes(self.nnodes)
+        if not 0 <= self.node_rank < max_nodes:
+            raise ValueError(f"node_rank={self.node_rank} must be in [0, {max_nodes}) for nnodes={self.nnodes}")
+        if self.master_port is not None and not 0 < self.master_port < 65536:
+            raise ValueError(f"master_port={self.master_port} is not a TCP port: use 1..65535")
+        if self.master_addr == "" or self.rdzv_endpoint == "":
+            raise ValueError("master_addr and rdzv_endpoint must not be empty: leave them out instead")
+        if self.rdzv_endpoint and (self.master_addr or self.master_port):
+            raise ValueError(
+                f"rdzv_endpoint={self.rdzv_endpoint!r} and master_addr/master_port both given: use one of them"
+            )
+        if self.max_restarts < 0:
+            raise ValueError(f"max_restarts={self.max_restarts} must be >= 0")
+        if self.monitor_interval is not None and self.monitor_interval <= 0:
+            raise ValueError(f"monitor_interval={self.monitor_interval} must be > 0 seconds")
+        static = self.rdzv_backend in (None, "static")
+        if max_nodes > 1 and not self.rdzv_endpoint and not (static and self.master_addr):
+            raise ValueError(
+                f"nnodes={self.nnodes} needs --master-addr/--master-port (static) or --rdzv-endpoint HOST:PORT (c10d) "
+                "so the nodes can find each other"
+            )
+        if not static and self.rdzv_backend != "c10d" and not self.rdzv_endpoint:
+            raise ValueError(f"rdzv_backend={self.rdzv_backend!r} needs --rdzv-endpoint HOST:PORT")
+
+    @property
+    def min_nodes(self) -> int:
+        """Fewest nodes the job starts with (``MIN`` of ``nnodes``)."""
+        return _min_max_nodes(self.nnodes)[0]
+
+    @property
+    def max_nodes(self) -> int:
+        """Most nodes the job may grow to (``MAX`` of ``nnodes``)."""
+        return _min_max_nodes(self.nnodes)[1]
+
+    @property
+    def rendezvous_host(self) -> str:
+        """Address the rendezvous (or rank 0's store) is reached at."""
+        if self.rdzv_endpoint:
+            return _endpoint_host(self.rdzv_endpoint)
+        return self.master_addr or "127.0.0.1"
+
+
+def _torchrun_argv(cfg: LaunchConfig, program: list[str], module: bool, supported: set[str]) -> list[str]:
+    """The ``torchrun`` command line (without ``torchrun`` itself) for ``cfg``."""
+    argv = [
+        f"--nnodes={cfg.nnodes}",
+        f"--nproc-per-node={cfg.nproc_per_node}",
+        f"--node-rank={cfg.node_rank}",
+        f"--max-restarts={cfg.max_restarts}",
+    ]
+    backend, rdzv_id = cfg.rdzv_backend, cfg.rdzv_id
+    single_default = cfg.max_nodes == 1 and not (
+        cfg.master_addr or cfg.master_port or cfg.rdzv_endpoint
+    )
+    if single_default:
+        port = free_port("127.0.0.1")
+        if backend == "static":  # asked for explicitly: static on loopback
+            argv += ["--master-addr=127.0.0.1", f"--master-port={port}"]
+        else:
+            backend, rdzv_id = "c10d", rdzv_id or f"paratrain-{uuid.uuid4().hex}"
+            argv.append(f"--rdzv-endpoint=127.0.0.1:{port}")
+    elif cfg.rdzv_endpoint:
+        backend = backend or "c10d"
+        argv.append(f"--rdzv-endpoint={cfg.rdzv_endpoint}")
+    else:
+        if cfg.master_addr:
+            argv.append(f"--master-addr={cfg.master_addr}")
+        if cfg.master_port is not None:
+            argv.append(f"--master-port={cfg.master_port}")
+    if backend:
+        argv.append(f"--rdzv-backend={backend}")
+    if rdzv_id:
+        argv.append(f"--rdzv-id={rdzv_id}")
+    local_addr = cfg.local_addr or ("127.0.0.1" if _is_loopback(cfg.rendezvous_host) else None)
+    if local_addr and "--local-addr" in supported:  # older torch has no --local-addr
+        argv.append(f"--local-addr={local_addr}")
+    if cfg.monitor_interval is not None:
+        argv.append(f"--monitor-interval={cfg.monitor_interval}")
+    if cfg.log_dir:
+        argv.append(f"--log-dir={cfg.log_dir}")
+    if module:
+        argv.append("--module")
+    return argv + list(program)
+
+
+def _one_line(text: Any) -> str:
+    """First non-empty line of ``text`` (an exception's ``Type: message``), trimmed."""
+    lines = [ln.strip() for ln in str(text).splitlines() if ln.strip()]
+    return lines[0] if lines else ""
+
+
+def _failure_line(err: Any) -> tuple[str, int]:
+    """One line and an exit code for a ``ChildFailedError``."""
+    rank, failure = err.get_first_failure()
+    ranks = sorted(err.failures)
+    who = f"rank {rank}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))} (first: rank {rank})"
+    code = int(failure.exitcode)
+    if code < 0:  # killed by a signal: report like a shell does
+        try:
+            how = f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            how = f"killed by signal {-code}"
+        rc = 128 - code
+    else:
+        how, rc = f"exit code {code}", code or 1
+    root = ""
+    if failure.error_file != _NOT_AVAILABLE:  # the worker recorded its exception (``@record``)
+        message = failure.message
+        if isinstance(message, dict):  # {"message": "Type: msg", "extraInfo": {...}}
+            message = message.get("message", "")
+        root = _one_line(message)
+    return f"{_PREFIX} worker {who} failed ({how})" + (f": {root}" if root else ""), rc
+
+
+def torchrun(cfg: LaunchConfig, program: list[str], module: bool = False) -> int:
+    """Run ``program`` (``[script.py, *args]``, or ``[module, *args]`` with ``module``) under torchrun.
+
+    Blocks until every worker on this node has finished. Returns 0 on success; on a worker failure
+    prints one line naming the failed rank(s), exit code and root cause (recorded when the script
+    uses ``torch.distributed.elastic.multiprocessing.errors.record``) and returns that exit code
+    (``128 + signal`` when killed by a signal, else at least 1).
+    """
+    if not program:
+        raise ValueError("no program to run: give a script path (or a module with -m) and its arguments")
+    import torch.distributed.run as trun
+    from torch.distributed import DistError
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
+
+    parser = trun.get_args_parser()
+    argv = _torchrun_argv(cfg, program, module, set(parser._option_string_actions))
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    if _is_loopback(cfg.rendezvous_host):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    try:
+        trun.run(parser.parse_args(argv))
+    except ChildFailedError as e:
+        line, rc = _failure_line(e)
+        print(line, file=sys.stderr, flush=True)
+        return rc
+    except (RendezvousError, DistError) as e:  # DistError: the TCP store cannot bind, connect or time out
+        print(f"{_PREFIX} rendezvous at {cfg.rendezvous_host} failed: {type(e).__name__}: {_one_line(e)}",
+              file=sys.stderr, flush=True)
+        return 1
+    except SignalException as e:
+        print(f"{_PREFIX} stopped by {e.sigval.name}; workers were terminated", file=sys.stderr, flush=True)
+        return 128 + int(e.sigval)
+    return 0

@@ -1,0 +1,151 @@
+"""Exact resume: stop mid-epoch, resume (also on another world size) == uninterrupted; checkpoint
+files are atomic and never execute pickled code; a SIGKILLed worker is survived."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import paratrain
+from paratrain.checkpoint import CheckpointError, list_checkpoints, load_file, load_latest, write_checkpoint
+from paratrain.loop import fit, warmup_linear_scaling
+from clitools import ROOT, cli_env, run_cli
+
+N, GLOBAL_BATCH, EPOCHS = 120, 24, 3  # 5 steps per epoch, 15 in all; stop at 7 = mid-epoch 2
+
+
+def data():
+    g = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.randn(N, 10, generator=g), torch.randint(0, 3, (N,), generator=g))
+
+
+def make_model(dropout):
+    layers = [nn.Linear(10, 16), nn.BatchNorm1d(16), nn.ReLU()]
+    layers += [nn.Dropout(0.3)] if dropout else []
+    return nn.Sequential(*layers, nn.Linear(16, 3))
+
+
+def train(local_rank, strategy, ckpt_dir, max_steps, resume, dropout):
+    pt = paratrain.Parallel(strategy=strategy, global_batch=GLOBAL_BATCH, seed=1, sync_batchnorm=True)
+    model = make_model(dropout)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sched = warmup_linear_scaling(opt, GLOBAL_BATCH, base_batch=12, warmup_steps=4)
+    model, opt = pt.setup(model, opt)
+    if resume:
+        assert pt.load_checkpoint(ckpt_dir, model, opt, sched) is not None
+    fit(pt, model, opt, data(), epochs=EPOCHS, max_steps=max_steps, scheduler=sched, progress_bar=False,
+        checkpoint_dir=ckpt_dir, checkpoint_every=3)
+    state = {k: v.clone() for k, v in pt.unwrap(model).state_dict().items()}
+    pt.close()
+    return pt.global_step, state
+
+
+def assert_same(a, b, rtol):
+    for k in b:
+        if b[k].is_floating_point():
+            err = ((a[k] - b[k]).norm() / b[k].norm().clamp_min(1e-12)).item()
+            assert err <= rtol, f"{k}: relative error {err:.2e}"
+        else:
+            assert torch.equal(a[k], b[k]), k
+
+
+@pytest.mark.parametrize("strategy, world", [("single", 1), ("ddp", 2)])
+def test_stop_mid_epoch_and_resume_is_exact(tmp_path, strategy, world):
+    full = paratrain.launch(train, world, (strategy, str(tmp_path / "a"), None, False, True), timeout=90)[0]
+    first = paratrain.launch(train, world, (strategy, str(tmp_path / "b"), 7, False, True), timeout=90)[0]
+    assert first[0] == 7
+    resumed = paratrain.launch(train, world, (strategy, str(tmp_path / "b"), None, True, True), timeout=90)[0]
+    assert resumed[0] == full[0] == EPOCHS * N // GLOBAL_BATCH
+    assert_same(resumed[1], full[1], rtol=1e-6)  # dropout too: RNG states are restored per rank
+
+
+@pytest.mark.parametrize("new_world", [1, 4])
+def test_resume_on_a_different_world_size(tmp_path, new_world):
+    full = paratrain.launch(train, 2, ("ddp", str(tmp_path / "a"), None, False, False), timeout=90)[0]
+    paratrain.launch(train, 2, ("ddp", str(tmp_path / "b"), 7, False, False), timeout=90)
+    resumed = paratrain.launch(train, new_world, ("ddp", str(tmp_path / "b"), None, True, False), timeout=120)[0]
+    assert_same(resumed[1], full[1], rtol=1e-5)
+
+
+# --- files ---------------------------------------------------------------------------------
+
+_WRITER = """
+import sys, torch
+from paratrain.checkpoint import write_checkpoint
+write_checkpoint(sys.argv[1], int(sys.argv[2]), {"w": torch.arange(100000.0), "step": int(sys.argv[2])})
+"""
+
+
+def test_killed_writer_leaves_previous_checkpoint(tmp_path):
+    env = cli_env()
+    subprocess.run([sys.executable, "-c", _WRITER, str(tmp_path), "1"], env=env, check=True, timeout=60)
+    env["PARATRAIN_TEST_CRASH_AFTER_BYTES"] = "5000"
+    died = subprocess.run([sys.executable, "-c", _WRITER, str(tmp_path), "2"], env=env, timeout=60)
+    assert died.returncode != 0  # the writer really died mid-write
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step-00000001.pt"]
+    assert (tmp_path / "latest").read_text() == "step-00000001.pt"
+    path, state = load_latest(tmp_path)
+    assert path.name == "step-00000001.pt" and state["step"] == 1
+    assert any(p.name.startswith("step-00000002.pt.tmp") for p in tmp_path.iterdir())  # partial, never loaded
+
+
+class _Evil:
+    def __reduce__(self):
+        return (os.system, ("echo pwned > /dev/null",))
+
+
+def test_pickled_code_is_refused_and_truncated_is_reported(tmp_path):
+    write_checkpoint(tmp_path, 1, {"w": torch.ones(3)})
+    evil = tmp_path / "step-00000002.pt"
+    with open(evil, "wb") as f:
+        pickle.dump({"w": _Evil()}, f)
+    (tmp_path / "latest").write_text(evil.name)
+    with pytest.raises(CheckpointError, match="refused"):
+        load_file(evil)
+    with pytest.warns(UserWarning, match="refused"):
+        path, state = load_latest(tmp_path)  # falls back to the good one
+    assert path.name == "step-00000001.pt"
+
+    good = write_checkpoint(tmp_path / "t", 3, {"w": torch.arange(10000.0)})
+    good.write_bytes(good.read_bytes()[:1000])
+    with pytest.raises(CheckpointError, match="truncated or corrupt") as e:
+        load_file(good)
+    assert "\n" not in str(e.value)
+
+
+def test_keep_last_k(tmp_path):
+    for step in range(1, 6):
+        write_checkpoint(tmp_path, step, {"s": step}, keep=2)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step-00000004.pt", "step-00000005.pt"]
+
+
+# --- a killed worker under torchrun's elastic agent ----------------------------------------
+
+def _final_params(ckpt_dir):
+    path, state = load_latest(ckpt_dir)
+    return state["global_step"], state["model"]
+
+
+@pytest.mark.timeout(240)
+def test_sigkilled_worker_is_restarted_and_resumes_exactly(tmp_path):
+    common = ["train", "--strategy", "ddp", "--nproc-per-node", "2", "--model", "cnn", "--epochs", "1",
+              "--max-steps", "16", "--checkpoint-every", "4", "--no-progress", "--global-batch", "32"]
+    ref = run_cli([*common, "--log-dir", str(tmp_path / "ref")], timeout=100)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    killed = run_cli([*common, "--log-dir", str(tmp_path / "kill"), "--max-restarts", "2"], timeout=120,
+                     PARATRAIN_TEST_KILL_AT="1:10")
+    assert killed.returncode == 0, killed.stderr[-3000:]
+    assert "resumed from step 8" in killed.stdout  # restarted group picked up the last checkpoint
+    step_a, ref_params = _final_params(tmp_path / "ref" / "checkpoints")
+    step_b, got = _final_params(tmp_path / "kill" / "checkpoints")
+    assert step_a == step_b == 16
+    assert_same(got, ref_params, rtol=1e-6)
+    assert json.loads((tmp_path / "kill" / "result.json").read_text())["resumed_from_step"] == 8

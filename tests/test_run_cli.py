@@ -1,0 +1,146 @@
+"""``paratrain run``: real torchrun agents and gloo workers on this machine.
+
+Every CLI call runs in its own session (process group) with a hard time limit; past it the whole
+group (agent and workers) is killed with SIGKILL, so a hung collective cannot hang the test run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from paratrain.launch.spawn import free_port
+from paratrain.launch.torchrun import LaunchConfig, _torchrun_argv
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = "tests/scripts"
+
+pytestmark = pytest.mark.timeout(90)  # backstop; run_cli's own limits are shorter
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+def start_cli(args: list[str]) -> subprocess.Popen:
+    """Start ``python -m paratrain run ARGS`` from the repo root in a new process group."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "paratrain", "run", *args],
+        cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )
+
+
+def finish(proc: subprocess.Popen, timeout: float) -> subprocess.CompletedProcess:
+    """Wait for ``proc``; past ``timeout`` seconds SIGKILL its whole process group and fail."""
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _killpg(proc)
+        out, err = proc.communicate()
+        pytest.fail(f"paratrain run {proc.args[4:]} ran past {timeout}s and was killed\n{err[-4000:]}")
+    finally:
+        _killpg(proc)  # workers left behind by a failed agent
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def _killpg(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def run_cli(args: list[str], timeout: float = 35) -> subprocess.CompletedProcess:
+    return finish(start_cli(args), timeout)
+
+
+def test_two_workers_allreduce_and_ddp(tmp_path: Path) -> None:
+    t0 = time.monotonic()
+    r = run_cli(["--nproc-per-node", "2", f"{SCRIPTS}/allreduce.py", str(tmp_path)])
+    assert r.returncode == 0, r.stderr[-4000:]
+    res = json.loads((tmp_path / "result.json").read_text())
+    assert res["world_size"] == 2
+    assert res["sum"] == 0 + 1
+    assert res["params_equal"]  # DDP kept the replicas identical
+    assert [w["rank"] for w in res["ranks"]] == [0, 1]
+    assert time.monotonic() - t0 < 40
+
+
+def test_two_nodes_static_rendezvous(tmp_path: Path) -> None:
+    port = free_port()
+    common = ["--nnodes", "2", "--nproc_per_node", "1", "--master-addr", "127.0.0.1", "--master_port", str(port)]
+    script = [f"{SCRIPTS}/allreduce.py", str(tmp_path)]
+    procs = [start_cli([*common, "--node-rank", str(k), *script]) for k in (0, 1)]
+    deadline = time.monotonic() + 35
+    results = [finish(p, max(1.0, deadline - time.monotonic())) for p in procs]
+    for k, r in enumerate(results):
+        assert r.returncode == 0, f"node {k}: {r.stderr[-4000:]}"
+    res = json.loads((tmp_path / "result.json").read_text())
+    assert res["world_size"] == 2
+    assert [(w["rank"], w["node_rank"], w["local_rank"]) for w in res["ranks"]] == [(0, 0, 0), (1, 1, 0)]
+    for w in res["ranks"]:  # seed 001: rank = node_rank * nproc_per_node + local_rank
+        assert w["rank"] == w["node_rank"] * w["local_world_size"] + w["local_rank"]
+
+
+def test_worker_failure_names_rank_and_exits_nonzero() -> None:
+    t0 = time.monotonic()
+    r = run_cli(["--nproc-per-node", "2", f"{SCRIPTS}/fail_rank1.py"], timeout=35)
+    assert r.returncode != 0
+    assert time.monotonic() - t0 < 35
+    summary = [ln for ln in r.stderr.splitlines() if ln.startswith("paratrain run: error:")]
+    assert len(summary) == 1, r.stderr[-4000:]
+    assert "rank 1" in summary[0] and "boom rank 1" in summary[0]
+
+
+def test_max_restarts_recovers(tmp_path: Path) -> None:
+    r = run_cli(["--nproc-per-node", "2", "--max-restarts", "1", f"{SCRIPTS}/fail_once.py", str(tmp_path)])
+    assert r.returncode == 0, r.stderr[-4000:]
+    res = json.loads((tmp_path / "result.json").read_text())
+    assert res["restart_count"] == 1 and res["world_size"] == 2 and res["sum"] == 1
+
+
+def test_missing_script_is_a_one_line_usage_error() -> None:
+    r = run_cli(["--nproc-per-node", "2", "no/such/script.py"], timeout=30)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "no/such/script.py" in lines[0], r.stderr
+
+
+@pytest.mark.parametrize(
+    "kwargs, bad",
+    [
+        ({"nproc_per_node": 0}, "nproc_per_node=0"),
+        ({"nnodes": "2:1"}, "nnodes='2:1'"),
+        ({"nnodes": "x"}, "nnodes='x'"),
+        ({"nnodes": "2"}, "nnodes=2 needs"),
+        ({"nnodes": "2", "master_addr": "h", "node_rank": 2}, "node_rank=2"),
+        ({"master_port": 70000}, "master_port=70000"),
+        ({"rdzv_endpoint": "h:1", "master_addr": "h"}, "rdzv_endpoint='h:1'"),
+        ({"max_restarts": -1}, "max_restarts=-1"),
+    ],
+)
+def test_config_rejects_bad_values(kwargs: dict, bad: str) -> None:
+    with pytest.raises(ValueError, match=bad.replace("(", r"\(")):
+        LaunchConfig(**kwargs)
+
+
+def test_argv_single_node_binds_loopback() -> None:
+    argv = _torchrun_argv(LaunchConfig(nproc_per_node=2), ["t.py", "--lr", "1"], False, {"--local-addr"})
+    assert "--rdzv-backend=c10d" in argv and "--local-addr=127.0.0.1" in argv
+    assert any(a.startswith("--rdzv-endpoint=127.0.0.1:") for a in argv)
+    assert any(a.startswith("--rdzv-id=paratrain-") for a in argv)
+    assert argv[-3:] == ["t.py", "--lr", "1"]
+    multi = _torchrun_argv(LaunchConfig(nnodes="2", master_addr="10.0.0.1", master_port=29500), ["t.py"], True, set())
+    assert "--master-addr=10.0.0.1" in multi and "--master-port=29500" in multi
+    assert not any(a.startswith(("--rdzv", "--local-addr")) for a in multi) and "--module" in multi
