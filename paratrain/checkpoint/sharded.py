@@ -1,0 +1,115 @@
+"""Sharded checkpoints through ``torch.distributed.checkpoint`` (DCP), for fsdp and tensor.
+
+Every rank writes only its own shards, in parallel; nothing is gathered on one process. DCP
+records the global shape of every tensor, so a checkpoint saved on N processes loads on M (or
+on one process into a plain model): each rank reads the pieces its new shards need. The state
+dicts come from ``torch.distributed.checkpoint.state_dict``, which names parameters and
+optimizer state by the user's fully qualified names whatever the sharding. Layout::
+
+    path/            # written as path.tmp, renamed when every rank has finished
+        .metadata    # DCP's index of global shapes and shard locations
+        __0_0.distcp # rank 0's shards, __1_0.distcp rank 1's...
+        extra.json   # the caller's small plain data (step...), written by rank 0
+
+``path`` must be on a filesystem every rank sees.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["save_sharded", "load_sharded", "full_state_dict"]
+
+EXTRA = "extra.json"
+
+
+def _unwrap(model: nn.Module, optimizer: Any) -> tuple[nn.Module, Any]:
+    from ..parallel import ParallelModule, ParallelOptimizer
+
+    if isinstance(model, ParallelModule):
+        model = model.original
+    if isinstance(optimizer, ParallelOptimizer):
+        optimizer = optimizer.optimizer
+    return model, optimizer
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _state(model: nn.Module, optimizer: Any) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+    if optimizer is None:
+        return {"model": get_model_state_dict(model)}
+    model_state, optim_state = get_state_dict(model, optimizer)
+    return {"model": model_state, "optim": optim_state}
+
+
+def save_sharded(path: str | os.PathLike, model: nn.Module, optimizer: Any = None,
+                 extra: dict[str, Any] | None = None) -> None:
+    """Write ``model`` (and ``optimizer``) state as a DCP checkpoint directory. Call on all ranks.
+
+    ``extra`` is small JSON-serializable data (step, config...). The directory appears complete or
+    not at all: it is written as ``path.tmp`` and renamed once every rank has finished.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    path = os.fspath(path)
+    model, optimizer = _unwrap(model, optimizer)
+    tmp = f"{path}.tmp"
+    main = not _distributed() or dist.get_rank() == 0
+    json.dumps(extra or {})  # on every rank: fail before any collective if extra is not plain data
+    if main:
+        shutil.rmtree(tmp, ignore_errors=True)  # left over from a crashed save
+    if _distributed():
+        dist.barrier()
+    dcp.save(_state(model, optimizer), checkpoint_id=tmp)
+    if main:
+        with open(os.path.join(tmp, EXTRA), "w") as f:
+            json.dump(extra or {}, f)
+        old = f"{path}.old"
+        if os.path.exists(path):
+            os.replace(path, old)
+        os.replace(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
+    if _distributed():
+        dist.barrier()  # nobody reads path before it is complete
+
+
+def load_sharded(path: str | os.PathLike, model: nn.Module, optimizer: Any = None) -> dict[str, Any]:
+    """Load a :func:`save_sharded` checkpoint into ``model`` (and ``optimizer``), resharding to this
+    run's world size and strategy. Call on all ranks. Returns the saved ``extra``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
+    path = os.fspath(path)
+    if not os.path.isfile(os.path.join(path, ".metadata")):
+        raise FileNotFoundError(f"{path!r} is not a sharded checkpoint (no .metadata): pass a save_sharded directory")
+    model, optimizer = _unwrap(model, optimizer)
+    state = _state(model, optimizer)  # shapes and shardings to load into; DCP fills them in place
+    dcp.load(state, checkpoint_id=path)
+    if optimizer is None:
+        set_model_state_dict(model, state["model"])
+    else:
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    extra_path = os.path.join(path, EXTRA)
+    if not os.path.isfile(extra_path):
+        return {}
+    with open(extra_path) as f:
+        return json.load(f)
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The whole (unsharded) model state on every rank, e.g. to compare or export."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    model, _ = _unwrap(model, None)
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))

@@ -1,0 +1,239 @@
+"""``fsdp``: FSDP2 (``torch.distributed.fsdp.fully_shard``) — every rank keeps 1/N of the model.
+
+Each block (see :class:`FSDPOptions` for what a block is) and then the root are sharded. Forward
+all-gathers a block's parameters just before it runs; backward reduce-scatters its gradients, so
+each rank ends with the gradient of its own shard and the optimizer steps 1/N of the model.
+``reshard_after_forward=True`` frees the gathered parameters after forward (ZeRO-3);
+``False`` keeps them until backward (ZeRO-2-like: more memory, one all-gather fewer per step).
+
+FSDP2 replaces parameters by sharded ``DTensor`` parameters, so an optimizer built before
+:meth:`Parallel.setup` is rebuilt over them (same class and hyperparameters). The helpers here
+(sharding, optimizer rebuild, DTensor-aware clipping, parameter bytes) are shared with ``tensor``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..env.process import Dist
+from .base import Strategy
+
+__all__ = [
+    "FSDPOptions", "FullyShardedDataParallel", "shard_model", "mixed_precision_policy",
+    "parameter_bytes", "ParameterSwap", "clip_grad_norm_",
+]
+
+
+@dataclass(kw_only=True)
+class FSDPOptions:
+    """FSDP2 settings."""
+
+    reshard_after_forward: bool = True
+    """Free gathered parameters after forward (ZeRO-3). False keeps them for backward (ZeRO-2-like)."""
+    wrap_classes: list[str] = field(default_factory=list)
+    """Class names of the blocks sharded as one unit (e.g. ["Block"]). Empty: see min_params."""
+    min_params: int = 0
+    """With no wrap_classes: a submodule holding at least this many not-yet-sharded parameters is
+    a block. 0: every direct child of the model that has parameters is a block."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.wrap_classes, str):  # from the command line: "Block,Attention"
+            self.wrap_classes = [c.strip() for c in self.wrap_classes.split(",") if c.strip()]
+        if not all(isinstance(c, str) and c for c in self.wrap_classes):
+            raise ValueError(f"fsdp wrap_classes {self.wrap_classes!r} must be a list of class names")
+        if self.min_params < 0:
+            raise ValueError(f"fsdp min_params {self.min_params} must be >= 0")
+
+
+def mixed_precision_policy(precision: str) -> Any:
+    """FSDP2's parameter/reduction dtypes for a paratrain precision name (fp32 reductions)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    dtype = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}.get(precision)
+    if dtype is None:
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+
+
+def _blocks(model: nn.Module, wrap_classes: list[str], min_params: int) -> list[nn.Module]:
+    """The submodules sharded as units, innermost first (fully_shard must go bottom-up)."""
+    if wrap_classes:
+        return [m for m in reversed(list(model.modules())) if m is not model and type(m).__name__ in wrap_classes]
+    if min_params == 0:
+        return [m for m in model.children() if any(True for _ in m.parameters())]
+    blocks: list[nn.Module] = []
+    covered: set[int] = set()  # parameters already inside a chosen block
+
+    def visit(module: nn.Module) -> None:  # post-order: children decide first
+        for child in module.children():
+            visit(child)
+        free = sum(p.numel() for p in module.parameters() if id(p) not in covered)
+        if module is not model and free >= min_params:
+            blocks.append(module)
+            covered.update(id(p) for p in module.parameters())
+
+    visit(model)
+    return blocks
+
+
+def shard_model(model: nn.Module, mesh: Any, options: FSDPOptions, precision: str = "32") -> nn.Module:
+    """``fully_shard`` each block of ``model`` over ``mesh``, then the root; returns ``model``."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    missing = sorted(set(options.wrap_classes) - {type(m).__name__ for m in model.modules()})
+    if missing:
+        Strategy.warn(f"fsdp wrap_classes {missing} match no module of the model: those blocks are not sharded")
+    policy = mixed_precision_policy(precision)
+    kwargs = dict(mesh=mesh, reshard_after_forward=options.reshard_after_forward)
+    done: set[int] = set()
+    if policy.param_dtype is not None:
+        # BatchNorm stays fp32, as under autocast: its fp32 running statistics cannot meet
+        # low-precision weights and inputs (batch_norm refuses the mix).
+        fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+        for m in model.modules():
+            if isinstance(m, nn.modules.batchnorm._BatchNorm) and m is not model and m.affine:
+                fully_shard(m, mp_policy=fp32, **kwargs)
+                done.add(id(m))
+    for block in _blocks(model, options.wrap_classes, options.min_params):
+        if id(block) not in done:
+            fully_shard(block, mp_policy=policy, **kwargs)
+    fully_shard(model, mp_policy=policy, **kwargs)
+    return model
+
+
+def parameter_bytes(model: nn.Module) -> dict[str, Any]:
+    """Parameter bytes this rank holds (``local``: its shards) and of the whole model (``full``)."""
+    from torch.distributed.tensor import DTensor
+
+    local = full = 0
+    for p in model.parameters():
+        size = p.element_size()
+        full += p.numel() * size  # a DTensor's numel is the global one
+        local += (p.to_local().numel() if isinstance(p, DTensor) else p.numel()) * size
+    return {"local": local, "full": full, "fraction": local / full if full else 1.0}
+
+
+def format_bytes(n: float) -> str:
+    """``136 B``, ``12.5 KiB``, ``3.2 MiB``, ``1.50 GiB``."""
+    for unit in ("B", "KiB", "MiB"):
+        if n < 1024:
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n:.0f} B"
+        n /= 1024
+    return f"{n:.2f} GiB"
+
+
+class ParameterSwap:
+    """Remembers which parameters a sharding step replaced, to rebuild an optimizer over the new ones."""
+
+    def __init__(self) -> None:
+        self._new: dict[int, tuple[weakref.ref, nn.Parameter]] = {}
+
+    def before(self, model: nn.Module) -> dict[str, nn.Parameter]:
+        return dict(model.named_parameters())
+
+    def after(self, model: nn.Module, old: dict[str, nn.Parameter]) -> None:
+        # weak references: the old full-size parameters must not stay alive because of us
+        for name, p in model.named_parameters():
+            if name in old and old[name] is not p:
+                self._new[id(old[name])] = (weakref.ref(old[name]), p)
+
+    def _lookup(self, p: torch.Tensor) -> torch.Tensor:
+        entry = self._new.get(id(p))
+        return entry[1] if entry is not None and entry[0]() is p else p
+
+    def rebuild(self, optimizer: torch.optim.Optimizer, strategy: str) -> torch.optim.Optimizer:
+        """The same optimizer over the new parameters (param groups mapped by position)."""
+        groups = [{**g, "params": [self._lookup(p) for p in g["params"]]} for g in optimizer.param_groups]
+        if all(n is o for g, og in zip(groups, optimizer.param_groups) for n, o in zip(g["params"], og["params"])):
+            return optimizer  # built after setup: already over the sharded parameters
+        if optimizer.state:
+            raise ValueError(
+                f"{strategy}: the optimizer has already stepped; create it before pt.setup() or after, "
+                "but do not step it before: its state cannot follow the parameters into their shards"
+            )
+        # Every group carries all its hyperparameters; the constructor's keyword arguments only set
+        # the defaults of later add_param_group calls. Some defaults are not constructor arguments
+        # (AdamW's decoupled_weight_decay), so pass only those its signature accepts.
+        accepted = inspect.signature(type(optimizer).__init__).parameters
+        takes_any = any(p.kind is p.VAR_KEYWORD for p in accepted.values())
+        defaults = {k: v for k, v in optimizer.defaults.items() if takes_any or k in accepted}
+        return type(optimizer)(groups, **defaults)
+
+
+@torch.no_grad()
+def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` for DTensor gradients that may live on several meshes.
+
+    The norm of each mesh's gradients is computed locally and reduced once (``full_tensor``);
+    plain gradients are replicated, so their local norm is already the global one.
+    """
+    from torch.distributed.tensor import DTensor
+
+    params = [p for p in parameters if p.grad is not None]
+    by_mesh: dict[Any, list[torch.Tensor]] = {}
+    for p in params:
+        by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p.grad)
+    norms = []
+    for mesh, grads in by_mesh.items():
+        norm = torch.nn.utils.get_total_norm(grads, norm_type)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    if not norms:
+        return torch.zeros(())
+    total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for grads in by_mesh.values():
+        torch._foreach_mul_(grads, coef.to(grads[0].device))
+    return total
+
+
+class FullyShardedDataParallel(Strategy):
+    name = "fsdp"
+    collective_forward = True
+    precision = "32"  # set by Parallel: picks FSDP's MixedPrecisionPolicy
+
+    def __init__(self, dist_info: Dist, sync_batchnorm: bool = False, options: FSDPOptions | None = None) -> None:
+        super().__init__(dist_info, sync_batchnorm, options or FSDPOptions())
+        self.swap = ParameterSwap()
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        if self.dist.backend is None:
+            return model  # a world of one: nothing to shard
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(self.device.type, (self.dist.world_size,), mesh_dim_names=("dp",))
+        old = self.swap.before(model)
+        shard_model(model, mesh, self.options, self.precision)
+        self.swap.after(model, old)
+        self._report(model)
+        return model
+
+    def _report(self, model: nn.Module) -> None:
+        b = self.parameter_bytes(model)
+        if self.dist.is_main_process:
+            print(f"paratrain {self.name}: {format_bytes(b['local'])} of {format_bytes(b['full'])} of parameters "
+                  f"per rank ({b['fraction']:.0%}) over {self.dist.world_size} processes")
+
+    @staticmethod
+    def parameter_bytes(model: nn.Module) -> dict[str, Any]:
+        """This rank's parameter bytes (``local``) against the whole model's (``full``)."""
+        return parameter_bytes(model)
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return model  # fully_shard works in place: the module is the user's own
+
+    def setup_optimizer(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        return self.swap.rebuild(optimizer, self.name)
+
+    def set_gradient_sync(self, model: nn.Module, enabled: bool) -> None:
+        # Off: gradients accumulate unsharded locally; the last micro-step reduce-scatters them.
+        if hasattr(model, "set_requires_gradient_sync"):
+            model.set_requires_gradient_sync(enabled)
+
+    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        return clip_grad_norm_(model.parameters(), max_norm)

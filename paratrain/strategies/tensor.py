@@ -1,0 +1,175 @@
+"""``tensor``: DTensor tensor parallelism for Linear layers (seed 004's "layer-wise partitioning").
+
+A pair ``Linear -> activation -> Linear`` is split Megatron-style over the ``tp`` ranks: the first
+Linear column-wise (each rank computes a slice of the hidden features), the second row-wise (each
+rank multiplies its slice; one all-reduce sums the partial outputs). The activation between them
+runs on the local slice, so a pair costs one all-reduce in forward and one in backward, and the
+pair's output is the full, replicated tensor — the model returns full logits and the loss is
+computed as usual.
+
+With ``tp_size`` smaller than the world size the processes form a 2-D mesh ``(dp, tp)``: tensor
+parallel inside each ``tp`` group, then FSDP2 over ``dp``. The ranks of one ``tp`` group see the
+same batch, so the data layer shards batches over ``dp`` only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..env.process import Dist
+from .base import Strategy
+from .fsdp import FSDPOptions, ParameterSwap, clip_grad_norm_, format_bytes, parameter_bytes, shard_model
+
+__all__ = ["TensorOptions", "TensorParallel", "auto_plan"]
+
+STYLES = ("colwise", "rowwise")
+
+
+@dataclass(kw_only=True)
+class TensorOptions:
+    """Tensor-parallel settings."""
+
+    tp_size: int | None = None
+    """Processes that split each Linear pair. None: all of them. Must divide the world size;
+    the quotient is the data-parallel (FSDP) size."""
+    plan: dict[str, str] = field(default_factory=dict)
+    """Explicit plan {module name: "colwise" | "rowwise"}; every colwise Linear must feed a
+    rowwise one so the model's output is full. Empty: pair up consecutive Linears automatically."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.plan, str):  # from the command line: "0.fc1=colwise,0.fc2=rowwise"
+            try:
+                self.plan = dict(item.split("=", 1) for item in self.plan.split(",") if item.strip())
+            except ValueError:
+                raise ValueError(f"tensor plan {self.plan!r} must read name=colwise,name=rowwise") from None
+            self.plan = {k.strip(): v.strip() for k, v in self.plan.items()}
+        if self.tp_size is not None and self.tp_size < 1:
+            raise ValueError(f"tensor tp_size {self.tp_size} must be at least 1")
+        for name, style in self.plan.items():
+            if style not in STYLES:
+                raise ValueError(f"tensor plan[{name!r}] = {style!r} is unknown: use colwise or rowwise")
+
+
+def auto_plan(model: nn.Module) -> dict[str, str]:
+    """Column-wise/row-wise pairs: two Linear children of one module with only parameter-free
+    modules (activations) between them, e.g. ``fc1, GELU, fc2`` in an MLP block."""
+    plan: dict[str, str] = {}
+    for prefix, module in model.named_modules():
+        children = list(module.named_children())
+        i = 0
+        while i < len(children):
+            if not isinstance(children[i][1], nn.Linear):
+                i += 1
+                continue
+            j = i + 1
+            while j < len(children) and not isinstance(children[j][1], nn.Linear) \
+                    and not any(True for _ in children[j][1].parameters()):
+                j += 1
+            if j < len(children) and isinstance(children[j][1], nn.Linear):
+                plan[f"{prefix}.{children[i][0]}".lstrip(".")] = "colwise"
+                plan[f"{prefix}.{children[j][0]}".lstrip(".")] = "rowwise"
+                i = j + 1
+            else:
+                i = j
+    return plan
+
+
+class TensorParallel(Strategy):
+    name = "tensor"
+    collective_forward = True
+    precision = "32"  # set by Parallel: FSDP's MixedPrecisionPolicy on the dp dimension
+
+    def __init__(self, dist_info: Dist, sync_batchnorm: bool = False, options: TensorOptions | None = None) -> None:
+        super().__init__(dist_info, sync_batchnorm, options or TensorOptions())
+        world = dist_info.world_size
+        self.tp = self.options.tp_size or world
+        if world % self.tp:
+            raise ValueError(f"tensor: world size {world} is not divisible by tp_size {self.tp}: "
+                             f"use a tp_size that divides {world}")
+        self.dp = world // self.tp
+        self.swap = ParameterSwap()
+        self._mesh: Any = None
+
+    # --- data layout: the ranks of one tp group read the same batch ---------------------------
+    @property
+    def data_parallel_size(self) -> int:
+        return self.dp
+
+    @property
+    def data_parallel_rank(self) -> int:
+        return self.dist.rank // self.tp  # init_device_mesh lays ranks out row-major over (dp, tp)
+
+    @property
+    def mesh(self) -> Any:
+        """The 2-D ``(dp, tp)`` DeviceMesh (either dimension may be 1)."""
+        if self._mesh is None:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            self._mesh = init_device_mesh(self.device.type, (self.dp, self.tp), mesh_dim_names=("dp", "tp"))
+        return self._mesh
+
+    # --- model ----------------------------------------------------------------------------------
+    def plan_for(self, model: nn.Module) -> dict[str, str]:
+        """The checked plan for ``model``: the explicit one from the options, or :func:`auto_plan`."""
+        linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+        if not linears:
+            raise ValueError(f"tensor: the model ({type(model).__name__}) has no nn.Linear layer to "
+                             "parallelize: use fsdp or ddp")
+        plan = self.options.plan or auto_plan(model)
+        if not plan:
+            raise ValueError(f"tensor: found no Linear -> activation -> Linear pair among {len(linears)} Linear "
+                             "layers: give an explicit plan in the tensor options")
+        for fqn, style in plan.items():
+            if fqn not in linears:
+                raise ValueError(f"tensor plan names {fqn!r}, which is not an nn.Linear of the model")
+            # colwise splits the output features over the tp ranks, rowwise the input features
+            dim = "out_features" if style == "colwise" else "in_features"
+            size = getattr(linears[fqn], dim)
+            if size % self.tp:
+                raise ValueError(
+                    f"tensor: Linear {fqn!r} ({style}) has {dim} {size}, not divisible by tp_size {self.tp}")
+        return plan
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        plan = self.plan_for(model)  # checked even in a world of one: the error shows up early
+        if self.dist.backend is None:
+            return model
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        old = self.swap.before(model)
+        if self.tp > 1:
+            styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+            parallelize_module(model, self.mesh["tp"], {fqn: styles[s]() for fqn, s in plan.items()})
+        if self.dp > 1:
+            shard_model(model, self.mesh["dp"], FSDPOptions(), self.precision)
+        self.swap.after(model, old)
+        b = parameter_bytes(model)
+        if self.dist.is_main_process:
+            print(f"paratrain tensor: {len(plan)} Linear layers split over tp={self.tp}, dp={self.dp}; "
+                  f"{format_bytes(b['local'])} of {format_bytes(b['full'])} of parameters per rank")
+        return model
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return model  # parallelize_module and fully_shard work in place
+
+    def setup_optimizer(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        return self.swap.rebuild(optimizer, self.name)
+
+    def set_gradient_sync(self, model: nn.Module, enabled: bool) -> None:
+        # Only the dp (FSDP) reduction can wait; tp all-reduces are part of the computation.
+        if hasattr(model, "set_requires_gradient_sync"):
+            model.set_requires_gradient_sync(enabled)
+
+    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        return clip_grad_norm_(model.parameters(), max_norm)
+
+    # --- metrics: sum over dp only (the tp ranks of a group hold the same numbers) ---------------
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.dist.backend is not None and self.dp > 1:
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.mesh["dp"].get_group())
+        return tensor
