@@ -170,6 +170,10 @@ class Parallel:
             return model.original
         return self.strategy.unwrap(model)
 
+    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """The whole model's state (unsharded, every pipeline stage) as CPU tensors. Collective."""
+        return self.strategy.full_state_dict(self.unwrap(model))
+
     # --- the step --------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor | Callable[[int], None]) -> None:
         """Backward of one micro-batch's loss (averaged over the accumulation steps).

@@ -43,7 +43,7 @@ def train(local_rank, strategy, ckpt_dir, max_steps, resume, dropout):
         assert pt.load_checkpoint(ckpt_dir, model, opt, sched) is not None
     fit(pt, model, opt, data(), epochs=EPOCHS, max_steps=max_steps, scheduler=sched, progress_bar=False,
         checkpoint_dir=ckpt_dir, checkpoint_every=3)
-    state = {k: v.clone() for k, v in pt.unwrap(model).state_dict().items()}
+    state = pt.full_state_dict(model)
     pt.close()
     return pt.global_step, state
 
@@ -57,7 +57,7 @@ def assert_same(a, b, rtol):
             assert torch.equal(a[k], b[k]), k
 
 
-@pytest.mark.parametrize("strategy, world", [("single", 1), ("ddp", 2)])
+@pytest.mark.parametrize("strategy, world", [("single", 1), ("ddp", 2), ("fsdp", 2)])
 def test_stop_mid_epoch_and_resume_is_exact(tmp_path, strategy, world):
     full = paratrain.launch(train, world, (strategy, str(tmp_path / "a"), None, False, True), timeout=90)[0]
     first = paratrain.launch(train, world, (strategy, str(tmp_path / "b"), 7, False, True), timeout=90)[0]

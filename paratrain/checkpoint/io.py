@@ -16,6 +16,7 @@ import io
 import os
 import pickle
 import re
+import shutil
 import warnings
 from pathlib import Path
 from typing import Any
@@ -100,6 +101,7 @@ def write_checkpoint(directory: str | os.PathLike, step: int, obj: Any, keep: in
     _write_atomic(d / LATEST, path.name.encode())  # updated only after the file is complete
     for old in list_checkpoints(d)[:-keep] if keep > 0 else []:
         old.unlink(missing_ok=True)
+        shutil.rmtree(old.with_suffix(".dcp"), ignore_errors=True)  # its shards, for sharded strategies
     return path
 
 

@@ -48,6 +48,12 @@ def save_checkpoint(pt: "Parallel", directory: str | os.PathLike, model: torch.n
                            "save after optimizer.step()")
     optimizer = getattr(optimizer, "optimizer", optimizer)
     rngs = _gather_rng(pt)  # every rank takes part
+    sharded = None
+    if pt.strategy.sharded_state:  # every rank writes its own shards; the .pt file (last) points at them
+        from .sharded import save_sharded
+
+        sharded = f"step-{pt.global_step:08d}.dcp"
+        save_sharded(Path(directory) / sharded, model, optimizer)
     if not pt.is_main_process:
         return None
     state = {
@@ -56,8 +62,9 @@ def save_checkpoint(pt: "Parallel", directory: str | os.PathLike, model: torch.n
         "global_batch": pt.plan.global_batch,
         "seed": pt.config.seed,
         "world_size": pt.world_size,
-        "model": pt.unwrap(model).state_dict(),
-        "optimizer": optimizer.state_dict(),
+        "sharded": sharded,
+        "model": None if sharded else pt.unwrap(model).state_dict(),
+        "optimizer": None if sharded else optimizer.state_dict(),
         "precision": pt.precision.state_dict(),
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
         "rng": rngs,
@@ -98,9 +105,17 @@ def load_checkpoint(pt: "Parallel", source: str | os.PathLike, model: torch.nn.M
     if state["global_batch"] != pt.plan.global_batch:
         raise ValueError(f"checkpoint {path!r} was written with global batch {state['global_batch']}, this run uses "
                          f"{pt.plan.global_batch}: resume with the same global batch (the world size may change)")
-    pt.unwrap(model).load_state_dict(state["model"])
-    if optimizer is not None:
-        getattr(optimizer, "optimizer", optimizer).load_state_dict(state["optimizer"])
+    if state.get("sharded"):  # DCP reshards to this run's world size and strategy
+        from .sharded import load_sharded
+
+        load_sharded(Path(path).parent / state["sharded"], model, optimizer)
+    elif pt.strategy.sharded_state:
+        raise CheckpointError(f"checkpoint {path!r} holds a full (unsharded) model; load it into a ddp/single run, "
+                              "or save it again from a sharded one")
+    else:
+        pt.unwrap(model).load_state_dict(state["model"])
+        if optimizer is not None:
+            getattr(optimizer, "optimizer", optimizer).load_state_dict(state["optimizer"])
     pt.precision.load_state_dict(state["precision"])
     if scheduler is not None and state["scheduler"] is not None:
         scheduler.load_state_dict(state["scheduler"])

@@ -109,6 +109,10 @@ def init(
         return Dist(info, device, None)
     chosen = select_backend(device, backend)
     if not dist.is_initialized():
+        # DDP imports torch._dynamo; imported *after* init_process_group it keeps the group alive
+        # past destroy(), and gloo's threads can then abort the exiting worker (torch 2.13). Import
+        # it first (DDP would pay for the import anyway).
+        import torch._dynamo  # noqa: F401
         os.environ.setdefault("MASTER_ADDR", info.master_addr)
         os.environ.setdefault("MASTER_PORT", str(info.master_port))
         if os.environ["MASTER_ADDR"] in ("127.0.0.1", "localhost") and chosen == "gloo":

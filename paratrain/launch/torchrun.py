@@ -157,7 +157,8 @@ def _torchrun_argv(cfg: LaunchConfig, program: list[str], module: bool, supporte
         argv.append(f"--rdzv-backend={backend}")
     if rdzv_id:
         argv.append(f"--rdzv-id={rdzv_id}")
-    local_addr = cfg.local_addr or ("127.0.0.1" if _is_loopback(cfg.rendezvous_host) else None)
+    host = cfg.rendezvous_host
+    local_addr = cfg.local_addr or (("127.0.0.1" if host == "localhost" else host) if _is_loopback(host) else None)
     if local_addr and "--local-addr" in supported:  # older torch has no --local-addr
         argv.append(f"--local-addr={local_addr}")
     if cfg.monitor_interval is not None:

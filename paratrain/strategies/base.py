@@ -24,6 +24,7 @@ class Strategy:
     name: ClassVar[str] = "base"
     processes: ClassVar[str] = "any"  # "one" or "any"
     collective_forward: ClassVar[bool] = False  # does forward itself communicate (FSDP, TP, pipeline)?
+    sharded_state: ClassVar[bool] = False  # checkpoint through torch.distributed.checkpoint (FSDP, TP)?
 
     def __init__(self, dist_info: Dist, sync_batchnorm: bool = False, options: Any = None) -> None:
         self.dist = dist_info
@@ -84,6 +85,14 @@ class Strategy:
         loss = loss_fn(model(batch[0]), batch[1])
         backward(loss)
         return loss
+
+    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """The whole model's state as plain CPU tensors on every rank (unsharded, all stages)."""
+        if self.sharded_state:
+            from ..checkpoint.sharded import full_state_dict
+
+            return {k: v.detach().cpu().clone() for k, v in full_state_dict(model).items()}
+        return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
 
     def set_gradient_sync(self, model: nn.Module, enabled: bool) -> None:
         """Turn gradient synchronisation off for accumulation micro-steps (``no_sync``)."""

@@ -195,6 +195,7 @@ def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2.0) ->
 class FullyShardedDataParallel(Strategy):
     name = "fsdp"
     collective_forward = True
+    sharded_state = True
     precision = "32"  # set by Parallel: picks FSDP's MixedPrecisionPolicy
 
     def __init__(self, dist_info: Dist, sync_batchnorm: bool = False, options: FSDPOptions | None = None) -> None:

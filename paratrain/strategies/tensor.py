@@ -82,6 +82,7 @@ def auto_plan(model: nn.Module) -> dict[str, str]:
 class TensorParallel(Strategy):
     name = "tensor"
     collective_forward = True
+    sharded_state = True
     precision = "32"  # set by Parallel: FSDP's MixedPrecisionPolicy on the dp dimension
 
     def __init__(self, dist_info: Dist, sync_batchnorm: bool = False, options: TensorOptions | None = None) -> None:
