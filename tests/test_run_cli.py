@@ -7,58 +7,25 @@ group (agent and workers) is killed with SIGKILL, so a hung collective cannot ha
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
+import clitools
+from clitools import finish
 from paratrain.launch.spawn import free_port
 from paratrain.launch.torchrun import LaunchConfig, _torchrun_argv
 
-ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = "tests/scripts"
 
 pytestmark = pytest.mark.timeout(90)  # backstop; run_cli's own limits are shorter
 
 
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    return env
-
-
 def start_cli(args: list[str]) -> subprocess.Popen:
-    """Start ``python -m paratrain run ARGS`` from the repo root in a new process group."""
-    return subprocess.Popen(
-        [sys.executable, "-m", "paratrain", "run", *args],
-        cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        start_new_session=True,
-    )
-
-
-def finish(proc: subprocess.Popen, timeout: float) -> subprocess.CompletedProcess:
-    """Wait for ``proc``; past ``timeout`` seconds SIGKILL its whole process group and fail."""
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        _killpg(proc)
-        out, err = proc.communicate()
-        pytest.fail(f"paratrain run {proc.args[4:]} ran past {timeout}s and was killed\n{err[-4000:]}")
-    finally:
-        _killpg(proc)  # workers left behind by a failed agent
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
-
-
-def _killpg(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+    """Start ``python -m paratrain run ARGS`` in a new process group (see clitools)."""
+    return clitools.start_cli(["run", *args])
 
 
 def run_cli(args: list[str], timeout: float = 40) -> subprocess.CompletedProcess:
