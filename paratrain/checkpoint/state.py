@@ -46,6 +46,9 @@ def save_checkpoint(pt: "Parallel", directory: str | os.PathLike, model: torch.n
     if pt.micro_step:
         raise RuntimeError(f"checkpoint asked for in the middle of an accumulation (micro-step {pt.micro_step}): "
                            "save after optimizer.step()")
+    if pt.strategy.name == "pipeline":
+        raise ValueError("checkpoints of the pipeline strategy are not written: each rank holds only its stage "
+                         "(use ddp/fsdp for resumable runs, or save pt.full_state_dict(model) yourself)")
     optimizer = getattr(optimizer, "optimizer", optimizer)
     rngs = _gather_rng(pt)  # every rank takes part
     sharded = None

@@ -48,7 +48,7 @@ def run_training(cfg: TrainConfig) -> dict[str, Any]:
         logger = RunLogger(cfg.log_dir, enabled=pt.is_main_process, append=resumed)
         pt.print(f"paratrain: {cfg.parallel.strategy} on {pt.world_size} process(es), {pt.device}, "
                  f"precision {cfg.parallel.precision}; global batch {pt.plan.global_batch} = "
-                 f"{pt.plan.micro_batch} per worker x {pt.world_size} workers x {pt.accumulation} accumulation")
+                 f"{pt.plan.micro_batch} per worker x {pt.plan.world_size} data-parallel workers x {pt.accumulation} accumulation")
         loader_kwargs = {"num_workers": d.num_workers, "pin_memory": d.pin_memory,
                          "persistent_workers": d.persistent_workers}
         start = time.perf_counter()

@@ -8,11 +8,12 @@ from torch import nn
 
 from .mlp import MLP
 from .resnet import SmallCNN, resnet_cifar
+from .transformer import TinyTransformer
 
 __all__ = ["MODEL_NAMES", "build_model"]
 
 #: The built-in model names (``"torchvision:<name>"`` is accepted too when torchvision is installed).
-MODEL_NAMES: tuple[str, ...] = ("mlp", "cnn", "resnet8", "resnet20")
+MODEL_NAMES: tuple[str, ...] = ("mlp", "cnn", "resnet8", "resnet20", "transformer")
 
 _TORCHVISION_MISSING = (
     "torchvision is not installed: pip install torch==2.14.1 torchvision==0.29.1 (see README) "
@@ -33,8 +34,9 @@ def build_model(name: str, input_shape: tuple[int, ...], num_classes: int) -> nn
     """Build model ``name`` for inputs of shape ``input_shape`` (no batch dim) and ``num_classes``.
 
     Names: ``mlp`` (:class:`MLP`, logits), ``cnn`` (:class:`SmallCNN`), ``resnet8``/``resnet20``
-    (:func:`resnet_cifar`), or ``torchvision:<name>`` (``torchvision.models.get_model(name,
-    weights=None, num_classes=num_classes)``; untrained, nothing is downloaded).
+    (:func:`resnet_cifar`), ``transformer`` (:class:`TinyTransformer`, image rows as tokens), or
+    ``torchvision:<name>`` (``torchvision.models.get_model(name, weights=None,
+    num_classes=num_classes)``; untrained, nothing is downloaded).
     """
     input_shape = tuple(int(s) for s in input_shape)
     if not input_shape or any(s < 1 for s in input_shape):
@@ -45,6 +47,17 @@ def build_model(name: str, input_shape: tuple[int, ...], num_classes: int) -> nn
         return MLP(in_features=math.prod(input_shape), num_classes=num_classes)
     if name == "cnn":
         return SmallCNN(_channels(name, input_shape), num_classes)
+    if name == "transformer":
+        # Images (C, H, W) are H tokens of C*W features (one per row); (T, F) is T tokens; (F,) one.
+        if len(input_shape) == 3:
+            tokens, features = input_shape[1], input_shape[0] * input_shape[2]
+        elif len(input_shape) == 2:
+            tokens, features = input_shape
+        elif len(input_shape) == 1:
+            tokens, features = 1, input_shape[0]
+        else:
+            raise ValueError(f"model 'transformer' needs a (C, H, W), (T, F) or (F,) input shape, got {input_shape}")
+        return TinyTransformer(features, num_classes=num_classes, max_tokens=tokens)
     if name in ("resnet8", "resnet20"):
         depth = int(name[len("resnet"):])
         return resnet_cifar(depth, in_channels=_channels(name, input_shape), num_classes=num_classes)

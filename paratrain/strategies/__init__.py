@@ -7,15 +7,24 @@ from typing import Any
 from ..env.process import Dist
 from .base import Strategy
 from .ddp import DDPOptions, DistributedDataParallel
+from .devices import Devices, DevicesOptions
 from .dp import DataParallel
+from .fsdp import FSDPOptions, FullyShardedDataParallel
+from .pipeline import Pipeline, PipelineOptions
 from .single import SingleDevice
+from .tensor import TensorOptions, TensorParallel
 
-__all__ = ["Strategy", "STRATEGIES", "DDPOptions", "build", "resolve"]
+__all__ = ["Strategy", "STRATEGIES", "DDPOptions", "FSDPOptions", "TensorOptions", "PipelineOptions",
+           "DevicesOptions", "build", "resolve"]
 
 STRATEGIES: dict[str, type[Strategy]] = {
     "single": SingleDevice,
     "dp": DataParallel,
     "ddp": DistributedDataParallel,
+    "fsdp": FullyShardedDataParallel,
+    "tensor": TensorParallel,
+    "pipeline": Pipeline,
+    "devices": Devices,
 }
 
 

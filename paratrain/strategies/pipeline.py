@@ -1,0 +1,287 @@
+"""``pipeline``: one stage of the model per process, micro-batches flowing through the stages.
+
+Built on ``torch.distributed.pipelining``: the model's top-level children are cut into one
+consecutive stage per process (at ``split_points``, or balanced by parameter count), each rank
+wraps its stage in a ``PipelineStage``, and ``ScheduleGPipe`` (all forwards, then all backwards)
+or ``Schedule1F1B`` (one forward, one backward: fewer activations alive) runs a step.
+
+Data: the pipeline is *one* data-parallel replica. Every rank loads the same micro-batch
+(``data_parallel_size = 1``); the first stage feeds the inputs, the last one the targets, and the
+schedule cuts the batch into ``n_microbatches``. The loss is computed on the last stage;
+``training_step`` broadcasts its mean to every rank, and ``all_reduce_sum`` (the metric
+reduction over replicas) takes the last stage's values, so ``fit``'s logged loss and
+``evaluate``'s counts are right on every rank.
+
+Numerics equal a one-process loop: each micro-batch loss is divided by ``n_microbatches`` (and
+by the accumulation steps) before the schedule's backward. The schedules' own ``scale_grads``
+is off because it divides *all* of ``.grad`` after the step, which would also shrink gradients
+accumulated in earlier micro-steps (torch 2.13).
+
+Parameters and checkpoints: every rank holds the whole model, but only its stage's parameters
+are trained (the others never get a gradient, so the optimizer leaves them alone) and only the
+stage is moved to the device. ``ParallelModule.state_dict()`` is therefore meaningful only for
+this rank's stage; :meth:`Pipeline.full_state_dict` gathers the trained model on every rank.
+
+fp16-mixed is refused (each stage would skip overflowing steps on its own); use bf16-mixed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..env.process import Dist
+from ._split import check_sequential, parse_split_points, split_model
+from .base import Strategy
+
+__all__ = ["PipelineOptions", "Pipeline", "PipelineModule"]
+
+SCHEDULES = ("gpipe", "1f1b")
+
+
+@dataclass(kw_only=True)
+class PipelineOptions:
+    """Pipeline settings."""
+
+    schedule: str = "gpipe"
+    """gpipe (all forwards, then all backwards) or 1f1b (steady state alternates: less activation memory)."""
+    n_microbatches: int = 4
+    """Micro-batches each step's batch is cut into; the batch must be divisible by it."""
+    split_points: list[str] = field(default_factory=list)
+    """Top-level children that start stages 2..N (e.g. ["4"] in an nn.Sequential).
+    Empty: contiguous stages with parameter counts as even as possible."""
+
+    def __post_init__(self) -> None:
+        self.schedule = str(self.schedule).lower()
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"pipeline schedule {self.schedule!r} is unknown: use one of {', '.join(SCHEDULES)}")
+        if self.n_microbatches < 1:
+            raise ValueError(f"pipeline n_microbatches {self.n_microbatches} must be at least 1")
+        self.split_points = parse_split_points(self.split_points, "pipeline")
+
+
+class _StageForward(nn.Module):
+    """What ``PipelineStage`` runs: the stage's layers, under the precision's autocast."""
+
+    def __init__(self, part: nn.Module) -> None:
+        super().__init__()
+        self.part = part
+        self.context: Callable[[], Any] = contextlib.nullcontext
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with self.context():
+            return self.part(x)
+
+
+class PipelineModule(nn.Module):
+    """This rank's stage: ``module`` holds its layers (the user's own modules, shared).
+
+    It cannot run the model alone: train with ``pt.training_step`` and evaluate with
+    ``pt.evaluate``. One ``PipelineStage`` + schedule is kept per batch shape, because a stage
+    infers its send/receive buffers once; a later batch of another size would be received into
+    the old buffers (silently wrong on gloo in torch 2.13).
+    """
+
+    def __init__(self, parts: list[nn.Module], index: int, original: nn.Module, device: torch.device,
+                 options: PipelineOptions, distributed: bool) -> None:
+        super().__init__()
+        self.module = parts[index]
+        # Not submodules (no duplicate parameters): the stage's runner, the whole model, all parts.
+        object.__setattr__(self, "stage", _StageForward(self.module))
+        object.__setattr__(self, "original", original)
+        object.__setattr__(self, "parts", parts)
+        self.index, self.n_stages, self.device, self.options = index, len(parts), device, options
+        self.distributed = distributed  # False: a world of one, no process group: plain micro-batching
+        self._schedules: dict[tuple, Any] = {}
+        self._loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+        self._checked = False
+
+    @property
+    def is_first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.index == self.n_stages - 1
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(
+            "pipeline: one stage cannot run the model alone: train with pt.training_step(model, (x, y), loss_fn) "
+            "and evaluate with pt.evaluate(model, loader)"
+        )
+
+    def check(self, x: torch.Tensor) -> None:
+        """Once: the stages run in order must compute the model's own forward (skipped unless the
+        whole model sits on ``x``'s device, i.e. on CPU, since only this stage was moved)."""
+        if self._checked:
+            return
+        self._checked = True
+        if all(p.device == x.device for p in self.original.parameters()):
+            check_sequential(self.original, self.parts, x, "pipeline")
+
+    def _schedule(self, shape: torch.Size, n: int, training: bool) -> Any:
+        key = (tuple(shape), n, training)
+        if key not in self._schedules:
+            from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+            stage = PipelineStage(self.stage, self.index, self.n_stages, self.device)
+            cls = Schedule1F1B if training and self.options.schedule == "1f1b" else ScheduleGPipe
+            loss_fn = self._micro_loss if training else None
+            self._schedules[key] = cls(stage, n, loss_fn=loss_fn, scale_grads=False)
+        return self._schedules[key]
+
+    def _micro_loss(self, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return self._loss(out, target)  # type: ignore[misc]
+
+    def train_step(self, x: torch.Tensor, y: torch.Tensor, n: int,
+                   loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> list[torch.Tensor]:
+        """Forward and backward of ``n`` micro-batches; ``loss`` runs on the last stage, which
+        returns the ``n`` losses (other stages: an empty list)."""
+        losses: list[torch.Tensor] = []
+        if not self.distributed:
+            for xc, yc in zip(x.chunk(n), y.chunk(n)):
+                losses.append(loss(self.stage(xc), yc))
+                losses[-1].backward()
+        else:
+            # The schedule's ``losses``, not our own record of loss_fn calls: in torch 2.13 the
+            # first step of a schedule also calls loss_fn once to infer gradient shapes.
+            self._loss = loss
+            schedule = self._schedule(x.shape, n, training=True)
+            schedule.step(*((x,) if self.is_first else ()), target=y if self.is_last else None,
+                          losses=losses if self.is_last else None, return_outputs=False)
+        return [t.detach() for t in losses]
+
+    def eval_step(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Forward only; the model's output on the last stage, ``None`` elsewhere."""
+        if not self.distributed:
+            return self.stage(x)
+        n = self.options.n_microbatches if len(x) % self.options.n_microbatches == 0 else 1
+        out = self._schedule(x.shape, n, training=False).eval(*((x,) if self.is_first else ()))
+        return out if self.is_last else None
+
+
+class Pipeline(Strategy):
+    name = "pipeline"
+    collective_forward = True
+
+    def __init__(self, dist_info: Dist, sync_batchnorm: bool = False, options: PipelineOptions | None = None) -> None:
+        super().__init__(dist_info, sync_batchnorm, options or PipelineOptions())
+        self._pipes: dict[int, PipelineModule] = {}  # id(user's model) -> its stage
+
+    # --- data layout: one replica; every stage sees the same batch ------------------------
+    @property
+    def data_parallel_size(self) -> int:
+        return 1
+
+    @property
+    def data_parallel_rank(self) -> int:
+        return 0
+
+    # --- model ----------------------------------------------------------------------------
+    def setup_model(self, model: nn.Module) -> nn.Module:
+        if self.sync_batchnorm:
+            self.warn("sync_batchnorm has no effect with pipeline: each stage's BatchNorm already sees the "
+                      "whole micro-batch", rank=self.dist.rank)
+        return self.wrap(model)
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        o: PipelineOptions = self.options
+        parts = split_model(model, self.dist.world_size, o.split_points, "pipeline")
+        parts[self.dist.rank].to(self.device)  # only this stage lives on this rank's device
+        pipe = PipelineModule(parts, self.dist.rank, model, self.device, o, self.dist.backend is not None)
+        self._pipes[id(model)] = pipe
+        return pipe
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        """This rank's stage (its layers of the user's model)."""
+        return self._pipeline(model).module
+
+    def _pipeline(self, model: nn.Module) -> PipelineModule:
+        for m in (model, getattr(model, "module", None)):
+            if isinstance(m, PipelineModule):
+                return m
+            if m is not None and id(m) in self._pipes:
+                return self._pipes[id(m)]
+        raise ValueError("pipeline: this model was not set up by this Parallel: call pt.setup(model) first")
+
+    # --- the step -------------------------------------------------------------------------
+    def training_step(self, model: nn.Module, batch: Any, loss_fn: Callable[..., torch.Tensor],
+                      backward: Callable[[Any], None]) -> torch.Tensor:
+        """Run the schedule over one micro-batch ``(x, y)``; returns the mean micro-batch loss,
+        the same (detached) value on every rank.
+
+        The schedule runs backward itself, so it is handed to ``backward`` as a callable
+        (``Parallel.backward`` counts the micro-step and passes the accumulation divisor).
+        """
+        pipe = self._pipeline(model)
+        x, y = batch
+        n = self.options.n_microbatches
+        if len(x) % n:
+            raise ValueError(
+                f"pipeline: a step's batch of {len(x)} samples is not divisible by n_microbatches={n}: "
+                f"pick a global batch (/ accumulation) that is a multiple of {n}"
+            )
+        pipe.check(x[: len(x) // n])
+        precision = getattr(model, "_precision", None)  # ParallelModule's: autocast inside each stage
+        pipe.stage.context = precision.forward_context if precision is not None and precision.autocast else contextlib.nullcontext
+        mean = torch.zeros((), device=self.device)
+
+        def run(divisor: int) -> None:
+            def micro_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+                # Each micro-batch's mean divided by n (and the accumulation steps): the summed
+                # gradients are those of one forward over the whole batch.
+                return loss_fn(out.float(), target) / (n * divisor)
+
+            losses = pipe.train_step(x, y, n, micro_loss)
+            if losses:
+                mean.copy_(torch.stack(losses).sum() * divisor)
+
+        backward(run)
+        return self._from_last_stage(mean)
+
+    def eval_forward(self, model: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+        pipe = self._pipeline(model)
+        pipe.check(x)
+        return pipe.eval_step(x)
+
+    # --- collectives ----------------------------------------------------------------------
+    def _from_last_stage(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.dist.backend is not None and self.dist.world_size > 1:
+            dist.broadcast(tensor, src=self.dist.world_size - 1)
+        return tensor
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum over data-parallel replicas. There is one, and its metrics (losses, eval totals)
+        are computed on the last stage: every rank gets the last stage's values."""
+        return self._from_last_stage(tensor)
+
+    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        """Clip by the norm of the whole model's gradient: the stages' squared norms are summed."""
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        total = torch.nn.utils.get_total_norm(grads).to(self.device, torch.float32) ** 2
+        if self.dist.backend is not None and self.dist.world_size > 1:
+            dist.all_reduce(total, op=dist.ReduceOp.SUM)
+        total = total.sqrt()
+        torch.nn.utils.clip_grads_with_norm_([p for p in model.parameters() if p.grad is not None], max_norm, total)
+        return total
+
+    # --- checkpoints ----------------------------------------------------------------------
+    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """The whole trained model's state dict (CPU tensors, the user's keys) on every rank:
+        each stage contributes its own entries. A collective: call it on all ranks."""
+        pipe = self._pipeline(model)
+        local = {k: v.detach().cpu() for k, v in pipe.module.state_dict().items()}
+        gathered = [local]
+        if self.dist.backend is not None and self.dist.world_size > 1:
+            gathered = [None] * self.dist.world_size
+            dist.all_gather_object(gathered, local)
+        merged: dict[str, torch.Tensor] = {}
+        for stage_state in gathered:
+            merged.update(stage_state)  # type: ignore[arg-type]
+        # In the model's own key order; entries outside every stage (top-level buffers) are local.
+        return {k: merged.get(k, v.detach().cpu()) for k, v in pipe.original.state_dict().items()}

@@ -1,0 +1,342 @@
+"""``ps``: a parameter server over ``torch.distributed.rpc`` (seed 003), synchronous or asynchronous SGD.
+
+Rank 0 is the server: it holds the model's parameters and runs the optimizer. Ranks 1..N-1 are
+workers: each pulls the parameters, computes a gradient on its shard of the data and pushes it
+back. Every process calls the same function; the launcher is ``paratrain.launch`` or
+``paratrain run`` (torchrun), as for the other strategies::
+
+    def main(local_rank):
+        return run_parameter_server(
+            lambda: MLP(), lambda params: torch.optim.SGD(params, lr=0.05), trainset,
+            global_batch=64, steps=200, mode="sync")
+
+    server, *workers = paratrain.launch(main, nprocs=3)      # 1 server + 2 workers
+    model.load_state_dict(server.state_dict)
+
+Why not ``Parallel``/``--strategy ps``: ``Parallel`` runs the user's loop on every process, and a
+parameter server's rank 0 has no loop — it waits for gradients and steps the optimizer when they
+arrive. So ``ps`` is this self-contained function, not an entry of ``STRATEGIES``.
+
+Modes (:class:`PSOptions`):
+
+* ``sync``: the global batch is split over the workers exactly as ``GlobalBatchSampler`` splits it
+  for DDP (epoch permutation by ``(seed, epoch)``, worker ``r`` takes slice ``r - 1``). The server
+  waits for every worker's gradient of step ``s``, averages them (in worker order, so the result is
+  deterministic), takes one optimizer step and answers all workers with the new parameters. The
+  parameters equal a one-process loop over the same global batches (``tests/test_ps.py``).
+* ``async``: each gradient is applied as soon as it arrives, under a lock (one update at a time,
+  Hogwild-style otherwise: no worker waits for another). A worker's gradient was computed on the
+  parameters of some server version; *staleness* = versions applied since then. The server counts
+  updates (``workers × steps``) and reports mean/max staleness. Not equal to a one-process loop.
+
+Only parameters travel: buffers (BatchNorm running statistics) stay local to each process. The
+server keeps the model on the CPU; workers compute on their device (CUDA when present) and send
+CPU gradients. The data set is read by workers only; every process builds the model with
+``model_fn()`` after seeding with ``seed``, and the workers' copies are overwritten by the server's.
+
+A worker that raises tells the server, which fails the waiting workers and raises itself; a
+process that dies silently is detected after ``rpc_timeout_s`` without a message.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import traceback
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.distributed.rpc as rpc
+from torch import nn
+from torch.utils.data import Dataset
+
+from ..data.loaders import GlobalBatchLoader
+from ..data.sampler import BatchPlan
+from ..env.detect import detect_process
+from ..env.process import seed_everything, select_device
+
+__all__ = ["PSOptions", "PSResult", "run_parameter_server", "MODES"]
+
+MODES = ("sync", "async")
+SERVER = "ps"
+
+
+@dataclass(kw_only=True)
+class PSOptions:
+    """Parameter-server settings."""
+
+    mode: str = "sync"
+    """sync (all workers' gradients averaged, one optimizer step per global batch) or async (each
+    worker's gradient applied on arrival; staleness reported)."""
+    rpc_timeout_s: float = 60.0
+    """Limit on every RPC and on the server's wait for a message: a dead worker fails the job."""
+
+    def __post_init__(self) -> None:
+        self.mode = str(self.mode).lower()
+        if self.mode not in MODES:
+            raise ValueError(f"ps mode {self.mode!r} is unknown: use one of {', '.join(MODES)}")
+        if not self.rpc_timeout_s > 0:
+            raise ValueError(f"ps rpc_timeout_s {self.rpc_timeout_s} must be positive")
+
+
+@dataclass
+class PSResult:
+    """What :func:`run_parameter_server` returns on each process."""
+
+    role: str
+    """server (rank 0) or worker."""
+    rank: int
+    mode: str
+    losses: list[float] = field(default_factory=list)
+    """Worker: its own loss per step. Server: per optimizer step, the workers' mean (sync), or each
+    update's loss in the order applied (async)."""
+    updates: int = 0
+    """Server: optimizer steps applied (sync: steps; async: workers × steps). Worker: gradients sent."""
+    staleness_mean: float = 0.0
+    """Server: mean over updates of (server version at apply − version the gradient was computed on)."""
+    staleness_max: int = 0
+    state_dict: dict[str, torch.Tensor] | None = None
+    """Server: the trained model's state (CPU tensors). Workers: None."""
+    seconds: float = 0.0
+    """Wall time from the RPC rendezvous to the last update."""
+
+
+class _Server:
+    """The state behind the RPC functions below; one per server process."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, workers: int, mode: str) -> None:
+        self.params = list(model.parameters())
+        self.optimizer, self.workers, self.mode = optimizer, workers, mode
+        self.lock = threading.Lock()
+        self.version = 0  # optimizer steps applied
+        self.staleness: list[int] = []
+        self.losses: list[float] = []
+        self.slots: dict[int, tuple[list[torch.Tensor | None], float]] = {}  # sync: this step's pushes
+        self.pending: torch.futures.Future = torch.futures.Future()  # sync: answer to this step's pushes
+        self.finished: set[int] = set()
+        self.error: str | None = None
+        self.done = threading.Event()
+        self.last_message = time.monotonic()
+
+    def snapshot(self) -> tuple[int, list[torch.Tensor]]:
+        # A copy: the response is serialised after the lock is released, while others may step.
+        return self.version, [p.detach().clone() for p in self.params]
+
+    def apply(self, grads: list[list[torch.Tensor | None]]) -> None:
+        """Average ``grads`` (one list per worker) into ``.grad`` and take one optimizer step."""
+        for i, p in enumerate(self.params):
+            got = [g[i] for g in grads if g[i] is not None]
+            p.grad = None if not got else torch.stack(got).sum(0).div_(len(grads))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.version += 1
+
+    def fail(self, message: str) -> None:
+        with self.lock:
+            if self.error is None:
+                self.error = message
+            if not self.pending.done():
+                self.pending.set_exception(RuntimeError(message))
+        self.done.set()
+
+
+_SERVER: _Server | None = None
+
+
+def _server() -> _Server:
+    assert _SERVER is not None, "this process is not the parameter server"
+    _SERVER.last_message = time.monotonic()
+    if _SERVER.error is not None:
+        raise RuntimeError(_SERVER.error)
+    return _SERVER
+
+
+# --- what workers call on the server (module-level functions: RPC sends them by name) ------------
+def _fetch() -> tuple[int, list[torch.Tensor]]:
+    s = _server()
+    with s.lock:
+        return s.snapshot()
+
+
+@rpc.functions.async_execution
+def _push_sync(worker: int, version: int, grads: list[torch.Tensor | None], loss: float) -> torch.futures.Future:
+    s = _server()
+    with s.lock:
+        answer = s.pending  # resolved by the last worker of this step
+        s.slots[worker] = (grads, loss)
+        s.staleness.append(s.version - version)
+        if len(s.slots) == s.workers:
+            order = sorted(s.slots)  # deterministic sum, whatever the arrival order
+            s.apply([s.slots[w][0] for w in order])
+            s.losses.append(sum(s.slots[w][1] for w in order) / len(order))
+            s.slots.clear()
+            s.pending = torch.futures.Future()
+            answer.set_result(s.snapshot())
+    return answer
+
+
+def _push_async(worker: int, version: int, grads: list[torch.Tensor | None], loss: float) -> tuple[int, list[torch.Tensor]]:
+    s = _server()
+    with s.lock:
+        s.staleness.append(s.version - version)
+        s.apply([grads])
+        s.losses.append(loss)
+        return s.snapshot()
+
+
+def _finish(worker: int) -> None:
+    s = _server()
+    with s.lock:
+        s.finished.add(worker)
+        if len(s.finished) == s.workers:
+            s.done.set()
+
+
+def _abort(worker: int, message: str) -> None:
+    assert _SERVER is not None
+    _SERVER.fail(f"parameter server: worker rank {worker} failed: {message}")
+
+
+# --- the entry point -----------------------------------------------------------------------------
+def run_parameter_server(
+    model_fn: Callable[[], nn.Module],
+    optimizer_fn: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
+    dataset: Dataset,
+    *,
+    global_batch: int,
+    steps: int,
+    options: PSOptions | None = None,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = nn.functional.cross_entropy,
+    seed: int = 0,
+    accelerator: str = "auto",
+    **option_fields: Any,
+) -> PSResult:
+    """Train ``model_fn()`` for ``steps`` global batches with rank 0 as parameter server.
+
+    Call it on every process of the job (``paratrain.launch`` or ``paratrain run``): rank 0 serves,
+    ranks 1..N-1 train. ``dataset`` yields ``(input, target)`` pairs; ``optimizer_fn`` receives the
+    server's parameters. Options come as ``options=PSOptions(...)`` or as its fields
+    (``mode="async"``, ``rpc_timeout_s=...``). ``accelerator`` picks the workers' device (the server
+    stays on the CPU). Returns a :class:`PSResult` (the trained ``state_dict`` on rank 0).
+
+    In sync mode each worker takes ``global_batch / workers`` samples per step; in async mode each
+    worker takes the same slice but pushes on its own, so the server applies ``workers × steps``
+    updates of ``global_batch / workers`` samples each.
+    """
+    if options is not None and option_fields:
+        raise ValueError("pass either options=PSOptions(...) or its fields, not both")
+    opts = options or PSOptions(**option_fields)
+    info = detect_process()
+    workers = info.world_size - 1
+    if workers < 1:
+        raise ValueError(f"a parameter server needs at least 2 processes (1 server + workers), but WORLD_SIZE="
+                         f"{info.world_size}: launch with nprocs >= 2")
+    if steps < 1:
+        raise ValueError(f"steps {steps} must be at least 1")
+    plan = BatchPlan.derive(global_batch, workers)  # one-line error when workers do not divide it
+    if len(dataset) < global_batch:  # type: ignore[arg-type]
+        raise ValueError(f"the dataset has {len(dataset)} samples, fewer than one global batch of {global_batch}")  # type: ignore[arg-type]
+
+    # env:// so the rendezvous also works under torchrun, whose agent already serves MASTER_PORT.
+    os.environ.setdefault("MASTER_ADDR", info.master_addr)
+    os.environ.setdefault("MASTER_PORT", str(info.master_port))
+    backend_options = rpc.TensorPipeRpcBackendOptions(
+        init_method="env://", rpc_timeout=opts.rpc_timeout_s,
+        # shm/ibv need resources containers often lack; uv (TCP) works everywhere.
+        _transports=["uv"],
+    )
+    global _SERVER
+    is_server = info.rank == 0
+    seed_everything(seed, offset_by_rank=not is_server)  # the server's init is the reference init
+    model = model_fn()
+    if is_server:
+        _SERVER = _Server(model, optimizer_fn(model.parameters()), workers, opts.mode)
+    name = SERVER if is_server else f"worker{info.rank}"
+    with warnings.catch_warnings():
+        # init_rpc builds a private gloo group for its barrier and warns about its own use of it.
+        warnings.filterwarnings("ignore", message="You are using a Backend .* as a ProcessGroup")
+        rpc.init_rpc(name, rank=info.rank, world_size=info.world_size, rpc_backend_options=backend_options)
+    start = time.monotonic()
+    try:
+        if is_server:
+            result = _serve(_SERVER, opts, info.rank)  # type: ignore[arg-type]
+            result.state_dict = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+        else:
+            device = select_device(info.local_rank, accelerator)
+            result = _work(model.to(device), dataset, plan, info.rank, device, steps, loss_fn, seed, opts)
+        result.seconds = time.monotonic() - start
+    except BaseException:
+        rpc.shutdown(graceful=False)  # local only: the others learn of the failure through their RPCs
+        if is_server:
+            _SERVER = None
+        raise
+    rpc.shutdown(graceful=True, timeout=opts.rpc_timeout_s)  # waits for every process to get here
+    if is_server:
+        _SERVER = None
+    return result
+
+
+def _serve(s: _Server, opts: PSOptions, rank: int) -> PSResult:
+    """Wait (the RPC threads do the work) until every worker finished, one failed, or all went silent."""
+    while not s.done.wait(timeout=0.5):
+        silent = time.monotonic() - s.last_message
+        if silent > opts.rpc_timeout_s:
+            missing = sorted(set(range(1, s.workers + 1)) - s.finished)
+            s.fail(f"parameter server: no message from workers {missing} for {silent:.0f}s (rpc_timeout_s="
+                   f"{opts.rpc_timeout_s}): a worker died or hangs")
+    if s.error is not None:
+        raise RuntimeError(s.error)
+    st = s.staleness
+    return PSResult(role="server", rank=rank, mode=s.mode, losses=list(s.losses), updates=s.version,
+                    staleness_mean=sum(st) / max(len(st), 1), staleness_max=max(st, default=0))
+
+
+def _work(model: nn.Module, dataset: Dataset, plan: BatchPlan, rank: int, device: torch.device, steps: int,
+          loss_fn: Callable[..., torch.Tensor], seed: int, opts: PSOptions) -> PSResult:
+    """A worker's loop: pull parameters, gradient of this worker's slice of each global batch, push."""
+    params = list(model.parameters())
+    push = _push_sync if opts.mode == "sync" else _push_async
+    done = 0
+    loader = GlobalBatchLoader(dataset, plan, rank - 1, device, seed, position=lambda: done)
+    result = PSResult(role="worker", rank=rank, mode=opts.mode)
+    try:
+        version, values = _call(_fetch, (), rank, opts)
+        while done < steps:
+            for x, y in loader:  # one epoch from step `done` on; the next iter() is the next epoch
+                with torch.no_grad():
+                    for p, v in zip(params, values):
+                        p.copy_(v)
+                model.zero_grad(set_to_none=True)
+                loss = loss_fn(model(x), y)
+                loss.backward()
+                grads = [None if p.grad is None else p.grad.detach().cpu() for p in params]
+                result.losses.append(loss.item())
+                version, values = _call(push, (rank, version, grads, result.losses[-1]), rank, opts)
+                done += 1
+                if done == steps:
+                    break
+        _call(_finish, (rank,), rank, opts)
+    except Exception as e:
+        last = traceback.format_exception_only(type(e), e)[-1].strip()
+        try:
+            rpc.rpc_sync(SERVER, _abort, args=(rank, last), timeout=5)
+        except Exception:
+            pass  # the server may be the one that is gone
+        raise
+    result.updates = done
+    return result
+
+
+def _call(fn: Callable[..., Any], args: tuple, rank: int, opts: PSOptions) -> Any:
+    """``rpc_sync`` to the server, with a timeout error that says what was waited for."""
+    try:
+        return rpc.rpc_sync(SERVER, fn, args=args)
+    except RuntimeError as e:
+        if "ran for more than set timeout" not in str(e):
+            raise
+        wait = " (sync mode: the server waits for every worker's gradient)" if opts.mode == "sync" else ""
+        raise TimeoutError(f"worker rank {rank}: no answer from the parameter server within rpc_timeout_s="
+                           f"{opts.rpc_timeout_s}{wait}: a process died or hangs") from None

@@ -1,0 +1,110 @@
+"""devices: parts of one model on several devices of one process (seed 004) == the plain model."""
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import paratrain
+from paratrain.config import ParallelConfig
+from paratrain.env.base import ProcessInfo
+from paratrain.env.process import Dist
+from paratrain.models import MLP
+from paratrain.strategies.devices import Devices, DeviceSplit, DevicesOptions, default_devices
+
+N, GLOBAL_BATCH, SEED, LR = 96, 16, 4, 0.05  # 6 optimizer steps
+
+
+def make_data():
+    g = torch.Generator().manual_seed(321)
+    return torch.randn(N, 12, generator=g), torch.randint(0, 4, (N,), generator=g)
+
+
+def make_model():
+    return nn.Sequential(nn.Linear(12, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def reference():
+    x, y = make_data()
+    torch.manual_seed(SEED)
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    perm = torch.randperm(N, generator=torch.Generator().manual_seed(SEED * 1_000_003))
+    for s in range(N // GLOBAL_BATCH):
+        i = perm[s * GLOBAL_BATCH:(s + 1) * GLOBAL_BATCH]
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x[i]), y[i]).backward()
+        opt.step()
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def devices_worker(local_rank):
+    pt = paratrain.Parallel(strategy="devices", global_batch=GLOBAL_BATCH, seed=SEED,
+                            devices={"devices": ["cpu", "cpu", "cpu"], "split_points": ["2", "4"]})
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    model, opt = pt.setup(model, opt)
+    split = model.module
+    assert isinstance(split, DeviceSplit) and len(split.parts) == 3
+    assert [list(p._modules) for p in split.parts] == [["0", "1"], ["2", "3"], ["4"]]
+    for xb, yb in pt.train_loader(TensorDataset(*make_data())):
+        opt.zero_grad()
+        loss = pt.training_step(model, (xb, yb), nn.functional.cross_entropy)
+        opt.step()
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    pt.close()
+    return state, loss.item()
+
+
+def test_devices_matches_single_process_reference():
+    ref = reference()
+    ((state, loss),) = paratrain.launch(devices_worker, nprocs=1, timeout=60)
+    assert state.keys() == ref.keys()  # the user's own keys
+    for k in ref:
+        err = ((state[k] - ref[k]).norm() / ref[k].norm()).item()
+        assert err <= 1e-5, f"{k}: relative error {err:.2e}"
+
+
+def strategy(**options):
+    return Devices(Dist(ProcessInfo(), torch.device("cpu"), None), options=DevicesOptions(**options))
+
+
+def test_forward_moves_activations_into_each_part(monkeypatch):
+    assert default_devices(torch.device("cpu")) == ["cpu", "cpu"]
+    model = make_model()
+    split = strategy().setup_model(model)  # default: two CPU parts, balanced by parameters
+    assert [list(p._modules) for p in split.parts] == [["0", "1"], ["2", "3", "4"]]
+    assert split.devices == [torch.device("cpu")] * 2 and split.output_device == torch.device("cpu")
+    assert all(p.device.type == "cpu" for p in model.parameters())
+
+    calls, moves = [], []
+    for i, part in enumerate(split.parts):
+        part.register_forward_pre_hook(lambda m, args, i=i: calls.append((i, args[0].device)))
+    to = torch.Tensor.to
+
+    def counting_to(self, *args, **kwargs):
+        moves.append(args[0] if args else kwargs.get("device"))
+        return to(self, *args, **kwargs)
+
+    x = torch.randn(5, 12)
+    monkeypatch.setattr(torch.Tensor, "to", counting_to)
+    out = split(x)
+    monkeypatch.undo()
+    assert calls == [(0, torch.device("cpu")), (1, torch.device("cpu"))]  # each part once, in order
+    assert moves == [torch.device("cpu")] * 3  # into part 1, into part 2, out to the process device
+    assert torch.equal(out, model(x))
+
+
+def test_bad_options():
+    with pytest.raises(ValueError, match=r"3 parts \(devices\) but Sequential has only 2 top-level layers \(0, 1\): use fewer devices"):
+        strategy(devices=["cpu"] * 3).setup_model(nn.Sequential(nn.Linear(2, 2), nn.ReLU()))
+    with pytest.raises(ValueError, match="devices: split point 'fc9' is not a top-level child of MLP"):
+        strategy(split_points=["fc9"]).setup_model(MLP(12, 8, 4))
+    with pytest.raises(ValueError, match="'gpu0' is not a device"):
+        DevicesOptions(devices=["gpu0"])
+    assert DevicesOptions(devices="cpu,cpu").devices == ["cpu", "cpu"]  # from the command line
+    with pytest.raises(ValueError, match="MLP.forward is not its top-level children called in order"):
+        strategy().setup_model(MLP(12, 8, 4))(torch.randn(2, 1, 3, 4))  # flatten hides in forward
+    with pytest.raises(ValueError, match="runs in one process but WORLD_SIZE=2"):
+        Devices(Dist(ProcessInfo(rank=0, world_size=2), torch.device("cpu"), "gloo"))
+    assert ParallelConfig(strategy="devices", devices={"devices": ["cpu", "cpu"]}).devices.devices == ["cpu", "cpu"]
