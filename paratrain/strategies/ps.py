@@ -40,6 +40,7 @@ process that dies silently is detected after ``rpc_timeout_s`` without a message
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -72,7 +73,8 @@ class PSOptions:
     """sync (all workers' gradients averaged, one optimizer step per global batch) or async (each
     worker's gradient applied on arrival; staleness reported)."""
     rpc_timeout_s: float = 60.0
-    """Limit on every RPC and on the server's wait for a message: a dead worker fails the job."""
+    """Limit on every RPC and on the server's wait for a message: a dead or hung worker fails the job
+    (the rendezvous at startup waits as long as torch's own, for every process to arrive)."""
 
     def __post_init__(self) -> None:
         self.mode = str(self.mode).lower()
@@ -126,20 +128,31 @@ class _Server:
         return self.version, [p.detach().clone() for p in self.params]
 
     def apply(self, grads: list[list[torch.Tensor | None]]) -> None:
-        """Average ``grads`` (one list per worker) into ``.grad`` and take one optimizer step."""
-        for i, p in enumerate(self.params):
-            got = [g[i] for g in grads if g[i] is not None]
-            p.grad = None if not got else torch.stack(got).sum(0).div_(len(grads))
-        self.optimizer.step()
+        """Average ``grads`` (one list per worker) into ``.grad`` and take one optimizer step.
+
+        Called under ``lock``. An error here fails the whole job (every waiting worker hears it).
+        """
+        try:
+            for i, p in enumerate(self.params):
+                got = [g[i] for g in grads if g[i] is not None]
+                p.grad = None if not got else torch.stack(got).sum(0).div_(len(grads))
+            self.optimizer.step()
+        except Exception as e:
+            self.fail(f"parameter server: optimizer step {self.version} failed: "
+                      f"{traceback.format_exception_only(type(e), e)[-1].strip()}", locked=True)
+            raise RuntimeError(self.error) from e
         self.optimizer.zero_grad(set_to_none=True)
         self.version += 1
 
-    def fail(self, message: str) -> None:
-        with self.lock:
+    def fail(self, message: str, locked: bool = False) -> None:
+        """Record the job's first error, answer the workers waiting on a sync step with it, stop serving."""
+        with contextlib.nullcontext() if locked else self.lock:
             if self.error is None:
                 self.error = message
             if not self.pending.done():
-                self.pending.set_exception(RuntimeError(message))
+                # Returned, not set_exception: RPC (torch 2.13) hands an async_execution future's
+                # exception to the caller as a return value anyway; _call raises it.
+                self.pending.set_result(RuntimeError(self.error))
         self.done.set()
 
 
@@ -170,7 +183,7 @@ def _push_sync(worker: int, version: int, grads: list[torch.Tensor | None], loss
         s.staleness.append(s.version - version)
         if len(s.slots) == s.workers:
             order = sorted(s.slots)  # deterministic sum, whatever the arrival order
-            s.apply([s.slots[w][0] for w in order])
+            s.apply([s.slots[w][0] for w in order])  # on error every waiting worker is told (fail)
             s.losses.append(sum(s.slots[w][1] for w in order) / len(order))
             s.slots.clear()
             s.pending = torch.futures.Future()
@@ -178,7 +191,8 @@ def _push_sync(worker: int, version: int, grads: list[torch.Tensor | None], loss
     return answer
 
 
-def _push_async(worker: int, version: int, grads: list[torch.Tensor | None], loss: float) -> tuple[int, list[torch.Tensor]]:
+def _push_async(worker: int, version: int, grads: list[torch.Tensor | None],
+                loss: float) -> tuple[int, list[torch.Tensor]]:
     s = _server()
     with s.lock:
         s.staleness.append(s.version - version)
@@ -237,8 +251,9 @@ def run_parameter_server(
     if steps < 1:
         raise ValueError(f"steps {steps} must be at least 1")
     plan = BatchPlan.derive(global_batch, workers)  # one-line error when workers do not divide it
-    if len(dataset) < global_batch:  # type: ignore[arg-type]
-        raise ValueError(f"the dataset has {len(dataset)} samples, fewer than one global batch of {global_batch}")  # type: ignore[arg-type]
+    n = len(dataset)  # type: ignore[arg-type]
+    if n < global_batch:
+        raise ValueError(f"the dataset has {n} samples, fewer than one global batch of {global_batch}")
 
     # env:// so the rendezvous also works under torchrun, whose agent already serves MASTER_PORT.
     os.environ.setdefault("MASTER_ADDR", info.master_addr)
@@ -269,7 +284,8 @@ def run_parameter_server(
             result = _work(model.to(device), dataset, plan, info.rank, device, steps, loss_fn, seed, opts)
         result.seconds = time.monotonic() - start
     except BaseException:
-        rpc.shutdown(graceful=False)  # local only: the others learn of the failure through their RPCs
+        with contextlib.suppress(Exception):  # keep the original error
+            rpc.shutdown(graceful=False)  # local only: the others learn of the failure through their RPCs
         if is_server:
             _SERVER = None
         raise
@@ -284,10 +300,14 @@ def _serve(s: _Server, opts: PSOptions, rank: int) -> PSResult:
     while not s.done.wait(timeout=0.5):
         silent = time.monotonic() - s.last_message
         if silent > opts.rpc_timeout_s:
-            missing = sorted(set(range(1, s.workers + 1)) - s.finished)
+            # Workers that already pushed this sync step are waiting for the others, not silent.
+            missing = sorted(set(range(1, s.workers + 1)) - s.finished - set(s.slots))
             s.fail(f"parameter server: no message from workers {missing} for {silent:.0f}s (rpc_timeout_s="
                    f"{opts.rpc_timeout_s}): a worker died or hangs")
     if s.error is not None:
+        # The waiting workers' answers (this error) are sent by RPC threads: let them leave before
+        # shutdown closes the pipes, or those workers only see "EOF" instead of the cause.
+        time.sleep(1.0)
         raise RuntimeError(s.error)
     st = s.staleness
     return PSResult(role="server", rank=rank, mode=s.mode, losses=list(s.losses), updates=s.version,
@@ -321,22 +341,29 @@ def _work(model: nn.Module, dataset: Dataset, plan: BatchPlan, rank: int, device
         _call(_finish, (rank,), rank, opts)
     except Exception as e:
         last = traceback.format_exception_only(type(e), e)[-1].strip()
-        try:
+        with contextlib.suppress(Exception):  # the server may be the one that is gone
             rpc.rpc_sync(SERVER, _abort, args=(rank, last), timeout=5)
-        except Exception:
-            pass  # the server may be the one that is gone
         raise
     result.updates = done
     return result
 
 
 def _call(fn: Callable[..., Any], args: tuple, rank: int, opts: PSOptions) -> Any:
-    """``rpc_sync`` to the server, with a timeout error that says what was waited for."""
+    """``rpc_sync`` to the server, with one-line errors instead of RPC's multi-line remote tracebacks."""
     try:
-        return rpc.rpc_sync(SERVER, fn, args=args)
-    except RuntimeError as e:
-        if "ran for more than set timeout" not in str(e):
-            raise
+        out = rpc.rpc_sync(SERVER, fn, args=args)
+    except Exception as e:  # a remote error keeps its type, with the server's traceback in the text
+        text = str(e)
+    else:
+        if isinstance(out, Exception):  # a sync step the server failed (see _Server.fail)
+            raise out
+        return out
+    ours = [line for line in text.splitlines() if line.startswith("RuntimeError: parameter server:")]
+    if ours:  # the server failed the job (a worker failed, or its optimizer step): pass its reason on
+        raise RuntimeError(ours[-1].removeprefix("RuntimeError: "))
+    if "ran for more than set timeout" in text:
         wait = " (sync mode: the server waits for every worker's gradient)" if opts.mode == "sync" else ""
         raise TimeoutError(f"worker rank {rank}: no answer from the parameter server within rpc_timeout_s="
-                           f"{opts.rpc_timeout_s}{wait}: a process died or hangs") from None
+                           f"{opts.rpc_timeout_s}{wait}: a process died or hangs")
+    first = next((line for line in text.splitlines() if line.strip()), "")
+    raise RuntimeError(f"worker rank {rank}: call to the parameter server failed: {first}")
