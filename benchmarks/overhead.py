@@ -58,11 +58,9 @@ if _ROOT not in sys.path:
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch import nn, optim  # noqa: E402
-from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
-from torch.utils.data import DataLoader  # noqa: E402
-from torch.utils.data.distributed import DistributedSampler  # noqa: E402
 
 import paratrain  # noqa: E402
+from paratrain.bench.baseline import plain_ddp_steps  # noqa: E402
 from paratrain.data.datasets import synthetic  # noqa: E402
 from paratrain.models import build_model  # noqa: E402
 
@@ -85,7 +83,7 @@ def _dataset(cfg: dict):
 # can be timed step by step and interleaved in the same processes.
 
 def plain_steps(cfg: dict, trainset) -> Iterator[None]:
-    """Seed 000's hand-written DDP loop."""
+    """Seed 000's hand-written DDP loop (``paratrain.bench.baseline``, which ``paratrain bench`` uses too)."""
     if not dist.is_initialized():
         rank = int(os.environ["RANK"])
         world_size = int(os.environ["WORLD_SIZE"])
@@ -93,27 +91,9 @@ def plain_steps(cfg: dict, trainset) -> Iterator[None]:
         dist.barrier()
     device = torch.device("cpu")
     torch.manual_seed(cfg["seed"])
-
-    train_sampler = DistributedSampler(dataset=trainset, shuffle=True, seed=cfg["seed"])
-    trainloader = DataLoader(trainset, batch_size=cfg["batch"], sampler=train_sampler, drop_last=True)
     net = build_model(cfg["model"], INPUT_SHAPE, NUM_CLASSES).to(device)
-    net = DDP(net)
-    criterion = nn.CrossEntropyLoss()
-    optimizer = optim.SGD(net.parameters(), lr=0.001, momentum=0.9)
-    yield  # set up
-
-    epoch = 0
-    while True:
-        trainloader.sampler.set_epoch(epoch)
-        for images, labels in trainloader:
-            images, labels = images.to(device), labels.to(device)
-            optimizer.zero_grad()
-            outputs = net(images)
-            loss = criterion(outputs, labels)
-            loss.backward()
-            optimizer.step()
-            yield
-        epoch += 1
+    for _ in plain_ddp_steps(net, trainset, cfg["batch"], lr=0.001, momentum=0.9, seed=cfg["seed"], device=device):
+        yield  # the first one after setup, then one per training step
 
 
 # --------------------------------------------------------------------------- paratrain

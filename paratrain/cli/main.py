@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from typing import Sequence
+
+from ..checkpoint.io import CheckpointError
 
 # subcommand name -> module under paratrain.cli providing add_parser(subparsers) and main(args) -> int
 SUBCOMMANDS = {
     "run": "paratrain.cli.run",
     "train": "paratrain.cli.train",
+    "bench": "paratrain.cli.bench",
+    "verify": "paratrain.cli.verify",
 }
 
 
@@ -36,11 +41,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.argv = argv  # subcommands that re-launch themselves under torchrun pass it on
     try:
         return int(args.func(args) or 0)
-    except (UsageError, ValueError, FileNotFoundError) as e:
+    except (UsageError, ValueError, FileNotFoundError, CheckpointError) as e:
         # One clear line, non-zero exit: the bad value is in the message.
         print(f"paratrain {args.command}: error: {e}", file=sys.stderr)
+        if "TORCHELASTIC_ERROR_FILE" in os.environ:
+            raise  # a torchrun worker: let @record hand the cause to the agent's one-line report
         return 2
 
 
+def entry_point() -> None:
+    """Console script and ``python -m paratrain``: a worker's uncaught exception is recorded for
+    torchrun's failure report (``torch.distributed.elastic``'s ``@record``)."""
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    sys.exit(record(main)())
+
+
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+    entry_point()

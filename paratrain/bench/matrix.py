@@ -1,0 +1,245 @@
+"""The benchmark matrix: which configurations ``paratrain bench`` runs, and why some cannot run here.
+
+Cells are, in order:
+
+* ``matrix``: every strategy × world size × precision (strategies that run in one process only at
+  world size 1, the others at world sizes above 1), plus DDP comm hooks × world sizes at fp32;
+* ``baseline``: a hand-written plain-PyTorch DDP loop (:mod:`paratrain.bench.baseline`) at each world
+  size above 1, the overhead reference for paratrain's ``ddp``;
+* ``trap``: seed 000's effective-batch trap at the largest world size N: the same global batch,
+  the global batch grown ×N (the per-worker batch kept, as the seed did), and the grown batch with
+  the linear scaling rule plus warmup (Goyal et al. 2017). Every cell trains the same epochs, so
+  the grown batch makes N× fewer optimizer steps.
+
+A cell that cannot run on this machine keeps its place, with ``skip`` saying why.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from .. import strategies as _strategies
+from ..config import TrainConfig, apply_overrides, from_dict
+
+__all__ = ["Cell", "BenchSpec", "build_matrix", "quick_spec", "full_spec", "BASELINE"]
+
+BASELINE = "plain-ddp"  # the hand-written loop's strategy name in a Cell
+_ONE_PROCESS = ("single", "dp", "devices")
+
+
+@dataclass(kw_only=True, frozen=True)
+class Cell:
+    """One configuration of the matrix: what runs, on how many processes, in which precision."""
+
+    strategy: str
+    """A paratrain strategy name, or ``plain-ddp`` for the hand-written baseline loop."""
+    world_size: int = 1
+    """Processes (devices for ``dp``)."""
+    precision: str = "32"
+    comm_hook: str = "none"
+    """DDP gradient compression: none, fp16, bf16, powersgd."""
+    backend: str = "auto"
+    global_batch: int
+    base_batch: int | None = None
+    """Linear scaling rule: lr × global_batch / base_batch (None: lr unchanged)."""
+    lr_warmup_steps: int = 0
+    group: str = "matrix"
+    """matrix, baseline or trap."""
+    note: str = ""
+    skip: str | None = None
+    """Why this cell cannot run here (None: it runs)."""
+
+    @property
+    def label(self) -> str:
+        name = "plain DDP (hand-written)" if self.strategy == BASELINE else self.strategy
+        parts = [name if self.world_size == 1 and self.strategy in _ONE_PROCESS else f"{name} x{self.world_size}"]
+        if self.precision != "32":
+            parts.append(self.precision)
+        if self.comm_hook != "none":
+            parts.append(f"hook={self.comm_hook}")
+        if self.backend != "auto":
+            parts.append(self.backend)
+        if self.group == "trap":
+            parts.append(f"batch {self.global_batch}")
+            if self.base_batch:
+                parts.append(f"lr x{self.global_batch // self.base_batch} + warmup {self.lr_warmup_steps}")
+        return " ".join(parts)
+
+    def run_key(self) -> tuple[Any, ...]:
+        """Cells with the same key train identically; the runner runs such a cell once."""
+        return (self.strategy, self.world_size, self.precision, self.comm_hook, self.backend, self.global_batch,
+                self.base_batch, self.lr_warmup_steps)
+
+    def overrides(self) -> dict[str, Any]:
+        """Dotted config keys this cell sets on the base :class:`~paratrain.config.TrainConfig`."""
+        out: dict[str, Any] = {
+            "parallel.strategy": "ddp" if self.strategy == BASELINE else self.strategy,
+            "parallel.precision": self.precision,
+            "parallel.global_batch": self.global_batch,
+            "parallel.backend": self.backend,
+            "parallel.ddp.comm_hook": self.comm_hook,
+        }
+        if self.group == "trap":  # the trap cells set the lr rule themselves; other cells keep the config's
+            out["optim.base_batch"] = self.base_batch
+            out["optim.warmup_steps"] = self.lr_warmup_steps
+        return out
+
+
+@dataclass(kw_only=True)
+class BenchSpec:
+    """What ``paratrain bench`` measures: the matrix dimensions and the run length."""
+
+    strategies: list[str] = field(default_factory=lambda: ["single", "dp", "ddp", "fsdp", "tensor", "pipeline"])
+    """Strategies to try; those not in this paratrain's registry are listed as skipped."""
+    world_sizes: list[int] = field(default_factory=lambda: [1, 2, 4])
+    precisions: list[str] = field(default_factory=lambda: ["32", "fp16-mixed", "bf16-mixed"])
+    comm_hooks: list[str] = field(default_factory=lambda: ["none", "fp16", "bf16", "powersgd"])
+    """DDP comm hooks; each one other than none adds a ddp cell per world size (fp32)."""
+    epochs: int = 3
+    """Every cell trains this many epochs (so a grown global batch makes fewer steps)."""
+    warmup_steps: int = 5
+    """Untimed first optimizer steps of every cell (process-group setup, allocator warm-up)."""
+    baseline: bool = True
+    """Add the hand-written plain-PyTorch DDP loop at each world size above 1."""
+    trap: bool = True
+    """Add seed 000's effective-batch cells at the largest world size."""
+    nccl_cells: bool = True
+    """On a machine without CUDA, list ddp-over-nccl cells as skipped (so the table says why)."""
+    tolerance: float = 0.02
+    """The recommendation keeps configurations whose test accuracy is at most this much below single's."""
+    threads: int = 1
+    """torch intra-op threads per process on CPU: one 'device' per process."""
+    cell_timeout: float = 300.0
+    """Seconds before a cell's processes are killed and the cell is marked failed."""
+
+    def __post_init__(self) -> None:
+        if not self.world_sizes or any(w < 1 for w in self.world_sizes):
+            raise ValueError(f"world sizes {self.world_sizes} must be positive integers")
+        if self.epochs < 1:
+            raise ValueError(f"bench epochs {self.epochs} must be at least 1")
+        if self.warmup_steps < 0:
+            raise ValueError(f"bench warmup_steps {self.warmup_steps} must be >= 0")
+        if self.threads < 1:
+            raise ValueError(f"bench threads {self.threads} must be at least 1")
+        if self.cell_timeout <= 0:
+            raise ValueError(f"bench cell_timeout {self.cell_timeout} must be positive")
+        if not 0 <= self.tolerance <= 1:
+            raise ValueError(f"bench tolerance {self.tolerance} must be an accuracy difference in [0, 1]")
+
+
+def quick_spec() -> BenchSpec:
+    """``--quick``: a couple of minutes on a 2-core CPU (world sizes 1 and 2, fewer precisions and hooks)."""
+    return BenchSpec(strategies=["single", "dp", "ddp", "fsdp"], world_sizes=[1, 2], precisions=["32", "bf16-mixed"],
+                     comm_hooks=["none", "fp16", "powersgd"], epochs=2, warmup_steps=3, cell_timeout=120.0)
+
+
+def full_spec() -> BenchSpec:
+    return BenchSpec()
+
+
+def _probe_precision(precision: str, device: str) -> str | None:
+    """Why ``precision`` cannot run on ``device`` here, or None."""
+    dtype = {"fp16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}.get(precision)
+    if dtype is None:
+        return None
+    if device == "cuda" and dtype is torch.bfloat16 and not torch.cuda.is_bf16_supported():
+        return "this GPU has no bf16 support"
+    try:
+        lin = torch.nn.Linear(4, 4).to(device)
+        with torch.autocast(device, dtype=dtype):
+            out = lin(torch.randn(2, 4, device=device))
+        out.float().sum().backward()
+    except (RuntimeError, TypeError) as e:
+        return f"autocast to {dtype} fails on {device}: {str(e).splitlines()[0]}"
+    return None
+
+
+def _config_error(base: dict[str, Any], cell: Cell) -> str | None:
+    """The one-line config validation error this cell would hit (pipeline + fp16 ...), or None."""
+    try:
+        from_dict(TrainConfig, apply_overrides(copy.deepcopy(base), cell.overrides()))
+    except (ValueError, FileNotFoundError) as e:
+        return str(e)
+    return None
+
+
+def _machine_skip(cell: Cell, gpus: int) -> str | None:
+    """Why this machine cannot run ``cell`` (devices, backends), or None."""
+    if cell.strategy == "dp" and cell.world_size > 1 and gpus < cell.world_size:
+        return (f"DataParallel over {cell.world_size} GPUs needs {cell.world_size} GPUs in one process; "
+                f"{gpus} visible")
+    if cell.comm_hook == "bf16" and gpus == 0:
+        return "the bf16 compression hook needs CUDA with NCCL 2.10+ (torch refuses it on gloo)"
+    if cell.backend == "nccl" and gpus == 0:
+        return "nccl needs CUDA GPUs; none visible (the gloo cells above are the CPU equivalent)"
+    if gpus and cell.strategy not in ("dp", "single", "devices") and cell.world_size > gpus:
+        return f"{cell.world_size} processes need {cell.world_size} GPUs; {gpus} visible"
+    return None
+
+
+def _steps_per_epoch(train_size: int, global_batch: int) -> int:
+    return train_size // global_batch
+
+
+def build_matrix(spec: BenchSpec, base: dict[str, Any], train_size: int) -> list[Cell]:
+    """Every cell of ``spec`` on top of the base config dict ``base``, skipped ones included."""
+    base_cfg = from_dict(TrainConfig, copy.deepcopy(base))
+    batch = base_cfg.parallel.global_batch
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    device = "cuda" if gpus else "cpu"
+    known = set(_strategies.STRATEGIES)
+    cells: list[Cell] = []
+    worlds = sorted(set(spec.world_sizes))
+    multi = [w for w in worlds if w > 1]
+
+    for strategy in spec.strategies:
+        if strategy not in known:
+            reason = f"strategy {strategy!r} is not in this paratrain (known: {', '.join(sorted(known))})"
+            cells.append(Cell(strategy=strategy, world_size=max(worlds), global_batch=batch, skip=reason))
+            continue
+        # single/devices run in one process (world 1); dp is one process over N GPUs; the rest use N processes.
+        one_process = _strategies.STRATEGIES[strategy].processes == "one" and strategy != "dp"
+        sizes = [1] if one_process else multi
+        for w in sizes:
+            for precision in spec.precisions:
+                cells.append(Cell(strategy=strategy, world_size=w, precision=precision, global_batch=batch))
+    for hook in spec.comm_hooks:
+        if hook != "none" and "ddp" in known:
+            cells += [Cell(strategy="ddp", world_size=w, comm_hook=hook, global_batch=batch) for w in multi]
+    if spec.nccl_cells and not gpus and "ddp" in spec.strategies:
+        cells += [Cell(strategy="ddp", world_size=w, backend="nccl", global_batch=batch) for w in multi]
+    if spec.baseline:
+        cells += [Cell(strategy=BASELINE, world_size=w, global_batch=batch, group="baseline",
+                       note="seed 000's loop: DistributedSampler + set_epoch, DDP, per-worker batch "
+                            f"{batch // w}") for w in multi]
+    if spec.trap and multi:
+        n = max(multi)
+        grown = batch * n
+        steps = _steps_per_epoch(train_size, grown) * spec.epochs
+        warm = max(1, steps // 4)
+        cells += [
+            Cell(strategy="ddp", world_size=n, global_batch=batch, group="trap",
+                 note=f"global batch kept at {batch} ({batch // n} per worker): paratrain's default"),
+            Cell(strategy="ddp", world_size=n, global_batch=grown, group="trap",
+                 note=f"per-worker batch kept at {batch}: global x{n}, lr unchanged (seed 000's mistake)"),
+            Cell(strategy="ddp", world_size=n, global_batch=grown, base_batch=batch, lr_warmup_steps=warm,
+                 group="trap", note=f"global x{n} with the linear scaling rule (lr x{n}) and {warm} warmup steps"),
+        ]
+
+    probes: dict[str, str | None] = {}
+    out = []
+    for cell in cells:
+        reason = cell.skip or _machine_skip(cell, gpus)
+        if reason is None and cell.precision not in probes:
+            probes[cell.precision] = _probe_precision(cell.precision, device)
+        reason = reason or probes.get(cell.precision) or _config_error(base, cell)
+        if reason is None and _steps_per_epoch(train_size, cell.global_batch) < 1:
+            reason = f"the training set ({train_size} samples) is smaller than one global batch of {cell.global_batch}"
+        if reason is None and cell.strategy == BASELINE and cell.global_batch % cell.world_size:
+            reason = f"global batch {cell.global_batch} does not split over {cell.world_size} workers"
+        out.append(replace(cell, skip=reason) if reason else cell)
+    return out

@@ -1,0 +1,208 @@
+"""Run every cell of the matrix in fresh processes, each with a hard time limit, and derive the table's numbers.
+
+Each runnable cell is one :func:`paratrain.launch` of ``world_size`` new processes (one for ``dp``):
+nothing is shared between cells, so one cell's allocator, threads or process group cannot make
+the next look faster or slower. Past ``cell_timeout`` every process of the cell is killed and the
+cell is reported as failed. Cells that train identically (same :meth:`Cell.run_key`) run once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import platform
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from ..config import TrainConfig, from_dict
+from ..data.datasets import build_dataset
+from ..launch.spawn import LaunchError, launch
+from .matrix import BASELINE, BenchSpec, Cell, build_matrix
+from .measure import load_avg
+from .worker import run_cell
+
+__all__ = ["CellResult", "BenchResult", "run_bench", "run_cells", "recommend", "reference"]
+
+_SMALL_DATA = ("digits", "synthetic")  # built once in the parent and handed to the workers
+
+
+@dataclass(kw_only=True)
+class CellResult:
+    """A cell and what it measured (``status`` ok), or why it did not run (skipped/failed)."""
+
+    cell: Cell
+    status: str
+    """ok, skipped or failed."""
+    reason: str | None = None
+    seconds_per_epoch: float | None = None
+    samples_per_s: float | None = None
+    step_time_s: float | None = None
+    speedup: float | None = None
+    """Single's time per epoch / this cell's."""
+    efficiency: float | None = None
+    """speedup / world size."""
+    peak_mem_mib: float | None = None
+    """Largest over the cell's processes."""
+    mem_method: str | None = None
+    comm_bytes_per_step: float | None = None
+    """Per rank per optimizer step (see :mod:`paratrain.bench.measure`)."""
+    skipped_steps: int | None = None
+    final_loss: float | None = None
+    """Mean training loss over the last epoch."""
+    test_loss: float | None = None
+    test_accuracy: float | None = None
+    steps: int | None = None
+    timed_steps: int | None = None
+    step_mean_s: float | None = None
+    """Mean step time over the timed window (``step_time_s`` is the median on CPU)."""
+    wall_s: float | None = None
+    """Seconds for the whole cell, process start-up and evaluation included."""
+
+    def row(self) -> dict[str, Any]:
+        """Flat dict for JSON/CSV: the cell's fields, then the measurements."""
+        out = {"label": self.cell.label, **dataclasses.asdict(self.cell)}
+        out.pop("skip", None)
+        out.update({k: v for k, v in dataclasses.asdict(self).items() if k != "cell"})
+        return out
+
+
+@dataclass(kw_only=True)
+class BenchResult:
+    meta: dict[str, Any]
+    results: list[CellResult] = field(default_factory=list)
+    recommendation: CellResult | None = None
+
+
+def _machine() -> dict[str, Any]:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return {"cpu": cpu, "logical_cores": os.cpu_count(), "gpus": gpus,
+            "gpu": torch.cuda.get_device_name(0) if gpus else None, "torch": torch.__version__,
+            "python": platform.python_version(), "load_avg_start": load_avg()}
+
+
+def _job_data(cfg: TrainConfig) -> Any:
+    d = cfg.data
+    if d.dataset not in _SMALL_DATA:
+        return None
+    return (build_dataset(d.dataset, True, d.data_dir, d.synthetic_size, cfg.parallel.seed),
+            build_dataset(d.dataset, False, d.data_dir, d.synthetic_size, cfg.parallel.seed))
+
+
+def _run_one(cell: Cell, spec: BenchSpec, base: dict[str, Any], data: Any) -> CellResult:
+    job = {"cell": cell, "base": base, "epochs": spec.epochs, "warmup_steps": spec.warmup_steps,
+           "threads": spec.threads, "data": data, "timeout": spec.cell_timeout}
+    env = {"OMP_NUM_THREADS": str(spec.threads)}
+    nprocs = cell.world_size
+    if cell.strategy == "dp":  # one process over world_size GPUs
+        nprocs, env["CUDA_VISIBLE_DEVICES"] = 1, ",".join(str(i) for i in range(cell.world_size))
+    start = time.perf_counter()
+    for attempt in (1, 2):
+        try:
+            ranks = launch(run_cell, nprocs, args=(job,), timeout=spec.cell_timeout, env=env)
+            break
+        except LaunchError as e:
+            # torch 2.13's gloo threads now and then abort a worker as it exits (SIGABRT, "terminate
+            # called without an active exception"): run such a cell once more before calling it failed.
+            if attempt == 1 and "exited with code -" in str(e):
+                continue
+            reason = str(e) + (" (twice)" if attempt == 2 else "")
+            return CellResult(cell=cell, status="failed", reason=reason, wall_s=time.perf_counter() - start)
+    wall = time.perf_counter() - start
+    skipped = next((r for r in ranks if r.get("status") == "skipped"), None)
+    if skipped is not None:
+        return CellResult(cell=cell, status="skipped", reason=skipped["reason"], wall_s=wall)
+    r0 = ranks[0]
+    step_time = max(r["step_time_s"] for r in ranks)  # a step is as slow as its slowest rank
+    return CellResult(
+        cell=cell, status="ok", seconds_per_epoch=step_time * r0["steps_per_epoch"],
+        samples_per_s=r0["global_batch"] / step_time, step_time_s=step_time,
+        peak_mem_mib=max(r["peak_mem_bytes"] for r in ranks) / 2**20, mem_method=r0["mem_method"],
+        comm_bytes_per_step=r0["comm_bytes_per_step"], skipped_steps=r0["skipped_steps"],
+        final_loss=r0["final_loss"], test_loss=r0["test_loss"], test_accuracy=r0["test_accuracy"],
+        steps=r0["steps"], timed_steps=r0["timed_steps"], step_mean_s=max(r["step_mean_s"] for r in ranks),
+        wall_s=wall,
+    )
+
+
+def run_cells(cells: list[Cell], spec: BenchSpec, base: dict[str, Any], data: Any = None,
+              progress: bool = True, on_result: Callable[[CellResult], None] | None = None) -> list[CellResult]:
+    """Run ``cells`` one after the other (skipped ones are only recorded), with a progress bar."""
+    from tqdm.auto import tqdm
+
+    done: dict[tuple[Any, ...], CellResult] = {}
+    results = []
+    bar = tqdm(cells, desc="bench", unit="cell", disable=not progress, dynamic_ncols=True)
+    for cell in bar:
+        bar.set_postfix_str(cell.label, refresh=True)
+        if cell.skip:
+            result = CellResult(cell=cell, status="skipped", reason=cell.skip)
+        elif cell.run_key() in done:  # e.g. the trap's same-batch cell is the matrix's ddp cell
+            result = dataclasses.replace(done[cell.run_key()], cell=cell)
+        else:
+            result = _run_one(cell, spec, base, data)
+            done[cell.run_key()] = result
+        results.append(result)
+        if on_result is not None:
+            on_result(result)
+    bar.close()
+    _derive(results)
+    return results
+
+
+def reference(results: list[CellResult]) -> CellResult | None:
+    """The single-device fp32 run every other cell is compared with."""
+    for r in results:
+        if r.status == "ok" and r.cell.strategy == "single" and r.cell.precision == "32":
+            return r
+    return next((r for r in results if r.status == "ok" and r.cell.world_size == 1), None)
+
+
+def _derive(results: list[CellResult]) -> None:
+    ref = reference(results)
+    if ref is None or not ref.seconds_per_epoch:
+        return
+    for r in results:
+        if r.status == "ok" and r.seconds_per_epoch:
+            r.speedup = ref.seconds_per_epoch / r.seconds_per_epoch
+            r.efficiency = r.speedup / r.cell.world_size
+
+
+def recommend(results: list[CellResult], tolerance: float) -> CellResult | None:
+    """The fastest paratrain configuration whose test accuracy is within ``tolerance`` of single's."""
+    ref = reference(results)
+    if ref is None or ref.test_accuracy is None:
+        return None
+    keep = [r for r in results if r.status == "ok" and r.cell.strategy != BASELINE and r.test_accuracy is not None
+            and r.test_accuracy >= ref.test_accuracy - tolerance and r.seconds_per_epoch]
+    return min(keep, key=lambda r: r.seconds_per_epoch, default=None)  # type: ignore[arg-type,return-value]
+
+
+def run_bench(spec: BenchSpec, base: dict[str, Any], progress: bool = True,
+              on_result: Callable[[CellResult], None] | None = None) -> BenchResult:
+    """Build the matrix for ``spec`` over the base config dict ``base`` and run it."""
+    cfg = from_dict(TrainConfig, dict(base))
+    data = _job_data(cfg)
+    train_size = len(data[0]) if data is not None else len(build_dataset(
+        cfg.data.dataset, True, cfg.data.data_dir, cfg.data.synthetic_size, cfg.parallel.seed))
+    cells = build_matrix(spec, base, train_size)
+    start = time.perf_counter()
+    results = run_cells(cells, spec, base, data, progress, on_result)
+    meta = {
+        "machine": {**_machine(), "load_avg_end": load_avg()},
+        "model": cfg.model, "dataset": cfg.data.dataset, "train_size": train_size,
+        "global_batch": cfg.parallel.global_batch, "optimizer": cfg.optim.name, "lr": cfg.optim.lr,
+        "spec": dataclasses.asdict(spec), "base_config": base, "runs_per_cell": 1,
+        "bench_seconds": time.perf_counter() - start,
+        "memory": next((r.mem_method for r in results if r.mem_method), None),
+        "timing": "mean step of a synchronised window" if torch.cuda.is_available() else "median step",
+    }
+    return BenchResult(meta=meta, results=results, recommendation=recommend(results, spec.tolerance))

@@ -1,0 +1,113 @@
+"""``paratrain bench``: run a matrix of configurations on one model and data set, print seed 000's
+table (time per epoch, samples/s, speed-up, scaling efficiency, peak memory, bytes communicated,
+overflow skips, final loss, test accuracy), write results.json, results.csv and chart.png, and
+recommend the fastest configuration whose accuracy stays within a tolerance of single-device.
+
+The job is a built-in task configured like ``paratrain train`` (``--config``, ``--model``...,
+``--set``); the matrix is set with ``--strategies``, ``--world-sizes``, ``--precisions`` and
+``--comm-hooks``. Every cell runs in fresh processes with a hard time limit; cells that cannot run
+on this machine (DataParallel without GPUs, nccl without CUDA...) are listed with the reason.
+``--quick`` is a small matrix that takes a couple of minutes on a 2-core CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from typing import Any
+
+from ..config import TrainConfig, apply_overrides, from_dict, load_config
+
+# flag -> dotted key of the base TrainConfig
+_JOB_FLAGS: dict[str, tuple[str, Any, str]] = {
+    "--model": ("model", str, "mlp, cnn, resnet8, resnet20, transformer or torchvision:<name>"),
+    "--dataset": ("data.dataset", str, "digits (default, bundled), cifar10 or synthetic"),
+    "--data-dir": ("data.data_dir", str, "folder holding cifar-10-batches-py"),
+    "--global-batch": ("parallel.global_batch", int, "samples per optimizer step (the matrix keeps it)"),
+    "--lr": ("optim.lr", float, "learning rate"),
+    "--optimizer": ("optim.name", str, "sgd or adamw"),
+    "--seed": ("parallel.seed", int, "seed for init and data order"),
+}
+
+
+def _csv(tp: Any) -> Any:
+    def parse(text: str) -> list[Any]:
+        try:
+            return [tp(v.strip()) for v in text.split(",") if v.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of {tp.__name__}") from None
+
+    return parse
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("bench", help="compare strategies, world sizes and precisions on one job",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="small matrix: world sizes 1,2, fp32 + bf16, 2 epochs")
+    p.add_argument("--out", default="runs/bench", metavar="DIR", help="where results.json/.csv and chart.png go")
+    p.add_argument("--config", metavar="FILE", help="TOML or YAML config of the job (as for paratrain train)")
+    for flag, (key, tp, help_) in _JOB_FLAGS.items():
+        p.add_argument(flag, dest=key, type=tp, default=None, help=f"{help_} [{key}]")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override any job config field, e.g. --set optim.momentum=0.8")
+    p.add_argument("--strategies", type=_csv(str), help="e.g. single,dp,ddp,fsdp,tensor,pipeline")
+    p.add_argument("--world-sizes", type=_csv(int), help="e.g. 1,2,4")
+    p.add_argument("--precisions", type=_csv(str), help="e.g. 32,fp16-mixed,bf16-mixed")
+    p.add_argument("--comm-hooks", type=_csv(str), help="ddp hooks, e.g. none,fp16,bf16,powersgd")
+    p.add_argument("--epochs", type=int, help="epochs per cell")
+    p.add_argument("--warmup-steps", type=int, help="untimed first steps per cell")
+    p.add_argument("--tolerance", type=float, help="accuracy tolerance of the recommendation (0.02 = 2 points)")
+    p.add_argument("--threads", type=int, help="torch threads per process on CPU (default 1)")
+    p.add_argument("--cell-timeout", type=float, help="seconds before a cell's processes are killed")
+    p.add_argument("--no-baseline", action="store_true", help="leave out the hand-written DDP loop")
+    p.add_argument("--no-trap", action="store_true", help="leave out the effective-batch trap cells")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=main)
+    return p
+
+
+def base_config(args: argparse.Namespace) -> dict[str, Any]:
+    """The job's config dict (file, then flags, then --set), validated."""
+    data = load_config(args.config)
+    apply_overrides(data, {key: getattr(args, key) for key, *_ in _JOB_FLAGS.values()
+                           if getattr(args, key) is not None})
+    for item in args.overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--set {item!r} is not KEY=VALUE, e.g. --set optim.momentum=0.8")
+        apply_overrides(data, {key: value})
+    from_dict(TrainConfig, data)  # one-line error on a bad value, before any process starts
+    return data
+
+
+def build_spec(args: argparse.Namespace) -> Any:
+    from ..bench.matrix import full_spec, quick_spec
+
+    spec = quick_spec() if args.quick else full_spec()
+    changes = {"strategies": args.strategies, "world_sizes": args.world_sizes, "precisions": args.precisions,
+               "comm_hooks": args.comm_hooks, "epochs": args.epochs, "warmup_steps": args.warmup_steps,
+               "tolerance": args.tolerance, "threads": args.threads, "cell_timeout": args.cell_timeout}
+    changes = {k: v for k, v in changes.items() if v is not None}
+    if args.no_baseline:
+        changes["baseline"] = False
+    if args.no_trap:
+        changes["trap"] = False
+    from ..precision import resolve
+
+    for name in changes.get("precisions", []):
+        resolve(name)
+    return dataclasses.replace(spec, **changes)  # __post_init__ validates
+
+
+def main(args: argparse.Namespace) -> int:
+    from ..bench import format_table, run_bench, write_all
+
+    base = base_config(args)
+    spec = build_spec(args)
+    result = run_bench(spec, base, progress=not args.no_progress)
+    print(format_table(result))
+    paths = write_all(result, args.out)
+    print("wrote " + ", ".join(paths.values()) + ("" if "chart" in paths else " (no chart: pip install matplotlib)"))
+    sys.stdout.flush()
+    return 0 if any(r.status == "ok" for r in result.results) else 1

@@ -1,0 +1,228 @@
+"""``verify``: train the same job at world size 1 and N (and with accumulation, and optionally in
+another precision), compare final weights and loss curves, and name the classic mistakes.
+
+Every run is a :func:`paratrain.launch` of fresh processes with a hard time limit. The reference is
+world size 1 without accumulation; for a built-in config it uses the ``single`` strategy (the one
+every strategy must match) and the run at N uses the config's strategy (``ddp`` when the config's
+runs in one process).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..config import TrainConfig, apply_overrides, from_dict
+from ..data.sampler import BatchPlan
+from ..launch.spawn import LaunchError, launch
+from .compare import Comparison, compare_runs
+from .diagnose import Finding, RunView, diagnose
+from .worker import load_entry, run_job
+
+__all__ = ["VerifyOptions", "VerifyReport", "verify_config", "verify_entry", "format_report"]
+
+_SMALL_DATA = ("digits", "synthetic")
+
+
+@dataclass(kw_only=True)
+class VerifyOptions:
+    """What ``verify`` runs and how strict it is."""
+
+    world_size: int = 2
+    """N: the world size compared with 1."""
+    steps: int = 20
+    """Optimizer steps per run."""
+    tolerance: float = 1e-5
+    """Largest relative divergence per tensor (and of the loss curve) that passes."""
+    accumulation: int = 2
+    """Also run world size 1 with this many accumulation steps (built-in configs; < 2: skip)."""
+    precision: str | None = None
+    """Also run world size 1 in this precision, against ``precision_tolerance``."""
+    precision_tolerance: float = 5e-2
+    timeout: float = 300.0
+    """Seconds per run before its processes are killed."""
+    threads: int = 1
+
+    def __post_init__(self) -> None:
+        if self.world_size < 2:
+            raise ValueError(f"verify --nproc {self.world_size} must be at least 2 (it is compared with world size 1)")
+        if self.steps < 1:
+            raise ValueError(f"verify --steps {self.steps} must be at least 1")
+        if self.tolerance <= 0 or self.precision_tolerance <= 0:
+            raise ValueError(f"verify tolerances ({self.tolerance}, {self.precision_tolerance}) must be positive")
+        if self.timeout <= 0:
+            raise ValueError(f"verify --timeout {self.timeout} must be positive")
+        if self.precision is not None:
+            from ..precision import resolve
+
+            self.precision = resolve(self.precision)
+
+
+@dataclass(kw_only=True)
+class VerifyReport:
+    title: str
+    comparisons: list[Comparison] = field(default_factory=list)
+    findings: list[Finding] = field(default_factory=list)
+    checks: list[tuple[str, str]] = field(default_factory=list)
+    """(what, observation) lines for the checks that found nothing wrong."""
+
+    @property
+    def passed(self) -> bool:
+        return all(c.passed or (c.expected and not c.error) for c in self.comparisons) \
+            and not any(f.fail for f in self.findings)
+
+
+def _launch(name: str, nprocs: int, job: dict[str, Any], opts: VerifyOptions) -> RunView:
+    try:
+        ranks = launch(run_job, nprocs, args=(job,), timeout=opts.timeout, env={"OMP_NUM_THREADS": str(opts.threads)})
+    except LaunchError as e:
+        return RunView.merge(name, nprocs, None, error=str(e))
+    return RunView.merge(name, nprocs, ranks)
+
+
+def _compare(title: str, run: RunView, ref: RunView, tol: float) -> Comparison:
+    if run.error or ref.error:
+        return Comparison(title=title, tolerance=tol, error=run.error or f"the reference run failed: {ref.error}")
+    return compare_runs(title, run.state, ref.state, tol, run.losses, ref.losses)
+
+
+def _checks(ref: RunView, run: RunView, repeat: RunView | None, findings: list[Finding]) -> list[tuple[str, str]]:
+    """One line per classic mistake that was looked for and not found."""
+    causes = {f.cause for f in findings}
+    out = []
+    if ref.samples and run.samples and "effective batch changed with world size" not in causes:
+        out.append(("effective batch", f"{ref.samples[0]} samples per optimizer step at world size 1 and "
+                                       f"{run.world_size}"))
+    if not ({"data order differs across world sizes", "effective batch changed with world size"} & causes) \
+            and ref.samples and run.samples and not run.error:
+        out.append(("data order", f"the same samples in each of {min(len(ref.samples), len(run.samples))} steps "
+                                  f"at world size 1 and {run.world_size}"))
+    if repeat is not None and ref.samples and repeat.samples and \
+            not ({"data order not seeded", "model initialisation not seeded"} & causes):
+        out.append(("seeding", f"identical initial weights and samples in two runs at world size 1 ({ref.name}, "
+                               f"{repeat.name})"))
+    if not run.unsynced_bn:
+        out.append(("BatchNorm", "no unsynced BatchNorm layer at world size " + str(run.world_size)))
+    elif "BatchNorm not synced across ranks" not in causes:
+        out.append(("BatchNorm", f"{len(run.unsynced_bn)} unsynced BatchNorm layer(s), but no divergence"))
+    if not ref.unused and ref.samples:
+        out.append(("unused parameters", "every parameter got a gradient"))
+    return out
+
+
+def _finish(title: str, ref: RunView, main: RunView, extra: list[tuple[RunView, float]], repeat: RunView | None,
+            opts: VerifyOptions) -> VerifyReport:
+    report = VerifyReport(title=title)
+    report.comparisons.append(_compare(f"{main.name} vs {ref.name}", main, ref, opts.tolerance))
+    for run, tol in extra:
+        report.comparisons.append(_compare(f"{run.name} vs {ref.name}", run, ref, tol))
+    failed = {main.name} if not report.comparisons[0].passed else set()
+    report.findings = diagnose(ref, [main], failed, repeat)
+    for run, _ in extra:
+        if run.error and run is not repeat:
+            report.findings.append(Finding(cause=f"the {run.name} run failed", message=run.error))
+    report.checks = _checks(ref, main, repeat, report.findings)
+    return report
+
+
+def verify_config(config: dict[str, Any], opts: VerifyOptions) -> VerifyReport:
+    """Verify a built-in job (a :class:`TrainConfig` dict, as ``paratrain train`` reads it)."""
+    from .. import strategies
+
+    cfg = from_dict(TrainConfig, copy.deepcopy(config))
+    n = opts.world_size
+    strategy = cfg.parallel.strategy
+    if strategies.STRATEGIES[strategy].processes == "one":
+        strategy = "ddp"
+    base = apply_overrides(copy.deepcopy(config), {"log_dir": None, "progress": False, "checkpoint_every": 0,
+                                                   "checkpoint_dir": None, "resume": False})
+    p = cfg.parallel
+    BatchPlan.derive(p.global_batch, n, p.accumulation, p.micro_batch)  # one-line error if N does not divide it
+    if opts.accumulation > 1:
+        BatchPlan.derive(p.global_batch, 1, opts.accumulation)
+
+    def job(**overrides: Any) -> dict[str, Any]:
+        c = apply_overrides(copy.deepcopy(base), overrides)
+        from_dict(TrainConfig, copy.deepcopy(c))
+        return {"kind": "builtin", "config": c, "steps": opts.steps, "threads": opts.threads, "data": data,
+                "timeout": opts.timeout}
+
+    data = None
+    if cfg.data.dataset in _SMALL_DATA:  # built once here instead of in every process
+        from ..data.datasets import build_dataset
+
+        d = cfg.data
+        data = build_dataset(d.dataset, True, d.data_dir, d.synthetic_size, p.seed)
+    single = {"parallel.strategy": "single", "parallel.accumulation": None, "parallel.micro_batch": None}
+    ref = _launch("world size 1", 1, job(**single), opts)
+    main = _launch(f"world size {n} ({strategy})", n, job(**{"parallel.strategy": strategy}), opts)
+    extra: list[tuple[RunView, float]] = []
+    repeat: RunView
+    if opts.accumulation > 1:
+        repeat = _launch(f"world size 1, accumulation {opts.accumulation}", 1,
+                         job(**{**single, "parallel.accumulation": opts.accumulation}), opts)
+    else:
+        repeat = _launch("world size 1 (repeat)", 1, job(**single), opts)
+    extra.append((repeat, opts.tolerance))
+    if opts.precision is not None:
+        extra.append((_launch(f"world size 1, {opts.precision}", 1,
+                              job(**{**single, "parallel.precision": opts.precision}), opts), opts.precision_tolerance))
+    if opts.accumulation > 1 and ref.unsynced_bn:
+        # BatchNorm sees one micro-batch at a time: no setting makes accumulation equal a whole batch.
+        why = (f"BatchNorm normalises each micro-batch of {p.global_batch // opts.accumulation} samples, not the "
+               f"global batch of {p.global_batch}: accumulation changes a BatchNorm model's training "
+               "(SyncBatchNorm syncs ranks, not micro-steps)")
+        report_extra = {id(repeat): why}
+    else:
+        report_extra = {}
+    title = (f"paratrain verify: {cfg.model} on {cfg.data.dataset}, global batch {p.global_batch}, {opts.steps} "
+             f"optimizer steps, {strategy} at world size {n} against one process; tolerance {opts.tolerance:g}")
+    report = _finish(title, ref, main, extra, repeat, opts)
+    for comparison, (run, _) in zip(report.comparisons[1:], extra):
+        comparison.expected = report_extra.get(id(run))
+    return report
+
+
+def verify_entry(entry: str, opts: VerifyOptions) -> VerifyReport:
+    """Verify a user's training function ``module:function`` (see :mod:`paratrain.verify.worker`)."""
+    load_entry(entry)  # a bad name fails here, with one line, before any process starts
+    n = opts.world_size
+
+    def job() -> dict[str, Any]:
+        return {"kind": "entry", "entry": entry, "steps": opts.steps, "threads": opts.threads, "timeout": opts.timeout}
+
+    ref = _launch("world size 1", 1, job(), opts)
+    main = _launch(f"world size {n}", n, job(), opts)
+    repeat = _launch("world size 1 (repeat)", 1, job(), opts)
+    title = (f"paratrain verify: {entry}, {opts.steps} optimizer steps at world size {n} against one process; "
+             f"tolerance {opts.tolerance:g}")
+    return _finish(title, ref, main, [(repeat, opts.tolerance)], repeat, opts)
+
+
+def format_report(report: VerifyReport, max_tensors: int = 40) -> str:
+    lines = [report.title, ""]
+    for c in report.comparisons:
+        if c.error:
+            lines.append(f"{c.title}: FAIL ({c.error})")
+            continue
+        worst = c.worst
+        loss = "n/a" if c.loss_divergence is None else f"{c.loss_divergence:.2e}"
+        verdict = "PASS" if c.passed else f"DIFFERS, as expected: {c.expected}" if c.expected else "FAIL"
+        lines.append(f"{c.title}: largest relative divergence {worst.divergence if worst else 0:.2e}"
+                     f"{f' ({worst.name})' if worst else ''}, loss curve {loss}, tolerance {c.tolerance:g}: {verdict}")
+        width = max([len(t.name) for t in c.tensors] + [6])
+        # Every tensor of the main comparison (up to max_tensors); the worst few of a passing extra one.
+        limit = max_tensors if c is report.comparisons[0] or not (c.passed or c.expected) else 3
+        shown = sorted(c.tensors, key=lambda t: -t.divergence)[:limit]
+        for t in shown:
+            lines.append(f"  {t.name:<{width}}  {t.divergence:9.2e}  {'PASS' if t.passed else 'FAIL'}")
+        if len(c.tensors) > len(shown):
+            lines.append(f"  ... {len(c.tensors) - len(shown)} more tensors, all below {shown[-1].divergence:.2e}")
+    lines.append("")
+    for f in report.findings:
+        lines.append(f"{'FAIL' if f.fail else 'WARN'}: {f.cause}: {f.message}")
+    for what, seen in report.checks:
+        lines.append(f"ok: {what}: {seen}")
+    lines += ["", f"result: {'PASS' if report.passed else 'FAIL'}"]
+    return "\n".join(lines)

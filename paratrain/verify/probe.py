@@ -1,0 +1,114 @@
+"""What ``paratrain verify`` observes inside a training run, without touching the training code.
+
+Process-wide hooks, installed in the fresh worker process before the job builds anything:
+
+* a global module forward pre-hook sees every *outermost* training-mode forward (the model as the
+  loop calls it, e.g. the DDP wrapper) and records its batch: how many samples, and one fingerprint
+  per sample (a fixed random projection of the input), so the samples of every optimizer step can
+  be compared across world sizes as a multiset;
+* a global optimizer step pre-hook closes an optimizer step: samples and fingerprints since the
+  previous step, the learning rate, and at the first step which parameters got no gradient and a
+  checksum of the initial weights.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["Probe", "clean_name"]
+
+_PREFIXES = ("module.", "original.", "_orig_mod.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
+
+
+def clean_name(name: str) -> str:
+    """A parameter name without the wrapper prefixes (DDP's ``module.``, torch.compile's ...)."""
+    changed = True
+    while changed:
+        changed = False
+        for p in _PREFIXES:
+            if name.startswith(p):
+                name, changed = name[len(p):], True
+    return name
+
+
+class Probe:
+    """Records per optimizer step: samples seen by this rank, their fingerprints and the lr."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict[str, Any]] = []
+        self.unused: list[str] | None = None
+        self.init_checksum: float | None = None
+        self.root: nn.Module | None = None
+        self._depth = 0
+        self._samples = 0
+        self._fingerprints: list[float] = []
+        self._weights: dict[int, torch.Tensor] = {}
+        self._handles: list[Any] = []
+
+    # --- hooks -----------------------------------------------------------------------------
+    def install(self) -> "Probe":
+        from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        self._handles = [
+            register_module_forward_pre_hook(self._pre_forward),
+            register_module_forward_hook(self._post_forward, always_call=True),
+            register_optimizer_step_pre_hook(self._pre_step),
+        ]
+        return self
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def _pre_forward(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        self._depth += 1
+        if self._depth != 1 or not module.training or not torch.is_grad_enabled():
+            return
+        x = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if x is None or x.dim() == 0:
+            return
+        if self.root is None:
+            self.root = module
+        self._samples += int(x.shape[0])
+        self._fingerprints += self._fingerprint(x).tolist()
+
+    def _post_forward(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        self._depth = max(0, self._depth - 1)
+
+    def _pre_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        if not self.steps:
+            names = self._names()
+            self.unused = [names.get(id(p), f"param[{i}]") for i, p in enumerate(params)
+                           if p.requires_grad and p.grad is None]
+            with torch.no_grad():
+                self.init_checksum = float(sum(_local(p).double().sum().item() for p in params))
+        self.steps.append({"samples": self._samples, "fingerprints": sorted(self._fingerprints),
+                           "lr": float(optimizer.param_groups[0]["lr"])})
+        self._samples, self._fingerprints = 0, []
+
+    # --- helpers ---------------------------------------------------------------------------
+    def _fingerprint(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.detach().reshape(x.shape[0], -1).to("cpu", torch.float64)
+        n = flat.shape[1]
+        if n not in self._weights:
+            self._weights[n] = torch.randn(n, generator=torch.Generator().manual_seed(1234), dtype=torch.float64)
+        return flat @ self._weights[n]
+
+    def _names(self) -> dict[int, str]:
+        if self.root is None:
+            return {}
+        return {id(p): clean_name(n) for n, p in self.root.named_parameters()}
+
+    def summary(self) -> dict[str, Any]:
+        return {"steps": self.steps, "unused": self.unused, "init_checksum": self.init_checksum}
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    """The local part of a (possibly DTensor) parameter."""
+    return p.to_local() if hasattr(p, "to_local") else p

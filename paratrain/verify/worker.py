@@ -1,0 +1,197 @@
+"""One process of one ``verify`` run: train K steps under the probe, return the final state.
+
+Two kinds of job:
+
+* a built-in job (a :class:`~paratrain.config.TrainConfig`, as ``paratrain train`` runs it), trained
+  with ``Parallel`` + ``fit`` for ``steps`` optimizer steps;
+* a user's function (``--entry module:function`` or ``path/to/script.py:function``), called as
+  ``function(steps)`` in every process with ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``
+  set as torchrun sets them. It trains ``steps`` optimizer steps and returns the trained model,
+  its ``state_dict()``, or ``(model_or_state_dict, losses)`` with one loss per optimizer step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import importlib
+import importlib.util
+import inspect
+import io
+import math
+import os
+import sys
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..nn.syncbn import has_unsynced_batchnorm
+from .probe import Probe, clean_name
+
+__all__ = ["run_job", "load_entry", "unsynced_batchnorm_layers"]
+
+
+def load_entry(spec: str) -> Callable[..., Any]:
+    """The function named by ``module:function`` or ``path/to/file.py:function``."""
+    target, sep, name = spec.rpartition(":")
+    if not sep or not target or not name:
+        raise ValueError(f"--entry {spec!r} is not MODULE:FUNCTION or path/to/script.py:FUNCTION")
+    if target.endswith(".py") or os.sep in target:
+        path = os.path.abspath(target)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"--entry script {target!r} does not exist")
+        mod_name = "_paratrain_verify_entry_" + os.path.splitext(os.path.basename(path))[0]
+        loader_spec = importlib.util.spec_from_file_location(mod_name, path)
+        module = importlib.util.module_from_spec(loader_spec)  # type: ignore[arg-type]
+        sys.modules[mod_name] = module
+        loader_spec.loader.exec_module(module)  # type: ignore[union-attr]
+    else:
+        if os.getcwd() not in sys.path:
+            sys.path.insert(0, os.getcwd())
+        try:
+            module = importlib.import_module(target)
+        except ModuleNotFoundError as e:
+            raise ValueError(f"--entry {spec!r}: cannot import module {target!r} ({e})") from None
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise ValueError(f"--entry {spec!r}: {target!r} has no function {name!r}")
+    if len(inspect.signature(fn).parameters) < 1:
+        raise ValueError(f"--entry {spec!r}: {name}() must take the number of optimizer steps, e.g. def {name}(steps)")
+    return fn
+
+
+def unsynced_batchnorm_layers(model: nn.Module | None) -> list[str]:
+    """Names of BatchNorm layers that compute their statistics per process."""
+    if model is None or not has_unsynced_batchnorm(model):
+        return []
+    from torch.nn.modules.batchnorm import _BatchNorm
+
+    from ..nn.syncbn import SyncBatchNorm
+
+    return [clean_name(n) for n, m in model.named_modules()
+            if isinstance(m, _BatchNorm) and not isinstance(m, (nn.SyncBatchNorm, SyncBatchNorm))]
+
+
+def _cpu_state(state: dict[str, Any]) -> dict[str, torch.Tensor]:
+    out = {}
+    for k, v in state.items():
+        if isinstance(v, torch.Tensor):
+            v = v.full_tensor() if hasattr(v, "full_tensor") else v
+            out[clean_name(k)] = v.detach().to("cpu").clone()
+    return out
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    """The user's module inside paratrain's ParallelModule, DDP or DataParallel wrappers."""
+    while True:
+        original = model.__dict__.get("original")  # ParallelModule keeps it outside _modules
+        if isinstance(original, nn.Module):
+            model = original
+        elif isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+            model = model.module
+        else:
+            return model
+
+
+def run_job(local_rank: int, job: dict[str, Any]) -> dict[str, Any]:
+    """Run ``job`` in this process under the probe; return state, losses and observations."""
+    torch.set_num_threads(job.get("threads", 1))
+    faulthandler.dump_traceback_later(max(1.0, job["timeout"] - 5))  # a hang shows where, before the kill
+    probe = Probe().install()
+    state: dict[str, torch.Tensor] = {}
+    losses: list[float] | None = None
+    model: nn.Module | None = None
+    error = None
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):  # the report is the output, not N processes' prints
+            if job["kind"] == "entry":
+                state, losses, model = _run_entry(job)
+            else:
+                state, losses, model = _run_builtin(job)
+    except Exception as e:  # noqa: BLE001 - what the probe saw before the failure still names its cause
+        error = f"{type(e).__name__}: {next((ln for ln in str(e).splitlines() if ln.strip()), '')}".strip()
+    finally:
+        probe.remove()
+        faulthandler.cancel_dump_traceback_later()
+    model = model if model is not None else (_unwrap(probe.root) if probe.root is not None else None)
+    return {"rank": int(os.environ.get("RANK", local_rank)), "world_size": int(os.environ.get("WORLD_SIZE", 1)),
+            "state": state, "losses": losses, "probe": probe.summary(), "error": error,
+            "unsynced_bn": unsynced_batchnorm_layers(model)}
+
+
+def _run_entry(job: dict[str, Any]) -> tuple[dict[str, torch.Tensor], list[float] | None, nn.Module | None]:
+    # A user's script calls init_process_group itself; DDP's torch._dynamo import must come first
+    # (see paratrain.env.process.init: otherwise gloo can abort the exiting worker, torch 2.13).
+    import torch._dynamo  # noqa: F401
+
+    fn = load_entry(job["entry"])
+    try:
+        out = fn(job["steps"])
+    finally:
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    losses = None
+    if isinstance(out, tuple) and len(out) == 2:
+        out, losses = out
+        losses = [float(v) for v in losses]
+    if isinstance(out, nn.Module):
+        model = _unwrap(out)
+        return _cpu_state(model.state_dict()), losses, model
+    if isinstance(out, dict):
+        return _cpu_state(out), losses, None
+    raise TypeError(f"{job['entry']} returned {type(out).__name__}: return the trained model, its state_dict(), "
+                    "or (model, losses)")
+
+
+class _LossLog:
+    """A RunLogger stand-in that keeps fit's per-step loss records in memory."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def log(self, record: dict[str, Any], kind: str = "train") -> None:
+        if kind == "train":
+            self.losses.append(float(record["loss"]))
+
+    def write_json(self, name: str, obj: Any) -> None:
+        pass
+
+
+def _run_builtin(job: dict[str, Any]) -> tuple[dict[str, torch.Tensor], list[float], nn.Module]:
+    from ..config import TrainConfig, from_dict
+    from ..data.augment import augment_for
+    from ..data.datasets import build_dataset, dataset_info
+    from ..loop.fit import fit
+    from ..loop.schedule import warmup_linear_scaling
+    from ..loop.train import build_optimizer
+    from ..models import build_model
+    from ..parallel import Parallel
+
+    cfg = from_dict(TrainConfig, job["config"])
+    pt = Parallel(cfg.parallel)
+    try:
+        d = cfg.data
+        train_set = job.get("data")
+        if train_set is None:
+            train_set = build_dataset(d.dataset, True, d.data_dir, d.synthetic_size, cfg.parallel.seed)
+        info = dataset_info(d.dataset)
+        model = build_model(cfg.model, tuple(info["input_shape"]), info["num_classes"])
+        optimizer = build_optimizer(model, cfg)
+        model, optimizer = pt.setup(model, optimizer)
+        scheduler = None
+        if cfg.optim.warmup_steps or cfg.optim.base_batch:
+            scheduler = warmup_linear_scaling(optimizer.optimizer, pt.plan.global_batch, cfg.optim.base_batch,
+                                              cfg.optim.warmup_steps)
+        steps = job["steps"]
+        epochs = math.ceil(steps / max(1, len(train_set) // pt.plan.global_batch))
+        log = _LossLog()
+        fit(pt, model, optimizer, train_set, epochs=epochs, max_steps=steps, scheduler=scheduler,
+            augment=augment_for(d.dataset) if d.augment else None, logger=log, log_every=1,  # type: ignore[arg-type]
+            progress_bar=False)
+        full = getattr(pt.strategy, "full_state_dict", None)
+        state = full(model) if callable(full) else pt.unwrap(model).state_dict()
+        return _cpu_state(state), log.losses, pt.unwrap(model)
+    finally:
+        pt.close()

@@ -1,0 +1,125 @@
+"""``paratrain bench``: the matrix, the table, JSON/CSV/PNG output, on a tiny matrix (CPU, 2 cores)."""
+
+import csv
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from clitools import run_cli
+from paratrain.bench import BenchSpec, build_matrix, format_table, quick_spec
+from paratrain.bench.matrix import Cell
+from paratrain.bench.report import write_all
+from paratrain.bench.runner import BenchResult, CellResult, recommend
+
+NO_GPU = not torch.cuda.is_available()
+MLP_DIGITS_GRAD_BYTES = 4 * (64 * 512 + 512 + 512 * 10 + 10)  # seed 003's MLP on 8x8 digits, fp32
+
+
+def test_quick_matrix_lists_every_cell_and_why_some_cannot_run():
+    cells = build_matrix(quick_spec(), {}, train_size=1438)
+    labels = [c.label for c in cells]
+    assert labels[0] == "single"
+    assert {"ddp x2", "ddp x2 bf16-mixed", "ddp x2 hook=fp16", "ddp x2 hook=powersgd", "fsdp x2",
+            "plain DDP (hand-written) x2", "ddp x2 batch 64", "ddp x2 batch 128"} <= set(labels)
+    assert any(label.startswith("ddp x2 batch 128 lr x2 + warmup") for label in labels)
+    if NO_GPU:
+        skipped = {c.label: c.skip for c in cells if c.skip}
+        assert "GPUs" in skipped["dp x2"] and "nccl" in skipped["ddp x2 nccl"]
+    assert [c.group for c in cells].count("trap") == 3
+
+
+def test_config_errors_become_skip_reasons():
+    spec = dataclasses.replace(quick_spec(), strategies=["pipeline", "nosuch"], precisions=["fp16-mixed"],
+                               comm_hooks=["none"], baseline=False, trap=False)
+    cells = {c.label: c.skip for c in build_matrix(spec, {}, train_size=1438)}
+    assert "fp16-mixed is not supported with strategy pipeline" in cells["pipeline x2 fp16-mixed"]
+    assert "not in this paratrain" in cells["nosuch x2"]
+
+
+def test_recommendation_is_fastest_within_accuracy_tolerance():
+    def res(label_cell, spe, acc):
+        return CellResult(cell=label_cell, status="ok", seconds_per_epoch=spe, test_accuracy=acc, samples_per_s=1.0)
+
+    single = res(Cell(strategy="single", global_batch=64), 1.0, 0.90)
+    slow = res(Cell(strategy="ddp", world_size=2, global_batch=64), 0.6, 0.90)
+    fast_bad = res(Cell(strategy="ddp", world_size=2, global_batch=128, group="trap"), 0.3, 0.80)
+    baseline = res(Cell(strategy="plain-ddp", world_size=2, global_batch=64, group="baseline"), 0.1, 0.90)
+    assert recommend([single, slow, fast_bad, baseline], tolerance=0.02) is slow
+    assert recommend([single, slow, fast_bad, baseline], tolerance=0.2) is fast_bad
+
+
+def test_bad_matrix_values_are_one_line_errors():
+    with pytest.raises(ValueError, match="world sizes"):
+        BenchSpec(world_sizes=[0])
+    r = run_cli(["bench", "--precisions", "fp8"], timeout=60)
+    assert r.returncode == 2 and "precision 'fp8' is unknown" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.timeout(650)
+def test_bench_small_matrix_writes_table_json_csv_and_png(tmp_path):
+    out = tmp_path / "bench"
+    r = run_cli(["bench", "--strategies", "single,dp,ddp", "--world-sizes", "1,2", "--precisions", "32",
+                 "--comm-hooks", "none,fp16", "--epochs", "1", "--warmup-steps", "2", "--cell-timeout", "90",
+                 "--no-progress", "--out", str(out)], timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    table = r.stdout
+    for text in ("configuration", "s/epoch", "samples/s", "speed-up", "effic.", "peak MiB", "comm/step",
+                 "test acc", "effective-batch trap", "hand-written", "recommendation:"):
+        assert text in table
+
+    data = json.loads((out / "results.json").read_text())
+    cells = {c["label"]: c for c in data["cells"]}
+    expected = {"single", "dp x2", "ddp x2", "ddp x2 hook=fp16", "plain DDP (hand-written) x2",
+                "ddp x2 batch 64", "ddp x2 batch 128"} | ({"ddp x2 nccl"} if NO_GPU else set())
+    assert expected <= set(cells)
+    scaled = [c for label, c in cells.items() if label.startswith("ddp x2 batch 128 lr x2 + warmup")]
+    assert len(scaled) == 1 and scaled[0]["status"] == "ok"
+    assert len(data["cells"]) == len(expected) + 1
+    if NO_GPU:
+        assert cells["dp x2"]["status"] == "skipped" and "GPUs" in cells["dp x2"]["reason"]
+        assert cells["ddp x2 nccl"]["status"] == "skipped" and "nccl" in cells["ddp x2 nccl"]["reason"]
+        assert "dp x2" in table and cells["dp x2"]["reason"] in table
+    for c in data["cells"]:
+        if c["status"] == "ok":
+            assert c["samples_per_s"] > 0 and c["seconds_per_epoch"] > 0 and c["peak_mem_mib"] > 0
+            assert 0.0 <= c["test_accuracy"] <= 1.0 and c["final_loss"] > 0
+    # Same global batch: paratrain's ddp trains exactly what one process trains.
+    assert abs(cells["ddp x2"]["test_accuracy"] - cells["single"]["test_accuracy"]) < 1e-9
+    assert cells["single"]["speedup"] == pytest.approx(1.0)
+    # Bytes: the whole fp32 gradient once per step; the fp16 hook sends half, the hand-written loop the same.
+    assert cells["ddp x2"]["comm_bytes_per_step"] == MLP_DIGITS_GRAD_BYTES
+    assert cells["ddp x2 hook=fp16"]["comm_bytes_per_step"] == MLP_DIGITS_GRAD_BYTES / 2
+    assert cells["plain DDP (hand-written) x2"]["comm_bytes_per_step"] == MLP_DIGITS_GRAD_BYTES
+    assert data["recommendation"] in cells
+
+    with open(out / "results.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [row["label"] for row in rows] == [c["label"] for c in data["cells"]]
+    assert {"status", "reason", "samples_per_s", "test_accuracy", "comm_bytes_per_step"} <= set(rows[0])
+
+    png = (out / "chart.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    import matplotlib.image
+
+    image = matplotlib.image.imread(out / "chart.png")
+    assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100
+
+
+def test_report_from_results_without_running(tmp_path):
+    single = CellResult(cell=Cell(strategy="single", global_batch=64), status="ok", seconds_per_epoch=1.0,
+                        samples_per_s=1400.0, speedup=1.0, efficiency=1.0, peak_mem_mib=300.0, skipped_steps=0,
+                        final_loss=0.2, test_accuracy=0.95, mem_method="rss")
+    dp = CellResult(cell=Cell(strategy="dp", world_size=2, global_batch=64), status="skipped",
+                    reason="DataParallel over 2 GPUs needs 2 GPUs in one process; 0 visible")
+    spec = dataclasses.asdict(quick_spec())
+    res = BenchResult(meta={"machine": {"cpu": "cpu", "logical_cores": 2, "gpus": 0, "gpu": None, "torch": "x",
+                                        "load_avg_start": 1.0},
+                            "model": "mlp", "dataset": "digits", "train_size": 1438, "global_batch": 64,
+                            "optimizer": "sgd", "lr": 0.05, "spec": spec, "memory": "rss"},
+                      results=[single, dp], recommendation=single)
+    table = format_table(res)
+    assert "dp x2" in table and "skipped: DataParallel over 2 GPUs" in table and "recommendation: single" in table
+    paths = write_all(res, str(tmp_path))
+    assert json.loads(open(paths["json"]).read())["cells"][1]["reason"].startswith("DataParallel")

@@ -1,0 +1,94 @@
+"""``paratrain verify``: PASS on a correct job, FAIL naming the cause on the classic mistakes."""
+
+import os
+
+import pytest
+import torch
+
+from clitools import run_cli
+from paratrain.verify import VerifyOptions, compare_runs
+from paratrain.verify.diagnose import RunView, diagnose
+from paratrain.verify.worker import load_entry
+
+ENTRY = os.path.join("tests", "scripts", "verify_entry.py")
+LIMIT = ["--timeout", "80"]  # per run: a hung run fails with its stack trace instead of hitting the test's limit
+
+
+def _view(name, world, samples, fingerprints, lr=0.1, unused=(), checksum=1.0, bn=()):
+    return RunView(name=name, world_size=world, samples=samples, fingerprints=fingerprints, lrs=[lr] * len(samples),
+                   unused=list(unused), init_checksum=checksum, unsynced_bn=list(bn))
+
+
+def test_compare_runs_reports_relative_divergence_per_tensor():
+    ref = {"w": torch.ones(4), "n": torch.tensor(3)}
+    got = {"w": torch.ones(4) * (1 + 1e-3), "n": torch.tensor(3)}
+    c = compare_runs("x", got, ref, 1e-5, [1.0, 0.5], [1.0, 0.5])
+    assert not c.passed and c.worst.name == "w" and c.worst.divergence == pytest.approx(1e-3, rel=1e-3)
+    assert c.loss_divergence == 0.0
+    assert compare_runs("x", ref, ref, 1e-5).passed
+
+
+def test_diagnose_names_data_order_seeding_and_unused_parameters():
+    ref = _view("world size 1", 1, [4, 4], [[1, 2, 3, 4], [5, 6, 7, 8]], unused=["head.weight"])
+    shuffled = _view("world size 2", 2, [4, 4], [[1, 2, 3, 5], [4, 6, 7, 8]])
+    repeat = _view("repeat", 1, [4, 4], [[1, 2, 3, 5], [4, 6, 7, 8]], checksum=2.0)
+    causes = {f.cause: f for f in diagnose(ref, [shuffled], {"world size 2"}, repeat)}
+    assert "optimizer step 0" in causes["data order differs across world sizes"].message
+    assert "data order not seeded" in causes and "model initialisation not seeded" in causes
+    assert "head.weight" in causes["parameters unused in backward"].message
+    assert not causes["parameters unused in backward"].fail  # a warning while the N run did not fail
+
+
+def test_diagnose_lr_scaled_with_batch_is_only_a_warning():
+    ref = _view("world size 1", 1, [4], [[1, 2, 3, 4]], lr=0.1)
+    grown = _view("world size 2", 2, [8], [[1, 2, 3, 4, 5, 6, 7, 8]], lr=0.2)
+    causes = {f.cause: f for f in diagnose(ref, [grown], {"world size 2"})}
+    assert causes["effective batch changed with world size"].fail
+    assert not causes["learning rate scaled with the batch"].fail
+    assert "learning rate not scaled when the batch was" not in causes
+
+
+def test_bad_values_are_one_line_errors():
+    with pytest.raises(ValueError, match="at least 2"):
+        VerifyOptions(world_size=1)
+    with pytest.raises(ValueError, match="no function 'nope'"):
+        load_entry(f"{ENTRY}:nope")
+    r = run_cli(["verify", "--entry", "no_such_module_xyz:train"], timeout=60)
+    assert r.returncode == 2 and "cannot import module 'no_such_module_xyz'" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+    r = run_cli(["verify", "--nproc", "3", "--global-batch", "64"], timeout=60)
+    assert r.returncode == 2 and "not divisible by world size 3" in r.stderr
+
+
+def test_verify_passes_on_a_correct_config():
+    r = run_cli(["verify", "--nproc", "2", "--steps", "6", "--model", "mlp", "--strategy", "ddp", *LIMIT], timeout=280)
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    out = r.stdout
+    assert "world size 2 (ddp) vs world size 1" in out and "world size 1, accumulation 2 vs world size 1" in out
+    assert "fc1.weight" in out and "result: PASS" in out and "FAIL" not in out
+    assert "ok: effective batch: 64 samples per optimizer step" in out
+
+
+def test_verify_fails_on_unsynced_batchnorm():
+    r = run_cli(["verify", "--nproc", "2", "--steps", "4", "--model", "cnn", "--check-accumulation", "0", *LIMIT],
+                timeout=280)
+    assert r.returncode == 1, r.stdout + r.stderr[-3000:]
+    assert "FAIL: BatchNorm not synced across ranks" in r.stdout
+    assert "features.1" in r.stdout and "--sync-bn" in r.stdout
+    assert "result: FAIL" in r.stdout
+
+
+def test_verify_fails_on_a_script_that_grows_the_batch_with_the_world_size():
+    r = run_cli(["verify", "--nproc", "2", "--steps", "5", "--entry", f"{ENTRY}:grow_batch", *LIMIT], timeout=280)
+    assert r.returncode == 1, r.stdout + r.stderr[-3000:]
+    assert "FAIL: effective batch changed with world size: 32 samples per optimizer step at world size 1 " \
+           "but 64 at world size 2" in r.stdout
+    assert "FAIL: learning rate not scaled when the batch was" in r.stdout
+    assert "result: FAIL" in r.stdout
+
+
+def test_verify_passes_on_a_script_that_keeps_the_global_batch():
+    r = run_cli(["verify", "--nproc", "2", "--steps", "5", "--entry", f"{ENTRY}:global_batch", *LIMIT], timeout=280)
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    assert "result: PASS" in r.stdout and "ok: data order" in r.stdout
+
