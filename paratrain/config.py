@@ -20,6 +20,7 @@ from .strategies.ddp import DDPOptions
 from .strategies.devices import DevicesOptions
 from .strategies.fsdp import FSDPOptions
 from .strategies.pipeline import PipelineOptions
+from .strategies.ps import PSOptions
 from .strategies.tensor import TensorOptions
 
 __all__ = ["ParallelConfig", "DataConfig", "OptimConfig", "TrainConfig", "load_config", "apply_overrides", "from_dict"]
@@ -60,6 +61,7 @@ class ParallelConfig:
     tensor: TensorOptions = field(default_factory=TensorOptions)
     pipeline: PipelineOptions = field(default_factory=PipelineOptions)
     devices: DevicesOptions = field(default_factory=DevicesOptions)
+    ps: PSOptions = field(default_factory=PSOptions)
 
     def __post_init__(self) -> None:
         if isinstance(self.ddp, Mapping):
@@ -72,7 +74,9 @@ class ParallelConfig:
             self.pipeline = from_dict(PipelineOptions, self.pipeline, "parallel.pipeline")
         if isinstance(self.devices, Mapping):
             self.devices = from_dict(DevicesOptions, self.devices, "parallel.devices")
-        _strategies.resolve(self.strategy)
+        if isinstance(self.ps, Mapping):
+            self.ps = from_dict(PSOptions, self.ps, "parallel.ps")
+        _strategies.check_name(self.strategy)
         self.precision = _precision.resolve(self.precision)
         if self.global_batch < 1:
             raise ValueError(f"global_batch {self.global_batch} must be at least 1")

@@ -312,9 +312,9 @@ class Parallel:
 
         return load_checkpoint(self, source, model, optimizer, scheduler)
 
-    def close(self) -> None:
-        """Leave the process group."""
-        process.destroy()
+    def close(self, wait_for_peers: bool = True) -> None:
+        """Leave the process group; by default after a barrier (pass ``False`` after an error)."""
+        process.destroy(wait_for_peers)
 
 
 def _to_float32(out: Any) -> Any:

@@ -91,3 +91,32 @@ def test_accumulation_8x4_equals_batch_32():
     assert_close_states(single, ref)
     states = paratrain.launch(paratrain_worker, nprocs=2, args=("mlp", 2), timeout=60)
     assert_close_states(states[0], ref)
+
+
+def hooks_worker(local_rank, hook, options):
+    pt = paratrain.Parallel(strategy="ddp", global_batch=GLOBAL_BATCH, seed=SEED, ddp={"comm_hook": hook, **options})
+    model = make_model("mlp")
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    model, opt = pt.setup(model, opt)
+    loader = pt.train_loader(TensorDataset(*make_data()), num_workers=1, persistent_workers=True)
+    for _ in range(EPOCHS):
+        for xb, yb in loader:
+            opt.zero_grad()
+            pt.backward(nn.functional.cross_entropy(model(xb), yb))
+            opt.step()
+    state = pt.full_state_dict(model)
+    pt.close()
+    return state
+
+
+@pytest.mark.parametrize("hook, options, rtol", [
+    ("none", {"static_graph": True, "gradient_as_bucket_view": True, "bucket_cap_mb": 0.001}, 1e-5),
+    ("fp16", {}, 1e-2),      # gradients travel in fp16: close, not equal
+    ("powersgd", {"powersgd_start_iter": 2}, 0.5),  # low-rank approximation: it trains, differently
+])
+def test_ddp_options_and_comm_hooks(hook, options, rtol):
+    """DDP's options pass through (exact, with DataLoader workers too); compression hooks stay close."""
+    ref = reference("mlp")
+    states = paratrain.launch(hooks_worker, nprocs=2, args=(hook, options), timeout=120)
+    assert_close_states(states[0], ref, rtol=rtol)
+    assert_close_states(states[1], states[0], rtol=0)  # replicas never drift apart

@@ -1,5 +1,6 @@
 """Parameter server over torch.distributed.rpc: sync == a plain one-process loop; async applies every update."""
 
+import json
 import os
 import time
 
@@ -118,3 +119,14 @@ def test_options_validate():
     with pytest.raises(ValueError, match="rpc_timeout_s"):
         PSOptions(rpc_timeout_s=0)
     assert PSOptions(mode="ASYNC").mode == "async"
+
+
+def test_paratrain_train_strategy_ps(tmp_path):
+    """The parameter server from the command line: 1 server + 2 workers on the digits task."""
+    from clitools import run_cli
+
+    res = run_cli(["train", "--strategy", "ps", "--nproc-per-node", "3", "--max-steps", "20", "--no-progress",
+                   "--log-dir", str(tmp_path)], timeout=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["updates"] == 20 and result["test_count"] == 359 and result["test_accuracy"] > 0.5

@@ -59,3 +59,12 @@ def test_bad_input_is_one_line_and_nonzero(args, needle):
     lines = [line for line in res.stderr.strip().splitlines() if line.strip()]
     assert len(lines) == 1, res.stderr
     assert needle in lines[0], lines[0]
+
+
+def test_users_own_model_and_dataset(tmp_path):
+    res = run_cli(["train", "--model", "tests/scripts/user_task.py:make_net", "--dataset",
+                   "tests/scripts/user_task.py:make_data", "--epochs", "3", "--global-batch", "32", "--lr", "0.1",
+                   "--no-progress", "--log-dir", str(tmp_path)], timeout=60)
+    assert res.returncode == 0, res.stderr[-3000:]
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["test_count"] == 64 and result["test_accuracy"] > 0.8

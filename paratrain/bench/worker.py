@@ -109,12 +109,16 @@ def _run_paratrain(cfg: TrainConfig, job: dict[str, Any], train_set: Any, test_s
     counter = CommCounter().install()
     pt = Parallel(cfg.parallel)
     try:
-        return _train_paratrain(pt, counter, cfg, job, train_set, test_set)
+        result = _train_paratrain(pt, counter, cfg, job, train_set, test_set)
     except ValueError as e:  # the strategy refuses this model (no Linear pair, not sequential...) on every rank
-        return {"status": "skipped", "reason": str(e).splitlines()[0]}
-    finally:
+        result = {"status": "skipped", "reason": str(e).splitlines()[0]}
+    except BaseException:
         counter.uninstall()
-        pt.close()
+        pt.close(wait_for_peers=False)  # peers may be gone: no barrier
+        raise
+    counter.uninstall()
+    pt.close()
+    return result
 
 
 def _train_paratrain(pt: Any, counter: CommCounter, cfg: TrainConfig, job: dict[str, Any], train_set: Any,
@@ -125,7 +129,7 @@ def _train_paratrain(pt: Any, counter: CommCounter, cfg: TrainConfig, job: dict[
 
     info = dataset_info(cfg.data.dataset)
     model = build_model(cfg.model, tuple(info["input_shape"]), info["num_classes"])
-    optimizer = build_optimizer(model, cfg)
+    optimizer = build_optimizer(model.parameters(), cfg)
     model, optimizer = pt.setup(model, optimizer)
     scheduler = None
     if cfg.optim.warmup_steps or cfg.optim.base_batch:
@@ -189,7 +193,7 @@ def _run_baseline(local_rank: int, cfg: TrainConfig, cell: Cell, job: dict[str, 
         net = build_model(cfg.model, tuple(info["input_shape"]), info["num_classes"]).to(device)
         per_worker = cell.global_batch // world
         steps = plain_ddp_steps(net, train_set, per_worker, seed=cfg.parallel.seed, device=device,
-                                make_optimizer=lambda m: build_optimizer(m, cfg))
+                                make_optimizer=lambda m: build_optimizer(m.parameters(), cfg))
         ddp = next(steps)  # setup
         steps_per_epoch = math.ceil(len(train_set) / world) // per_worker  # DistributedSampler pads shards
         total = cfg.epochs * steps_per_epoch

@@ -15,6 +15,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
+from ..userfn import is_user_spec, load_callable
+
 __all__ = [
     "CIFAR10_MEAN",
     "CIFAR10_STD",
@@ -274,6 +276,8 @@ def build_dataset(
     """
     if name.startswith("torchvision:"):
         return _torchvision_dataset(name.split(":", 1)[1], train, data_dir)
+    if is_user_spec(name):  # the user's own: fn(train=..., data_dir=...) -> Dataset of (input, label)
+        return load_callable(name, "dataset")(train=train, data_dir=data_dir)
     if name == "digits":
         return digits(train=train, split_seed=seed)
     if name == "cifar10":
@@ -296,12 +300,23 @@ def build_dataset(
     )
 
 
+def _infer_info(ds: Dataset) -> dict[str, Any]:
+    """Input shape from the first sample; classes from ``ds.classes``/``ds.num_classes`` or the labels."""
+    x, _ = ds[0]  # type: ignore[index]
+    num_classes = getattr(ds, "num_classes", None) or len(getattr(ds, "classes", []) or [])
+    if not num_classes:
+        num_classes = 1 + max(int(ds[i][1]) for i in range(len(ds)))  # type: ignore[arg-type, index]
+    return {"input_shape": tuple(torch.as_tensor(x).shape), "num_classes": int(num_classes)}
+
+
 def dataset_info(name: str) -> dict[str, Any]:
     """``{"input_shape": (C, H, W), "num_classes": K}`` for a dataset name, without loading it."""
     if name in _INFO:
         info = _INFO[name]
     elif name.startswith("torchvision:") and name.split(":", 1)[1] in _TORCHVISION_INFO:
         info = _TORCHVISION_INFO[name.split(":", 1)[1]]
+    elif is_user_spec(name):
+        return _infer_info(build_dataset(name, train=True))
     else:
         known = list(DATASET_NAMES) + [f"torchvision:{k}" for k in _TORCHVISION_INFO]
         raise ValueError(f"no shape information for dataset {name!r}: known are {', '.join(known)}")

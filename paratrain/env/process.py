@@ -10,6 +10,7 @@ import builtins
 import contextlib
 import os
 import random
+import time
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
@@ -131,9 +132,19 @@ def init(
     return Dist(info, device, dist.get_backend())
 
 
-def destroy() -> None:
-    """Leave the process group (safe to call when there is none)."""
+def destroy(wait_for_peers: bool = False) -> None:
+    """Leave the process group (safe to call when there is none).
+
+    ``wait_for_peers`` (for a clean finish) first runs a barrier, so every collective in flight
+    has completed and its buffers are freed. Otherwise (torch 2.13, gloo) the process group can be
+    destroyed later, from a DDP reducer's destructor that holds the GIL, while a gloo thread waits
+    for the GIL to free a finished all-reduce's tensors: a deadlock at exit. Do not wait after an
+    error: peers may never arrive.
+    """
     if dist.is_available() and dist.is_initialized():
+        if wait_for_peers:
+            dist.barrier()
+            time.sleep(0.05)  # let gloo's threads drop their finished work while we hold no GIL
         dist.destroy_process_group()
 
 

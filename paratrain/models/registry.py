@@ -8,6 +8,7 @@ from torch import nn
 
 from .mlp import MLP
 from .resnet import SmallCNN, resnet_cifar
+from ..userfn import is_user_spec, load_callable
 from .transformer import TinyTransformer
 
 __all__ = ["MODEL_NAMES", "build_model"]
@@ -36,7 +37,8 @@ def build_model(name: str, input_shape: tuple[int, ...], num_classes: int) -> nn
     Names: ``mlp`` (:class:`MLP`, logits), ``cnn`` (:class:`SmallCNN`), ``resnet8``/``resnet20``
     (:func:`resnet_cifar`), ``transformer`` (:class:`TinyTransformer`, image rows as tokens), or
     ``torchvision:<name>`` (``torchvision.models.get_model(name, weights=None,
-    num_classes=num_classes)``; untrained, nothing is downloaded).
+    num_classes=num_classes)``; untrained, nothing is downloaded), or the user's own factory
+    ``module:function`` / ``file.py:function`` called as ``function(input_shape=..., num_classes=...)``.
     """
     input_shape = tuple(int(s) for s in input_shape)
     if not input_shape or any(s < 1 for s in input_shape):
@@ -61,6 +63,11 @@ def build_model(name: str, input_shape: tuple[int, ...], num_classes: int) -> nn
     if name in ("resnet8", "resnet20"):
         depth = int(name[len("resnet"):])
         return resnet_cifar(depth, in_channels=_channels(name, input_shape), num_classes=num_classes)
+    if is_user_spec(name):  # the user's own factory: fn(input_shape=..., num_classes=...) -> nn.Module
+        model = load_callable(name, "model")(input_shape=input_shape, num_classes=num_classes)
+        if not isinstance(model, nn.Module):
+            raise ValueError(f"model {name!r} returned {type(model).__name__}, not an nn.Module")
+        return model
     if name.startswith("torchvision:"):
         tv_name = name.split(":", 1)[1]
         try:
@@ -74,5 +81,6 @@ def build_model(name: str, input_shape: tuple[int, ...], num_classes: int) -> nn
                 f"torchvision has no model {tv_name!r}: see torchvision.models.list_models()"
             ) from None
     raise ValueError(
-        f"unknown model {name!r}: choose one of {', '.join(MODEL_NAMES)} or 'torchvision:<name>'"
+        f"unknown model {name!r}: choose one of {', '.join(MODEL_NAMES)}, 'torchvision:<name>' "
+        "or your own 'module:function'"
     )

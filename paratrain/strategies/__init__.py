@@ -28,9 +28,21 @@ STRATEGIES: dict[str, type[Strategy]] = {
 }
 
 
+# Strategies with their own training loop (not behind Parallel): rank 0 of ``ps`` serves, it trains nothing.
+LOOP_STRATEGIES = ("ps",)
+
+
+def check_name(name: str) -> None:
+    """One-line error unless ``name`` is a strategy (``STRATEGIES`` or ``LOOP_STRATEGIES``)."""
+    if name not in STRATEGIES and name not in LOOP_STRATEGIES:
+        raise ValueError(f"strategy {name!r} is unknown: use one of {', '.join([*STRATEGIES, *LOOP_STRATEGIES])}")
+
+
 def resolve(name: str) -> type[Strategy]:
-    if name not in STRATEGIES:
-        raise ValueError(f"strategy {name!r} is unknown: use one of {', '.join(STRATEGIES)}")
+    check_name(name)
+    if name in LOOP_STRATEGIES:
+        raise ValueError(f"strategy {name!r} runs its own loop (rank 0 is the server): use `paratrain train "
+                         f"--strategy {name}` or paratrain.strategies.ps.run_parameter_server, not Parallel")
     return STRATEGIES[name]
 
 

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..nn.syncbn import has_unsynced_batchnorm
+from ..userfn import load_callable
 from .probe import Probe, clean_name
 
 __all__ = ["run_job", "load_entry", "unsynced_batchnorm_layers"]
@@ -35,28 +36,8 @@ __all__ = ["run_job", "load_entry", "unsynced_batchnorm_layers"]
 
 def load_entry(spec: str) -> Callable[..., Any]:
     """The function named by ``module:function`` or ``path/to/file.py:function``."""
-    target, sep, name = spec.rpartition(":")
-    if not sep or not target or not name:
-        raise ValueError(f"--entry {spec!r} is not MODULE:FUNCTION or path/to/script.py:FUNCTION")
-    if target.endswith(".py") or os.sep in target:
-        path = os.path.abspath(target)
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"--entry script {target!r} does not exist")
-        mod_name = "_paratrain_verify_entry_" + os.path.splitext(os.path.basename(path))[0]
-        loader_spec = importlib.util.spec_from_file_location(mod_name, path)
-        module = importlib.util.module_from_spec(loader_spec)  # type: ignore[arg-type]
-        sys.modules[mod_name] = module
-        loader_spec.loader.exec_module(module)  # type: ignore[union-attr]
-    else:
-        if os.getcwd() not in sys.path:
-            sys.path.insert(0, os.getcwd())
-        try:
-            module = importlib.import_module(target)
-        except ModuleNotFoundError as e:
-            raise ValueError(f"--entry {spec!r}: cannot import module {target!r} ({e})") from None
-    fn = getattr(module, name, None)
-    if not callable(fn):
-        raise ValueError(f"--entry {spec!r}: {target!r} has no function {name!r}")
+    fn = load_callable(spec, "--entry")
+    name = spec.rpartition(":")[2]
     if len(inspect.signature(fn).parameters) < 1:
         raise ValueError(f"--entry {spec!r}: {name}() must take the number of optimizer steps, e.g. def {name}(steps)")
     return fn
@@ -178,7 +159,7 @@ def _run_builtin(job: dict[str, Any]) -> tuple[dict[str, torch.Tensor], list[flo
             train_set = build_dataset(d.dataset, True, d.data_dir, d.synthetic_size, cfg.parallel.seed)
         info = dataset_info(d.dataset)
         model = build_model(cfg.model, tuple(info["input_shape"]), info["num_classes"])
-        optimizer = build_optimizer(model, cfg)
+        optimizer = build_optimizer(model.parameters(), cfg)
         model, optimizer = pt.setup(model, optimizer)
         scheduler = None
         if cfg.optim.warmup_steps or cfg.optim.base_batch:
@@ -192,6 +173,9 @@ def _run_builtin(job: dict[str, Any]) -> tuple[dict[str, torch.Tensor], list[flo
             progress_bar=False)
         full = getattr(pt.strategy, "full_state_dict", None)
         state = full(model) if callable(full) else pt.unwrap(model).state_dict()
-        return _cpu_state(state), log.losses, pt.unwrap(model)
-    finally:
-        pt.close()
+        result = _cpu_state(state), log.losses, pt.unwrap(model)
+    except BaseException:
+        pt.close(wait_for_peers=False)  # peers may be gone: no barrier
+        raise
+    pt.close()
+    return result
