@@ -245,3 +245,14 @@ def test_sharded_eval_covers_each_sample_once(n, world):
 def test_sharded_eval_bad_rank():
     with pytest.raises(ValueError, match="rank 3"):
         ShardedEvalSampler(10, 3, 3)
+
+
+def test_dataloader_with_workers_plays_epochs_in_order():
+    """DataLoader(num_workers>0) calls iter() on its sampler twice; no epoch may be skipped."""
+    from torch.utils.data import DataLoader
+
+    plan = BatchPlan.derive(4, 1)
+    sampler = GlobalBatchSampler(12, plan, seed=3)
+    loader = DataLoader(list(range(12)), batch_sampler=sampler, num_workers=1)
+    got = [[b.tolist() for b in loader] for _ in range(2)]
+    assert got == [list(sampler.micro_batches(0)), list(sampler.micro_batches(1))]

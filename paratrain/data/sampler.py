@@ -151,10 +151,15 @@ class GlobalBatchSampler(Sampler[list[int]]):
 
     def __iter__(self) -> Iterator[list[int]]:
         epoch, start = self._epoch, self._step_in_epoch
-        # Advance before yielding: DataLoader workers prefetch, so "consumed" is tracked by the
-        # trainer (see set_position), and the next iter() is always the next epoch.
-        self._epoch, self._step_in_epoch = epoch + 1, 0
-        return self.micro_batches(epoch, start)
+
+        def play() -> Iterator[list[int]]:
+            # Advance when iteration really starts, not at iter(): a DataLoader with workers calls
+            # iter() twice and drops the first iterator. Prefetching workers run ahead, so
+            # "consumed" is tracked by the trainer (see set_position); the next epoch is next.
+            self._epoch, self._step_in_epoch = epoch + 1, 0
+            yield from self.micro_batches(epoch, start)
+
+        return play()
 
     def __len__(self) -> int:
         return (self.steps_per_epoch - self._step_in_epoch) * self.plan.accumulation
