@@ -62,6 +62,7 @@ from torch import nn, optim  # noqa: E402
 import paratrain  # noqa: E402
 from paratrain.bench.baseline import plain_ddp_steps  # noqa: E402
 from paratrain.data.datasets import synthetic  # noqa: E402
+from paratrain.env.process import destroy  # noqa: E402
 from paratrain.models import build_model  # noqa: E402
 
 # torch 2.13 warns once per DDP(...) that paratrain passes ``broadcast_buffers`` (deprecated name);
@@ -149,7 +150,8 @@ def _worker(local_rank: int, first: str, cfg: dict) -> dict:
                 cpu[v].append(time.process_time() - c)
     for loop in loops.values():
         loop.close()
-    dist.destroy_process_group()  # one group, used by both variants
+    del loops
+    destroy(wait_for_peers=True)  # one group, used by both variants; barrier first (see paratrain.env.process)
     return {"rank": local_rank, "step_s": times, "cpu_s": cpu, "threads": torch.get_num_threads()}
 
 

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from ..config import TrainConfig, apply_overrides, from_dict
 from ..data.augment import augment_for, eval_augment_for
 from ..data.datasets import build_dataset, dataset_info
-from ..env.process import select_device
+from ..env.process import destroy, select_device
 from ..models import build_model
 from .matrix import BASELINE, Cell
 from .measure import CommCounter, PeakMemory, ddp_bucket_bytes, sync
@@ -211,7 +211,7 @@ def _run_baseline(local_rank: int, cfg: TrainConfig, cell: Cell, job: dict[str, 
         final = torch.stack(last_epoch).mean()
         dist.all_reduce(final)
         accuracy, test_loss = _plain_evaluate(net, test_set, device) if dist.get_rank() == 0 else (None, None)
-        return {
+        result = {
             "status": "ok", "rank": dist.get_rank(), "device": str(device), "threads": torch.get_num_threads(),
             "steps": total, "steps_per_epoch": steps_per_epoch, "timed_steps": total - warm,
             **clock.summary(), "global_batch": per_worker * world,
@@ -219,8 +219,12 @@ def _run_baseline(local_rank: int, cfg: TrainConfig, cell: Cell, job: dict[str, 
             "skipped_steps": 0, "peak_mem_bytes": clock.peak, "mem_method": clock.memory.method,
             "comm_bytes_per_step": float(bucket), "lr": cfg.optim.lr,
         }
-    finally:
-        dist.destroy_process_group()
+    except BaseException:
+        destroy(wait_for_peers=False)  # peers may be gone: no barrier
+        raise
+    del ddp, steps, net  # free DDP's reducer while the group is alive
+    destroy(wait_for_peers=True)  # a barrier first: see paratrain.env.process.destroy
+    return result
 
 
 @torch.no_grad()

@@ -11,7 +11,6 @@ import contextlib
 import os
 import random
 import time
-import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Iterator

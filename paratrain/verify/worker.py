@@ -15,19 +15,17 @@ from __future__ import annotations
 import contextlib
 import faulthandler
 import importlib
-import importlib.util
 import inspect
 import io
 import math
 import os
-import sys
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ..nn.syncbn import has_unsynced_batchnorm
+from ..env.process import destroy
 from ..userfn import load_callable
 from .probe import Probe, clean_name
 
@@ -110,9 +108,10 @@ def _run_entry(job: dict[str, Any]) -> tuple[dict[str, torch.Tensor], list[float
     fn = load_entry(job["entry"])
     try:
         out = fn(job["steps"])
-    finally:
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
+    except BaseException:
+        destroy(wait_for_peers=False)  # peers may be gone: no barrier
+        raise
+    destroy(wait_for_peers=True)  # a barrier first: see paratrain.env.process.destroy
     losses = None
     if isinstance(out, tuple) and len(out) == 2:
         out, losses = out
