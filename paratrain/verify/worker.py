@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
-import importlib
 import inspect
 import io
 import math
