@@ -149,3 +149,9 @@ def test_sigkilled_worker_is_restarted_and_resumes_exactly(tmp_path):
     assert step_a == step_b == 16
     assert_same(got, ref_params, rtol=1e-6)
     assert json.loads((tmp_path / "kill" / "result.json").read_text())["resumed_from_step"] == 8
+    # killed before the first checkpoint: the restarted group starts over from step 0
+    early = run_cli([*common, "--log-dir", str(tmp_path / "early"), "--max-restarts", "1"], timeout=120,
+                    PARATRAIN_TEST_KILL_AT="0:1")
+    assert early.returncode == 0, early.stderr[-3000:]
+    assert "no checkpoint" in early.stdout
+    assert_same(_final_params(tmp_path / "early" / "checkpoints")[1], ref_params, rtol=1e-6)

@@ -132,7 +132,9 @@ def _maybe_resume(pt: Parallel, cfg: TrainConfig, model: Any, optimizer: Any, sc
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
     if not (cfg.resume or restarted) or cfg.checkpoint_dir is None:
         return None
-    if pt.load_checkpoint(cfg.checkpoint_dir, model, optimizer, scheduler) is None:
+    # A restart before the first checkpoint finds no directory yet: start from step 0.
+    if not os.path.isdir(cfg.checkpoint_dir) or pt.load_checkpoint(cfg.checkpoint_dir, model, optimizer,
+                                                                    scheduler) is None:
         pt.print(f"paratrain: no checkpoint in {cfg.checkpoint_dir} yet, starting from step 0")
         return None
     pt.print(f"paratrain: resumed from step {pt.global_step} in {cfg.checkpoint_dir}"
