@@ -1,10 +1,12 @@
-"""Sharded checkpoints through ``torch.distributed.checkpoint`` (DCP), for fsdp and tensor.
+"""Sharded checkpoints through ``torch.distributed.checkpoint`` (DCP), for fsdp, tensor and pipeline.
 
 Every rank writes only its own shards, in parallel; nothing is gathered on one process. DCP
 records the global shape of every tensor, so a checkpoint saved on N processes loads on M (or
 on one process into a plain model): each rank reads the pieces its new shards need. The state
 dicts come from ``torch.distributed.checkpoint.state_dict``, which names parameters and
-optimizer state by the user's fully qualified names whatever the sharding. Layout::
+optimizer state by the user's fully qualified names whatever the sharding; the optimizer state is
+flattened (``state.<name>.<key>``, ``param_groups.<name>.<key>``), so ranks holding different
+parameters (pipeline stages) never write or read each other's entries. Layout::
 
     path/            # written as path.tmp, renamed when every rank has finished
         .metadata    # DCP's index of global shapes and shard locations
@@ -44,12 +46,18 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+def _options() -> Any:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(flatten_optimizer_state_dict=True)
+
+
 def _state(model: nn.Module, optimizer: Any) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
     if optimizer is None:
-        return {"model": get_model_state_dict(model)}
-    model_state, optim_state = get_state_dict(model, optimizer)
+        return {"model": get_model_state_dict(model, options=_options())}
+    model_state, optim_state = get_state_dict(model, optimizer, options=_options())
     return {"model": model_state, "optim": optim_state}
 
 
@@ -97,9 +105,10 @@ def load_sharded(path: str | os.PathLike, model: nn.Module, optimizer: Any = Non
     state = _state(model, optimizer)  # shapes and shardings to load into; DCP fills them in place
     dcp.load(state, checkpoint_id=path)
     if optimizer is None:
-        set_model_state_dict(model, state["model"])
+        set_model_state_dict(model, state["model"], options=_options())
     else:
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=_options())
     extra_path = os.path.join(path, EXTRA)
     if not os.path.isfile(extra_path):
         return {}

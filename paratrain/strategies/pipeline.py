@@ -17,10 +17,13 @@ by the accumulation steps) before the schedule's backward. The schedules' own ``
 is off because it divides *all* of ``.grad`` after the step, which would also shrink gradients
 accumulated in earlier micro-steps (torch 2.13).
 
-Parameters and checkpoints: every rank holds the whole model, but only its stage's parameters
-are trained (the others never get a gradient, so the optimizer leaves them alone) and only the
-stage is moved to the device. ``ParallelModule.state_dict()`` is therefore meaningful only for
-this rank's stage; :meth:`Pipeline.full_state_dict` gathers the trained model on every rank.
+Parameters and checkpoints: every rank holds the whole model, but only its stage is moved to
+the device and trained: :meth:`Pipeline.setup_optimizer` keeps only the stage's parameters in
+the optimizer's groups. ``ParallelModule.state_dict()`` is therefore meaningful only for this
+rank's stage; :meth:`Pipeline.full_state_dict` gathers the trained model on every rank.
+Checkpoints go through ``torch.distributed.checkpoint`` like fsdp's: each rank writes its
+stage's parameters and optimizer state under the user's parameter names, so a pipeline
+checkpoint loads into a pipeline of another depth, or into ddp/single/fsdp, and back.
 
 fp16-mixed is refused (each stage would skip overflowing steps on its own); use bf16-mixed.
 """
@@ -168,6 +171,7 @@ class PipelineModule(nn.Module):
 class Pipeline(Strategy):
     name = "pipeline"
     collective_forward = True
+    sharded_state = True  # each rank checkpoints its stage through DCP
 
     def __init__(self, dist_info: Dist, sync_batchnorm: bool = False, options: PipelineOptions | None = None) -> None:
         super().__init__(dist_info, sync_batchnorm, options or PipelineOptions())
@@ -200,6 +204,17 @@ class Pipeline(Strategy):
     def unwrap(self, model: nn.Module) -> nn.Module:
         """This rank's stage (its layers of the user's model)."""
         return self._pipeline(model).module
+
+    def setup_optimizer(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """Keep only this stage's parameters in ``optimizer`` (built over the whole model): the
+        others are trained on other ranks, and the optimizer's state then names only the stage's
+        parameters, which is what its checkpoint holds."""
+        mine = {id(p) for p in self._pipeline(model).module.parameters()}
+        for group in optimizer.param_groups:
+            group["params"] = [p for p in group["params"] if id(p) in mine]
+        for p in [p for p in optimizer.state if id(p) not in mine]:
+            del optimizer.state[p]
+        return optimizer
 
     def _pipeline(self, model: nn.Module) -> PipelineModule:
         for m in (model, getattr(model, "module", None)):
