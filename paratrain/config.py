@@ -76,7 +76,7 @@ class ParallelConfig:
             self.devices = from_dict(DevicesOptions, self.devices, "parallel.devices")
         if isinstance(self.ps, Mapping):
             self.ps = from_dict(PSOptions, self.ps, "parallel.ps")
-        _strategies.check_name(self.strategy)
+        _strategies.resolve(self.strategy)
         self.precision = _precision.resolve(self.precision)
         if self.global_batch < 1:
             raise ValueError(f"global_batch {self.global_batch} must be at least 1")
@@ -88,6 +88,9 @@ class ParallelConfig:
             raise ValueError(f"loss_scale {self.loss_scale} only applies to precision fp16-mixed, not {self.precision}")
         if self.strategy == "pipeline":
             self._check_pipeline()
+        if self.strategy == "ps" and self.precision == "fp16-mixed":
+            raise ValueError("precision fp16-mixed is not supported with strategy ps (each rank would skip "
+                             "overflowing steps on its own): use bf16-mixed or 32")
 
     def _check_pipeline(self) -> None:
         if self.precision == "fp16-mixed":

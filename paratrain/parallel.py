@@ -115,6 +115,7 @@ class Parallel:
         self.strategy = strategies.build(cfg, self.dist)
         self.precision = precision_lib.build(cfg.precision, self.device, cfg.loss_scale)
         self.strategy.precision = self.precision.name  # sharded strategies pick their param/reduce dtypes
+        self.strategy.max_grad_norm = cfg.clip_grad_norm  # ps clips on the server
         self.plan = BatchPlan.derive(cfg.global_batch, self.strategy.data_parallel_size, cfg.accumulation, cfg.micro_batch)
         # Same seed on every rank: identical initial weights, identical global data order.
         process.seed_everything(cfg.seed)
@@ -207,7 +208,7 @@ class Parallel:
         if self.config.clip_grad_norm is not None:
             max_norm = self.config.clip_grad_norm
             clip = lambda: [self.strategy.clip_grad_norm(m, max_norm) for m in self._models]  # noqa: E731
-        stepped = self.precision.step(optimizer, clip)
+        stepped = self.strategy.optimizer_step(optimizer, lambda: self.precision.step(optimizer, clip))
         optimizer.zero_grad(set_to_none=True)
         self.micro_step = 0
         self.global_step += 1
@@ -314,7 +315,10 @@ class Parallel:
 
     def close(self, wait_for_peers: bool = True) -> None:
         """Leave the process group; by default after a barrier (pass ``False`` after an error)."""
-        process.destroy(wait_for_peers)
+        try:
+            self.strategy.close(wait_for_peers)
+        finally:
+            process.destroy(wait_for_peers)
 
 
 def _to_float32(out: Any) -> Any:

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import time
 
 import pytest
@@ -121,12 +122,114 @@ def test_options_validate():
     assert PSOptions(mode="ASYNC").mode == "async"
 
 
+def reference_with(steps, clip=None, gamma=1.0):
+    """Plain PyTorch, one process: momentum SGD, a StepLR schedule and optional clipping."""
+    x, y = make_data()
+    torch.manual_seed(SEED)
+    model = make_model()
+    opt = make_optimizer(model.parameters())
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=gamma)
+    per_epoch = N // GLOBAL_BATCH
+    for s in range(steps):
+        epoch, i = divmod(s, per_epoch)
+        perm = torch.randperm(N, generator=torch.Generator().manual_seed(SEED * 1_000_003 + epoch))
+        idx = perm[i * GLOBAL_BATCH:(i + 1) * GLOBAL_BATCH]
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x[idx]), y[idx]).backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        sched.step()
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def assert_close(got, ref, rtol=1e-5):
+    assert got.keys() == ref.keys()
+    for k in ref:
+        err = ((got[k] - ref[k]).norm() / ref[k].norm()).item()
+        assert err <= rtol, f"{k}: relative error {err:.2e}"
+
+
+def parallel_worker(local_rank, strategy, steps, ckpt_dir=None, resume=False, mode="sync", clip=None, gamma=1.0):
+    """The user's own loop with Parallel: ps pushes at optimizer.step(); checkpoints every 2 steps."""
+    pt = paratrain.Parallel(strategy=strategy, global_batch=GLOBAL_BATCH, seed=SEED, clip_grad_norm=clip,
+                            **({"ps": {"mode": mode}} if strategy == "ps" else {}))
+    model = make_model()
+    opt = make_optimizer(model.parameters())
+    model, opt = pt.setup(model, opt)
+    sched = torch.optim.lr_scheduler.StepLR(opt.optimizer, step_size=2, gamma=gamma)
+    if resume:
+        pt.load_checkpoint(ckpt_dir, model, opt, sched)
+    resumed_at, losses = pt.global_step, []
+    loader = pt.train_loader(TensorDataset(*make_data()))
+    while pt.global_step < steps:
+        for xb, yb in loader:
+            opt.zero_grad()
+            loss = nn.functional.cross_entropy(model(xb), yb)
+            pt.backward(loss)
+            opt.step()
+            sched.step()
+            losses.append(pt.all_reduce_mean(loss).item())
+            if ckpt_dir and not resume and pt.global_step % 2 == 0:
+                pt.save_checkpoint(ckpt_dir, model, opt, sched)
+            if pt.global_step == steps:
+                break
+    out = {"state": pt.full_state_dict(model), "report": pt.strategy.report(), "resumed_at": resumed_at,
+           "losses": losses, "local_optimizer_state": len(opt.state)}
+    pt.close()
+    return out
+
+
+def test_parallel_sync_matches_reference_with_scheduler_and_clipping():
+    # ps behind Parallel: both ranks train, rank 0 also serves; lr decays on the workers' scheduler
+    # and travels with each push, clipping runs on the server after the mean.
+    outs = paratrain.launch(parallel_worker, nprocs=2, args=("ps", STEPS, None, False, "sync", 0.5, 0.5), timeout=60)
+    ref = reference_with(STEPS, clip=0.5, gamma=0.5)
+    for out in outs:  # every rank gets the server's parameters
+        assert_close(out["state"], ref)
+        assert out["local_optimizer_state"] == 0  # the server's twin holds the momentum
+    assert outs[0]["report"] == {"ps_mode": "sync", "ps_updates": STEPS, "ps_staleness_mean": 0.0,
+                                 "ps_staleness_max": 0}
+    assert outs[1]["report"] == {}
+
+
+def test_parallel_async_applies_every_rank_update():
+    steps = 24
+    outs = paratrain.launch(parallel_worker, nprocs=2, args=("ps", steps, None, False, "async"), timeout=60)
+    report = outs[0]["report"]
+    assert report["ps_updates"] == 2 * steps  # ranks x steps, each applied once
+    assert 0 <= report["ps_staleness_mean"] <= report["ps_staleness_max"] <= 2 * steps
+    losses = outs[0]["losses"]
+    assert sum(losses[-6:]) / 6 < sum(losses[:6]) / 6, losses
+
+
+def test_parallel_checkpoint_resumes_on_ps_ddp_and_single(tmp_path):
+    # Rank 0 writes the server's parameters and momentum; the checkpoint is an ordinary one, so
+    # ps, ddp and a single process all resume from step 4 and end where the reference ends.
+    ckpt = tmp_path / "ckpt"
+    paratrain.launch(parallel_worker, nprocs=2, args=("ps", 5, str(ckpt), False, "sync", None, 0.5), timeout=60)
+    ref = reference_with(STEPS, gamma=0.5)
+    for strategy, world in (("ps", 2), ("ddp", 2), ("single", 1)):
+        again = shutil.copytree(ckpt, tmp_path / strategy)
+        outs = paratrain.launch(parallel_worker, nprocs=world,
+                                args=(strategy, STEPS, str(again), True, "sync", None, 0.5), timeout=60)
+        for out in outs:
+            assert out["resumed_at"] == 4
+            assert_close(out["state"], ref)
+
+
+def test_fp16_is_refused_with_ps():
+    with pytest.raises(ValueError, match="precision fp16-mixed is not supported with strategy ps"):
+        paratrain.ParallelConfig(strategy="ps", precision="fp16-mixed")
+
+
 def test_paratrain_train_strategy_ps(tmp_path):
-    """The parameter server from the command line: 1 server + 2 workers on the digits task."""
+    """The parameter server from the command line, through Parallel and fit: 2 ranks, rank 0 also serves."""
     from clitools import run_cli
 
-    res = run_cli(["train", "--strategy", "ps", "--nproc-per-node", "3", "--max-steps", "20", "--no-progress",
-                   "--log-dir", str(tmp_path)], timeout=120)
+    res = run_cli(["train", "--strategy", "ps", "--nproc-per-node", "2", "--max-steps", "20", "--no-progress",
+                   "--log-dir", str(tmp_path), "--set", "parallel.ps.mode=async"], timeout=120)
     assert res.returncode == 0, res.stderr[-3000:]
     result = json.loads((tmp_path / "result.json").read_text())
-    assert result["updates"] == 20 and result["test_count"] == 359 and result["test_accuracy"] > 0.5
+    assert result["steps"] == 20 and result["ps_updates"] == 40 and result["ps_mode"] == "async"
+    assert result["test_count"] == 359 and result["test_accuracy"] > 0.5

@@ -56,6 +56,7 @@ def save_checkpoint(pt: "Parallel", directory: str | os.PathLike, model: torch.n
         save_sharded(Path(directory) / sharded, _local_module(pt, model), optimizer)
     if not pt.is_main_process:
         return None
+    model_state, optim_state = (None, None) if sharded else pt.strategy.checkpoint_state(pt.unwrap(model), optimizer)
     state = {
         "format": FORMAT,
         "global_step": pt.global_step,
@@ -63,8 +64,8 @@ def save_checkpoint(pt: "Parallel", directory: str | os.PathLike, model: torch.n
         "seed": pt.config.seed,
         "world_size": pt.world_size,
         "sharded": sharded,
-        "model": None if sharded else pt.unwrap(model).state_dict(),
-        "optimizer": None if sharded else optimizer.state_dict(),
+        "model": model_state,
+        "optimizer": optim_state,
         "precision": pt.precision.state_dict(),
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
         "rng": rngs,
@@ -121,9 +122,8 @@ def load_checkpoint(pt: "Parallel", source: str | os.PathLike, model: torch.nn.M
         raise CheckpointError(f"checkpoint {path!r} holds a full (unsharded) model; load it into a ddp/single run, "
                               "or save it again from a sharded one")
     else:
-        pt.unwrap(model).load_state_dict(state["model"])
-        if optimizer is not None:
-            getattr(optimizer, "optimizer", optimizer).load_state_dict(state["optimizer"])
+        pt.strategy.load_checkpoint_state(pt.unwrap(model), getattr(optimizer, "optimizer", optimizer),
+                                          state["model"], state["optimizer"])
     pt.precision.load_state_dict(state["precision"])
     if scheduler is not None and state["scheduler"] is not None:
         scheduler.load_state_dict(state["scheduler"])

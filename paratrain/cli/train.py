@@ -90,8 +90,7 @@ def main(args: argparse.Namespace) -> int:
         run_training(cfg)  # we are one worker of a launched job
         return 0
     world = launch.nproc_per_node * launch.min_nodes
-    data_parallel = world - 1 if cfg.parallel.strategy == "ps" and world > 1 else world  # ps: rank 0 serves
-    BatchPlan.derive(cfg.parallel.global_batch, data_parallel, cfg.parallel.accumulation, cfg.parallel.micro_batch)
+    BatchPlan.derive(cfg.parallel.global_batch, world, cfg.parallel.accumulation, cfg.parallel.micro_batch)
     _check_dataset_fits(cfg, world)
     if world == 1 and launch.max_nodes == 1 and launch.max_restarts == 0:
         from ..loop.train import run_training

@@ -13,7 +13,6 @@ import torch
 from ..config import TrainConfig
 from ..data.augment import augment_for, eval_augment_for
 from ..data.datasets import build_dataset, dataset_info
-from ..data.loaders import EvalLoader
 from ..models import build_model
 from ..parallel import Parallel
 from .fit import fit
@@ -32,8 +31,6 @@ def build_optimizer(params: Any, cfg: TrainConfig) -> torch.optim.Optimizer:
 
 def run_training(cfg: TrainConfig) -> dict[str, Any]:
     """Train the configured built-in task on this process's share of the job; returns the summary."""
-    if cfg.parallel.strategy == "ps":
-        return run_parameter_server_task(cfg)
     pt = Parallel(cfg.parallel)
     try:
         d = cfg.data
@@ -73,6 +70,7 @@ def run_training(cfg: TrainConfig) -> dict[str, Any]:
             "skipped_steps": result.skipped_steps,
             "seconds": time.perf_counter() - start,
             **result.throughput,
+            **pt.strategy.report(),
         }
         logger.write_json("result.json", summary)
         pt.print(f"finished {result.steps} steps in {summary['seconds']:.1f}s: train loss {result.train_loss:.4f}, "
@@ -83,48 +81,6 @@ def run_training(cfg: TrainConfig) -> dict[str, Any]:
         raise
     pt.close()
     return summary
-
-
-def run_parameter_server_task(cfg: TrainConfig) -> dict[str, Any]:
-    """``--strategy ps``: rank 0 serves the parameters, the other ranks train (seed 003)."""
-    from ..strategies.ps import run_parameter_server
-
-    d, p = cfg.data, cfg.parallel
-    train_set = build_dataset(d.dataset, True, d.data_dir, d.synthetic_size, p.seed)
-    info = dataset_info(d.dataset)
-    make_model = lambda: build_model(cfg.model, tuple(info["input_shape"]), info["num_classes"])  # noqa: E731
-    steps = cfg.max_steps or cfg.epochs * (len(train_set) // p.global_batch)  # type: ignore[arg-type]
-    res = run_parameter_server(make_model, lambda params: build_optimizer(params, cfg), train_set,
-                               global_batch=p.global_batch, steps=steps, options=p.ps, seed=p.seed,
-                               accelerator=p.accelerator)
-    if res.role != "server":
-        return {"role": res.role, "rank": res.rank}
-    model = make_model()
-    model.load_state_dict(res.state_dict, strict=False)  # buffers stay on the workers
-    test = _evaluate_alone(model.eval(), EvalLoader(build_dataset(d.dataset, False, d.data_dir, d.synthetic_size,
-                                                                  p.seed), 256, 1, 0, torch.device("cpu"),
-                                                    _eval_transform(d.dataset)))
-    summary = {"config": dataclasses.asdict(cfg), "world_size": int(os.environ.get("WORLD_SIZE", "1")),
-               "steps": steps, "updates": res.updates, "staleness_mean": res.staleness_mean,
-               "staleness_max": res.staleness_max, "test_loss": test["loss"], "test_accuracy": test["accuracy"],
-               "test_count": test["count"], "seconds": res.seconds}
-    RunLogger(cfg.log_dir).write_json("result.json", summary)
-    print(f"paratrain: parameter server ({p.ps.mode}) applied {res.updates} updates in {res.seconds:.1f}s"
-          + (f", staleness mean {res.staleness_mean:.2f} max {res.staleness_max}" if p.ps.mode == "async" else "")
-          + f"; test accuracy {100 * test['accuracy']:.2f}% on {test['count']} samples")
-    return summary
-
-
-@torch.no_grad()
-def _evaluate_alone(model: torch.nn.Module, loader: EvalLoader) -> dict[str, float]:
-    """Evaluation in one process, no collective (the ps workers have left by then)."""
-    loss = correct = count = 0.0
-    for x, y in loader:
-        out = model(x)
-        loss += float(torch.nn.functional.cross_entropy(out, y, reduction="sum"))
-        correct += float((out.argmax(1) == y).sum())
-        count += len(y)
-    return {"loss": loss / max(count, 1), "accuracy": correct / max(count, 1), "count": int(count)}
 
 
 def _maybe_resume(pt: Parallel, cfg: TrainConfig, model: Any, optimizer: Any, scheduler: Any) -> int | None:

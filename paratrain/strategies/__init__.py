@@ -11,11 +11,12 @@ from .devices import Devices, DevicesOptions
 from .dp import DataParallel
 from .fsdp import FSDPOptions, FullyShardedDataParallel
 from .pipeline import Pipeline, PipelineOptions
+from .ps import ParameterServer, PSOptions
 from .single import SingleDevice
 from .tensor import TensorOptions, TensorParallel
 
 __all__ = ["Strategy", "STRATEGIES", "DDPOptions", "FSDPOptions", "TensorOptions", "PipelineOptions",
-           "DevicesOptions", "build", "resolve"]
+           "DevicesOptions", "PSOptions", "build", "resolve"]
 
 STRATEGIES: dict[str, type[Strategy]] = {
     "single": SingleDevice,
@@ -25,24 +26,14 @@ STRATEGIES: dict[str, type[Strategy]] = {
     "tensor": TensorParallel,
     "pipeline": Pipeline,
     "devices": Devices,
+    "ps": ParameterServer,
 }
 
 
-# Strategies with their own training loop (not behind Parallel): rank 0 of ``ps`` serves, it trains nothing.
-LOOP_STRATEGIES = ("ps",)
-
-
-def check_name(name: str) -> None:
-    """One-line error unless ``name`` is a strategy (``STRATEGIES`` or ``LOOP_STRATEGIES``)."""
-    if name not in STRATEGIES and name not in LOOP_STRATEGIES:
-        raise ValueError(f"strategy {name!r} is unknown: use one of {', '.join([*STRATEGIES, *LOOP_STRATEGIES])}")
-
-
 def resolve(name: str) -> type[Strategy]:
-    check_name(name)
-    if name in LOOP_STRATEGIES:
-        raise ValueError(f"strategy {name!r} runs its own loop (rank 0 is the server): use `paratrain train "
-                         f"--strategy {name}` or paratrain.strategies.ps.run_parameter_server, not Parallel")
+    """The strategy class called ``name``; a one-line error naming the choices otherwise."""
+    if name not in STRATEGIES:
+        raise ValueError(f"strategy {name!r} is unknown: use one of {', '.join(STRATEGIES)}")
     return STRATEGIES[name]
 
 

@@ -25,6 +25,8 @@ class Strategy:
     processes: ClassVar[str] = "any"  # "one" or "any"
     collective_forward: ClassVar[bool] = False  # does forward itself communicate (FSDP, TP, pipeline)?
     sharded_state: ClassVar[bool] = False  # checkpoint through torch.distributed.checkpoint (FSDP, TP)?
+    precision: str = "32"  # set by Parallel: sharded strategies pick their param/reduce dtypes from it
+    max_grad_norm: float | None = None  # set by Parallel (clip_grad_norm): ps clips on its server
 
     def __init__(self, dist_info: Dist, sync_batchnorm: bool = False, options: Any = None) -> None:
         self.dist = dist_info
@@ -93,6 +95,29 @@ class Strategy:
 
             return {k: v.detach().cpu().clone() for k, v in full_state_dict(model).items()}
         return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, local_step: Callable[[], bool]) -> bool:
+        """Apply one optimizer step; ``local_step`` is the precision's (clip, unscale, step).
+        True if the weights changed. A parameter server steps remotely instead."""
+        return local_step()
+
+    def checkpoint_state(self, module: nn.Module, optimizer: Any) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        """Model and optimizer state for an unsharded checkpoint (rank 0 writes it)."""
+        return module.state_dict(), None if optimizer is None else optimizer.state_dict()
+
+    def load_checkpoint_state(self, module: nn.Module, optimizer: Any, model_state: dict[str, Any],
+                              optim_state: dict[str, Any] | None) -> None:
+        """Restore what :meth:`checkpoint_state` returned (called on every rank)."""
+        module.load_state_dict(model_state)
+        if optimizer is not None and optim_state is not None:
+            optimizer.load_state_dict(optim_state)
+
+    def report(self) -> dict[str, Any]:
+        """Strategy-specific numbers for the run's summary (e.g. the parameter server's updates)."""
+        return {}
+
+    def close(self, wait_for_peers: bool = True) -> None:
+        """Release what the strategy started besides the process group (RPC...)."""
 
     def set_gradient_sync(self, model: nn.Module, enabled: bool) -> None:
         """Turn gradient synchronisation off for accumulation micro-steps (``no_sync``)."""

@@ -1,6 +1,7 @@
 """``ps``: a parameter server over ``torch.distributed.rpc`` (seed 003), synchronous or asynchronous SGD.
 
-Rank 0 is the server: it holds the model's parameters and runs the optimizer. Ranks 1..N-1 are
+Two layouts share the server below. With :func:`run_parameter_server` (seed 003's), rank 0 is a
+dedicated server: it holds the model's parameters and runs the optimizer. Ranks 1..N-1 are
 workers: each pulls the parameters, computes a gradient on its shard of the data and pushes it
 back. Every process calls the same function; the launcher is ``paratrain.launch`` or
 ``paratrain run`` (torchrun), as for the other strategies::
@@ -13,9 +14,13 @@ back. Every process calls the same function; the launcher is ``paratrain.launch`
     server, *workers = paratrain.launch(main, nprocs=3)      # 1 server + 2 workers
     model.load_state_dict(server.state_dict)
 
-Why not ``Parallel``/``--strategy ps``: ``Parallel`` runs the user's loop on every process, and a
-parameter server's rank 0 has no loop — it waits for gradients and steps the optimizer when they
-arrive. So ``ps`` is this self-contained function, not an entry of ``STRATEGIES``.
+Through ``Parallel`` (``strategy="ps"``, ``fit``, ``paratrain train --strategy ps``) the server is
+*colocated*: rank 0 holds the parameters and the optimizer in its RPC threads and its main thread
+trains like every other rank, so all N processes are workers and the global batch is split over
+N exactly as for ddp. The user's loop is unchanged: ``optimizer.step()`` pushes this rank's
+gradient to the server and loads the parameters it answers with (:class:`ParameterServer`).
+``run_parameter_server`` above is seed 003's layout, a *dedicated* server process that trains
+nothing, with its own built-in loop.
 
 Modes (:class:`PSOptions`):
 
@@ -41,6 +46,7 @@ process that dies silently is detected after ``rpc_timeout_s`` without a message
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import threading
 import time
@@ -50,6 +56,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 import torch
+import torch.distributed as dist
 import torch.distributed.rpc as rpc
 from torch import nn
 from torch.utils.data import Dataset
@@ -57,9 +64,10 @@ from torch.utils.data import Dataset
 from ..data.loaders import GlobalBatchLoader
 from ..data.sampler import BatchPlan
 from ..env.detect import detect_process
-from ..env.process import seed_everything, select_device
+from ..env.process import Dist, seed_everything, select_device
+from .base import Strategy
 
-__all__ = ["PSOptions", "PSResult", "run_parameter_server", "MODES"]
+__all__ = ["PSOptions", "PSResult", "ParameterServer", "run_parameter_server", "MODES"]
 
 MODES = ("sync", "async")
 SERVER = "ps"
@@ -109,14 +117,15 @@ class PSResult:
 class _Server:
     """The state behind the RPC functions below; one per server process."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, workers: int, mode: str) -> None:
-        self.params = list(model.parameters())
-        self.optimizer, self.workers, self.mode = optimizer, workers, mode
+    def __init__(self, params: list[torch.Tensor], optimizer: torch.optim.Optimizer, workers: int, mode: str,
+                 clip_grad_norm: float | None = None) -> None:
+        self.params = params
+        self.optimizer, self.workers, self.mode, self.clip_grad_norm = optimizer, workers, mode, clip_grad_norm
         self.lock = threading.Lock()
         self.version = 0  # optimizer steps applied
         self.staleness: list[int] = []
         self.losses: list[float] = []
-        self.slots: dict[int, tuple[list[torch.Tensor | None], float]] = {}  # sync: this step's pushes
+        self.slots: dict[int, tuple[Any, float, Any]] = {}  # sync: this step's (grads, loss, hyper) per worker
         self.pending: torch.futures.Future = torch.futures.Future()  # sync: answer to this step's pushes
         self.finished: set[int] = set()
         self.error: str | None = None
@@ -127,8 +136,9 @@ class _Server:
         # A copy: the response is serialised after the lock is released, while others may step.
         return self.version, [p.detach().clone() for p in self.params]
 
-    def apply(self, grads: list[list[torch.Tensor | None]]) -> None:
-        """Average ``grads`` (one list per worker) into ``.grad`` and take one optimizer step.
+    def apply(self, grads: list[list[torch.Tensor | None]], hyper: list[dict[str, Any]] | None = None) -> None:
+        """Average ``grads`` (one list per worker) into ``.grad``, clip, and take one optimizer step
+        with the param groups' hyperparameters ``hyper`` (the pushing worker's lr...) when given.
 
         Called under ``lock``. An error here fails the whole job (every waiting worker hears it).
         """
@@ -136,6 +146,10 @@ class _Server:
             for i, p in enumerate(self.params):
                 got = [g[i] for g in grads if g[i] is not None]
                 p.grad = None if not got else torch.stack(got).sum(0).div_(len(grads))
+            if self.clip_grad_norm is not None:
+                torch.nn.utils.clip_grad_norm_(self.params, self.clip_grad_norm)
+            for group, values in zip(self.optimizer.param_groups, hyper or []):
+                group.update(values)
             self.optimizer.step()
         except Exception as e:
             self.fail(f"parameter server: optimizer step {self.version} failed: "
@@ -175,15 +189,17 @@ def _fetch() -> tuple[int, list[torch.Tensor]]:
 
 
 @rpc.functions.async_execution
-def _push_sync(worker: int, version: int, grads: list[torch.Tensor | None], loss: float) -> torch.futures.Future:
+def _push_sync(worker: int, version: int, grads: list[torch.Tensor | None], loss: float,
+               hyper: list[dict[str, Any]] | None = None) -> torch.futures.Future:
     s = _server()
     with s.lock:
         answer = s.pending  # resolved by the last worker of this step
-        s.slots[worker] = (grads, loss)
+        s.slots[worker] = (grads, loss, hyper)
         s.staleness.append(s.version - version)
         if len(s.slots) == s.workers:
             order = sorted(s.slots)  # deterministic sum, whatever the arrival order
-            s.apply([s.slots[w][0] for w in order])  # on error every waiting worker is told (fail)
+            # Hyperparameters (lr under a scheduler) are the same on every worker in sync mode: the first's.
+            s.apply([s.slots[w][0] for w in order], s.slots[order[0]][2])  # on error every worker is told (fail)
             s.losses.append(sum(s.slots[w][1] for w in order) / len(order))
             s.slots.clear()
             s.pending = torch.futures.Future()
@@ -191,12 +207,12 @@ def _push_sync(worker: int, version: int, grads: list[torch.Tensor | None], loss
     return answer
 
 
-def _push_async(worker: int, version: int, grads: list[torch.Tensor | None],
-                loss: float) -> tuple[int, list[torch.Tensor]]:
+def _push_async(worker: int, version: int, grads: list[torch.Tensor | None], loss: float,
+                hyper: list[dict[str, Any]] | None = None) -> tuple[int, list[torch.Tensor]]:
     s = _server()
     with s.lock:
         s.staleness.append(s.version - version)
-        s.apply([grads])
+        s.apply([grads], hyper)
         s.losses.append(loss)
         return s.snapshot()
 
@@ -268,7 +284,7 @@ def run_parameter_server(
     seed_everything(seed, offset_by_rank=not is_server)  # the server's init is the reference init
     model = model_fn()
     if is_server:
-        _SERVER = _Server(model, optimizer_fn(model.parameters()), workers, opts.mode)
+        _SERVER = _Server(list(model.parameters()), optimizer_fn(model.parameters()), workers, opts.mode)
     name = SERVER if is_server else f"worker{info.rank}"
     with warnings.catch_warnings():
         # init_rpc builds a private gloo group for its barrier and warns about its own use of it.
@@ -367,3 +383,188 @@ def _call(fn: Callable[..., Any], args: tuple, rank: int, opts: PSOptions) -> An
                            f"{opts.rpc_timeout_s}{wait}: a process died or hangs")
     first = next((line for line in text.splitlines() if line.strip()), "")
     raise RuntimeError(f"worker rank {rank}: call to the parameter server failed: {first}")
+
+
+# --- the strategy behind Parallel: a colocated server ---------------------------------------------
+def _hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """The numeric settings of each param group (lr, momentum, betas...): what schedulers change."""
+    def numeric(v: Any) -> bool:
+        return isinstance(v, (int, float)) or (isinstance(v, tuple) and all(isinstance(x, (int, float)) for x in v))
+
+    return [{k: v for k, v in g.items() if k != "params" and numeric(v)} for g in optimizer.param_groups]
+
+
+def _server_optimizer(optimizer: torch.optim.Optimizer, params: list[torch.Tensor],
+                      index: dict[int, int]) -> torch.optim.Optimizer:
+    """The same optimizer class and param groups as ``optimizer``, over the server's copies."""
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [params[index[id(p)]] for p in g["params"]]}
+              for g in optimizer.param_groups]
+    try:
+        return type(optimizer)(groups, **optimizer.defaults)
+    except Exception as e:
+        raise ValueError(f"ps: cannot rebuild {type(optimizer).__name__} on the parameter server from its param "
+                         f"groups and defaults ({type(e).__name__}: {e}): use a torch.optim optimizer") from None
+
+
+class ParameterServer(Strategy):
+    """``ps`` behind ``Parallel``: every rank trains; rank 0 also serves the parameters over RPC.
+
+    ``setup`` starts RPC (its rendezvous address is chosen by rank 0 and sent over the process
+    group) and gives rank 0 a CPU copy of the parameters with a server-side twin of the user's
+    optimizer (same class, groups and defaults). Each ``optimizer.step()`` pushes this rank's
+    gradient with its param groups' hyperparameters (so LR schedulers keep working) and copies
+    the answered parameters into the model; the user's optimizer never steps and holds no state.
+    sync == ddp's numerics (the mean of the ranks' gradients, one step per global batch); async
+    applies each rank's gradient on arrival. Gradient clipping runs on the server, after the mean.
+    Only parameters travel: buffers (BatchNorm statistics) stay on each rank.
+    """
+
+    name = "ps"
+
+    def __init__(self, dist_info: Dist, sync_batchnorm: bool = False, options: PSOptions | None = None) -> None:
+        super().__init__(dist_info, sync_batchnorm, options or PSOptions())
+        self._params: list[nn.Parameter] = []
+        self._version = 0
+        self.bytes_per_step = 0
+        """Payload this rank sends and receives per optimizer step (gradients + parameters)."""
+        self._rpc = False
+
+    # --- setup ----------------------------------------------------------------------------
+    def _distributed(self) -> bool:
+        return self.dist.backend is not None and self.dist.world_size > 1
+
+    def _start_rpc(self) -> None:
+        from ..launch.spawn import free_port
+
+        host = self.dist.info.master_addr if self._distributed() else "127.0.0.1"
+        where: list[Any] = [free_port(host) if self.dist.rank == 0 else None]
+        if self._distributed():
+            dist.broadcast_object_list(where, src=0)
+        opts: PSOptions = self.options
+        backend_options = rpc.TensorPipeRpcBackendOptions(
+            init_method=f"tcp://{host}:{where[0]}", rpc_timeout=opts.rpc_timeout_s, _transports=["uv"])
+        name = SERVER if self.dist.rank == 0 else f"worker{self.dist.rank}"
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="You are using a Backend .* as a ProcessGroup")
+            rpc.init_rpc(name, rank=self.dist.rank, world_size=self.dist.world_size, rpc_backend_options=backend_options)
+        self._rpc = True
+
+    def setup_model(self, model: nn.Module) -> nn.Module:
+        if self._params:
+            raise ValueError("ps: Parallel serves one model; build another Parallel for a second one")
+        if self.sync_batchnorm:
+            self.warn("sync_batchnorm has no effect with ps: only parameters travel, BatchNorm statistics stay on "
+                      "each rank", rank=self.dist.rank)
+        model = model.to(self.device)
+        self._params = list(model.parameters())
+        return model
+
+    def setup_optimizer(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """Start RPC; on rank 0, create the server (parameter copies + the optimizer's twin)."""
+        global _SERVER
+        index = {id(p): i for i, p in enumerate(self._params)}
+        stray = [i for g in optimizer.param_groups for i, p in enumerate(g["params"]) if id(p) not in index]
+        if stray:
+            raise ValueError("ps: the optimizer holds parameters that are not the model's: build it over "
+                             "model.parameters()")
+        if self.dist.rank == 0:
+            if _SERVER is not None:
+                raise RuntimeError("ps: this process already serves a model: close the other Parallel first")
+            params = [p.detach().cpu().clone() for p in self._params]
+            _SERVER = _Server(params, _server_optimizer(optimizer, params, index), self.dist.world_size,
+                              self.options.mode, self.max_grad_norm)
+        self._start_rpc()  # init_rpc is itself a rendezvous: the server exists before anyone pushes
+        self.bytes_per_step = 2 * sum(p.numel() * p.element_size() for p in self._params)
+        return optimizer
+
+    # --- the step -------------------------------------------------------------------------
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, local_step: Callable[[], bool]) -> bool:
+        """Push this rank's gradient (and lr...) to the server, load the parameters it answers."""
+        if not self._rpc:
+            raise RuntimeError("ps: the optimizer was not set up: call pt.setup(model, optimizer)")
+        opts: PSOptions = self.options
+        grads = [None if p.grad is None else p.grad.detach().to("cpu", copy=True) for p in self._params]
+        push = _push_sync if opts.mode == "sync" else _push_async
+        self._version, values = _call(push, (self.dist.rank, self._version, grads, math.nan,
+                                             _hyperparameters(optimizer)), self.dist.rank, opts)
+        with torch.no_grad():
+            for p, v in zip(self._params, values):
+                p.copy_(v, non_blocking=True)
+                p.grad = None
+        # A no-op step (no parameter has a gradient): the optimizer's step hooks run, and LR
+        # schedulers see that optimizer.step() was called before them.
+        optimizer.step()
+        return True
+
+    def report(self) -> dict[str, Any]:
+        """On rank 0: updates the server applied and their staleness (versions applied between a
+        gradient's parameters and its own update). Elsewhere: empty."""
+        if self.dist.rank != 0 or _SERVER is None:
+            return {}
+        with _SERVER.lock:
+            st = list(_SERVER.staleness)
+            return {"ps_mode": self.options.mode, "ps_updates": _SERVER.version,
+                    "ps_staleness_mean": sum(st) / max(len(st), 1), "ps_staleness_max": max(st, default=0)}
+
+    # --- checkpoints ----------------------------------------------------------------------
+    def _server_state(self, module: nn.Module) -> tuple[dict[str, Any], dict[str, Any]]:
+        s = _server()
+        with s.lock:
+            state = module.state_dict()
+            for (name, _), v in zip(module.named_parameters(), s.params):
+                state[name] = v.detach().clone()
+            return state, s.optimizer.state_dict()
+
+    def checkpoint_state(self, module: nn.Module, optimizer: Any) -> tuple[dict, dict | None]:
+        """The server's parameters and optimizer state (rank 0 writes checkpoints), with the
+        param groups' hyperparameters of the local optimizer: a scheduler has already moved its
+        lr past the one the server applied last."""
+        if self.dist.rank != 0:
+            return super().checkpoint_state(module, optimizer)
+        model_state, optim_state = self._server_state(module)
+        if optimizer is None:
+            return model_state, None
+        for group, values in zip(optim_state["param_groups"], _hyperparameters(optimizer)):
+            group.update(values)
+        return model_state, optim_state
+
+    def load_checkpoint_state(self, module: nn.Module, optimizer: Any, model_state: dict, optim_state: dict) -> None:
+        super().load_checkpoint_state(module, optimizer, model_state, optim_state)
+        if self.dist.rank == 0:
+            s = _server()
+            with s.lock, torch.no_grad():
+                for p, v in zip(s.params, module.parameters()):
+                    p.copy_(v)
+                if optimizer is not None:
+                    s.optimizer.load_state_dict(optim_state)
+        if optimizer is not None:
+            optimizer.state.clear()  # the server's twin holds the state; the local one never steps
+        if self._distributed():
+            dist.barrier()  # nobody pushes before the server holds the checkpoint
+
+    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """The server's trained parameters (and rank 0's buffers) on every rank. Collective."""
+        box: list[Any] = [None]
+        if self.dist.rank == 0:
+            box[0] = {k: v.detach().cpu().clone() for k, v in self._server_state(model)[0].items()}
+        if self._distributed():
+            dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    # --- teardown -------------------------------------------------------------------------
+    def close(self, wait_for_peers: bool = True) -> None:
+        """Leave RPC: gracefully (waits for every rank), or after an error telling the server why."""
+        global _SERVER
+        if not self._rpc:
+            return
+        self._rpc = False
+        if wait_for_peers:
+            rpc.shutdown(graceful=True, timeout=self.options.rpc_timeout_s)
+        else:
+            if self.dist.rank != 0:
+                with contextlib.suppress(Exception):
+                    rpc.rpc_sync(SERVER, _abort, args=(self.dist.rank, "it stopped after an error"), timeout=5)
+            with contextlib.suppress(Exception):
+                rpc.shutdown(graceful=False)
+        if self.dist.rank == 0:
+            _SERVER = None
