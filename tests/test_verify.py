@@ -60,11 +60,13 @@ def test_bad_values_are_one_line_errors():
     assert r.returncode == 2 and "not divisible by world size 3" in r.stderr
 
 
-def test_verify_passes_on_a_correct_config():
-    r = run_cli(["verify", "--nproc", "2", "--steps", "6", "--model", "mlp", "--strategy", "ddp", *LIMIT], timeout=280)
+@pytest.mark.parametrize("strategy", ["ddp", "ps"])  # ps: the server's own optimizer steps are not the loop's
+def test_verify_passes_on_a_correct_config(strategy):
+    r = run_cli(["verify", "--nproc", "2", "--steps", "6", "--model", "mlp", "--strategy", strategy, *LIMIT],
+                timeout=280)
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
     out = r.stdout
-    assert "world size 2 (ddp) vs world size 1" in out and "world size 1, accumulation 2 vs world size 1" in out
+    assert f"world size 2 ({strategy}) vs world size 1" in out and "world size 1, accumulation 2 vs world size 1" in out
     assert "fc1.weight" in out and "result: PASS" in out and "FAIL" not in out
     assert "ok: effective batch: 64 samples per optimizer step" in out
 

@@ -6,13 +6,14 @@ Process-wide hooks, installed in the fresh worker process before the job builds 
   loop calls it, e.g. the DDP wrapper) and records its batch: how many samples, and one fingerprint
   per sample (a fixed random projection of the input), so the samples of every optimizer step can
   be compared across world sizes as a multiset;
-* a global optimizer step pre-hook closes an optimizer step: samples and fingerprints since the
+* a global optimizer step pre-hook on the main thread closes an optimizer step: samples and fingerprints since the
   previous step, the learning rate, and at the first step which parameters got no gradient and a
   checksum of the initial weights.
 """
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
@@ -81,6 +82,8 @@ class Probe:
         self._depth = max(0, self._depth - 1)
 
     def _pre_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # not the training loop (the ps server steps its own optimizer in RPC threads)
         params = [p for g in optimizer.param_groups for p in g["params"]]
         if not self.steps:
             names = self._names()
