@@ -19,7 +19,7 @@ from .fit import fit
 from .logging import RunLogger
 from .schedule import warmup_linear_scaling
 
-__all__ = ["run_training", "build_optimizer"]
+__all__ = ["run_training", "build_optimizer", "setup_task"]
 
 
 def build_optimizer(params: Any, cfg: TrainConfig) -> torch.optim.Optimizer:
@@ -29,6 +29,18 @@ def build_optimizer(params: Any, cfg: TrainConfig) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
 
 
+def setup_task(pt: Parallel, cfg: TrainConfig) -> tuple[Any, Any, Any]:
+    """The configured model and optimizer, set up by ``pt``, and the LR schedule (or ``None``)."""
+    info = dataset_info(cfg.data.dataset)
+    model = build_model(cfg.model, tuple(info["input_shape"]), info["num_classes"])
+    model, optimizer = pt.setup(model, build_optimizer(model.parameters(), cfg))
+    scheduler = None
+    if cfg.optim.warmup_steps or cfg.optim.base_batch:
+        scheduler = warmup_linear_scaling(optimizer.optimizer, pt.plan.global_batch, cfg.optim.base_batch,
+                                          cfg.optim.warmup_steps)
+    return model, optimizer, scheduler
+
+
 def run_training(cfg: TrainConfig) -> dict[str, Any]:
     """Train the configured built-in task on this process's share of the job; returns the summary."""
     pt = Parallel(cfg.parallel)
@@ -36,14 +48,7 @@ def run_training(cfg: TrainConfig) -> dict[str, Any]:
         d = cfg.data
         train_set = build_dataset(d.dataset, True, d.data_dir, d.synthetic_size, cfg.parallel.seed)
         test_set = build_dataset(d.dataset, False, d.data_dir, d.synthetic_size, cfg.parallel.seed)
-        info = dataset_info(d.dataset)
-        model = build_model(cfg.model, tuple(info["input_shape"]), info["num_classes"])
-        optimizer = build_optimizer(model.parameters(), cfg)
-        model, optimizer = pt.setup(model, optimizer)
-        scheduler = None
-        if cfg.optim.warmup_steps or cfg.optim.base_batch:
-            scheduler = warmup_linear_scaling(optimizer.optimizer, pt.plan.global_batch, cfg.optim.base_batch,
-                                              cfg.optim.warmup_steps)
+        model, optimizer, scheduler = setup_task(pt, cfg)
         resumed = _maybe_resume(pt, cfg, model, optimizer, scheduler)
         logger = RunLogger(cfg.log_dir, enabled=pt.is_main_process, append=resumed)
         pt.print(f"paratrain: {cfg.parallel.strategy} on {pt.world_size} process(es), {pt.device}, "

@@ -141,11 +141,9 @@ class _LossLog:
 def _run_builtin(job: dict[str, Any]) -> tuple[dict[str, torch.Tensor], list[float], nn.Module]:
     from ..config import TrainConfig, from_dict
     from ..data.augment import augment_for
-    from ..data.datasets import build_dataset, dataset_info
+    from ..data.datasets import build_dataset
     from ..loop.fit import fit
-    from ..loop.schedule import warmup_linear_scaling
-    from ..loop.train import build_optimizer
-    from ..models import build_model
+    from ..loop.train import setup_task
     from ..parallel import Parallel
 
     cfg = from_dict(TrainConfig, job["config"])
@@ -155,14 +153,7 @@ def _run_builtin(job: dict[str, Any]) -> tuple[dict[str, torch.Tensor], list[flo
         train_set = job.get("data")
         if train_set is None:
             train_set = build_dataset(d.dataset, True, d.data_dir, d.synthetic_size, cfg.parallel.seed)
-        info = dataset_info(d.dataset)
-        model = build_model(cfg.model, tuple(info["input_shape"]), info["num_classes"])
-        optimizer = build_optimizer(model.parameters(), cfg)
-        model, optimizer = pt.setup(model, optimizer)
-        scheduler = None
-        if cfg.optim.warmup_steps or cfg.optim.base_batch:
-            scheduler = warmup_linear_scaling(optimizer.optimizer, pt.plan.global_batch, cfg.optim.base_batch,
-                                              cfg.optim.warmup_steps)
+        model, optimizer, scheduler = setup_task(pt, cfg)
         steps = job["steps"]
         epochs = math.ceil(steps / max(1, len(train_set) // pt.plan.global_batch))
         log = _LossLog()
