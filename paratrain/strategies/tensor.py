@@ -22,8 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..env.process import Dist
-from .base import Strategy
-from .fsdp import FSDPOptions, ParameterSwap, clip_grad_norm_, format_bytes, parameter_bytes, shard_model
+from .fsdp import FSDPOptions, FullyShardedDataParallel, format_bytes, parameter_bytes, shard_model
 
 __all__ = ["TensorOptions", "TensorParallel", "auto_plan"]
 
@@ -79,11 +78,15 @@ def auto_plan(model: nn.Module) -> dict[str, str]:
     return plan
 
 
-class TensorParallel(Strategy):
+class TensorParallel(FullyShardedDataParallel):
+    """DTensor tensor parallelism, with FSDP2 on the dp dimension of a 2-D mesh.
+
+    From ``fsdp`` it keeps the in-place wrapping, the optimizer rebuild over DTensor parameters,
+    ``no_sync`` for the dp reduction (tp all-reduces are part of the computation, they never
+    wait), DTensor-aware clipping and DCP checkpoints.
+    """
+
     name = "tensor"
-    collective_forward = True
-    sharded_state = True
-    precision = "32"  # set by Parallel: FSDP's MixedPrecisionPolicy on the dp dimension
 
     def __init__(self, dist_info: Dist, sync_batchnorm: bool = False, options: TensorOptions | None = None) -> None:
         super().__init__(dist_info, sync_batchnorm, options or TensorOptions())
@@ -93,7 +96,6 @@ class TensorParallel(Strategy):
             raise ValueError(f"tensor: world size {world} is not divisible by tp_size {self.tp}: "
                              f"use a tp_size that divides {world}")
         self.dp = world // self.tp
-        self.swap = ParameterSwap()
         self._mesh: Any = None
 
     # --- data layout: the ranks of one tp group read the same batch ---------------------------
@@ -154,20 +156,6 @@ class TensorParallel(Strategy):
             print(f"paratrain tensor: {len(plan)} Linear layers split over tp={self.tp}, dp={self.dp}; "
                   f"{format_bytes(b['local'])} of {format_bytes(b['full'])} of parameters per rank")
         return model
-
-    def unwrap(self, model: nn.Module) -> nn.Module:
-        return model  # parallelize_module and fully_shard work in place
-
-    def setup_optimizer(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        return self.swap.rebuild(optimizer, self.name)
-
-    def set_gradient_sync(self, model: nn.Module, enabled: bool) -> None:
-        # Only the dp (FSDP) reduction can wait; tp all-reduces are part of the computation.
-        if hasattr(model, "set_requires_gradient_sync"):
-            model.set_requires_gradient_sync(enabled)
-
-    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
-        return clip_grad_norm_(model.parameters(), max_norm)
 
     # --- metrics: sum over dp only (the tp ranks of a group hold the same numbers) ---------------
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
