@@ -6,7 +6,9 @@ import json
 
 import pytest
 import torch
+import torch.distributed as dist
 
+import paratrain
 from clitools import run_cli
 from paratrain.bench import BenchSpec, build_matrix, format_table, quick_spec
 from paratrain.bench.matrix import Cell
@@ -105,6 +107,63 @@ def test_bench_small_matrix_writes_table_json_csv_and_png(tmp_path):
 
     image = matplotlib.image.imread(out / "chart.png")
     assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100
+
+
+def _count_each_kind(local_rank):
+    from torch.distributed import _functional_collectives as funcol
+
+    from paratrain.bench.measure import CommCounter
+
+    d = paratrain.init(timeout_s=30)
+    t = torch.ones(10)  # 40 bytes
+    counter = CommCounter().install()
+    steps = []
+    for count in (True, False, True):
+        before = counter.bytes
+        with counter.step(count=count):
+            if count and not steps:
+                dist.all_reduce(t)  # a Python collective: counted by its wrapper, once
+            funcol.all_reduce(t, "sum", dist.group.WORLD).wait()  # functional (DTensor's kind): the dispatch mode
+        steps.append(counter.bytes - before)
+    counter.uninstall()
+    counter = CommCounter().install()
+    peer = 1 - d.rank
+    with counter.step(count=True):
+        # P2POp still accepts dist.isend (it checks for the original function); sends are counted once
+        ops = [dist.P2POp(dist.isend, torch.ones(8), peer), dist.P2POp(dist.irecv, torch.zeros(8), peer)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    counter.uninstall()
+    paratrain.destroy()
+    return steps, counter.bytes, counter.calls
+
+
+def test_comm_counter_sees_python_functional_and_p2p_calls_once():
+    for steps, p2p_bytes, p2p_calls in paratrain.launch(_count_each_kind, nprocs=2, timeout=90):
+        # no warm-up step yet: the mode runs in the counted step; then a warm-up step measures
+        # the functional bytes and the next counted step is credited them, without the mode
+        assert steps == [80, 0, 40]
+        assert (p2p_bytes, p2p_calls) == (32, 1)
+
+
+@pytest.mark.timeout(400)
+def test_bench_counts_tensor_and_pipeline_bytes(tmp_path):
+    out = tmp_path / "bench"
+    r = run_cli(["bench", "--strategies", "tensor,pipeline", "--world-sizes", "2", "--precisions", "32",
+                 "--comm-hooks", "none", "--epochs", "1", "--warmup-steps", "2", "--cell-timeout", "90",
+                 "--no-baseline", "--no-trap", "--no-progress", "--out", str(out)], timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    cells = {c["label"]: c for c in json.loads((out / "results.json").read_text())["cells"]}
+    assert {label: c["status"] for label, c in cells.items()} == {"tensor x2": "ok", "pipeline x2": "ok"}, cells
+    # tensor: fc1 column-wise, fc2 row-wise: one all-reduce of fc2's output (global batch 64 x 10
+    # logits, fp32) per forward; the backward needs none, as the input needs no gradient.
+    assert cells["tensor x2"]["comm_bytes_per_step"] == 4 * 64 * 10
+    # pipeline: stage 1 is flatten + fc1, so rank 0 sends fc1's output (64 x 512, fp32, in 4
+    # micro-batches), plus the 4-byte mean loss the last stage broadcasts (a broadcast counts on every rank).
+    assert cells["pipeline x2"]["comm_bytes_per_step"] == 4 * 64 * 512 + 4
+    rows = {line.split("  ")[0]: line for line in r.stdout.splitlines() if line.startswith(("tensor", "pipeline"))}
+    assert "2.5 KiB" in rows["tensor x2"] and "128.0 KiB" in rows["pipeline x2"]
+    assert "n/a" not in rows["tensor x2"]
 
 
 def test_report_from_results_without_running(tmp_path):

@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 from paratrain.models import MLP, MODEL_NAMES, SmallCNN, build_model, resnet_cifar
+from paratrain.strategies._split import check_sequential, split_model
 
 SHAPES = {"digits": (1, 8, 8), "cifar": (3, 32, 32)}
 
@@ -28,6 +29,23 @@ def test_mlp_matches_seed_003():
     logp.load_state_dict(m.state_dict())
     assert torch.allclose(logp(x), torch.log_softmax(m(x), 1))
     assert torch.allclose(logp(x).exp().sum(1), torch.ones(3))
+
+
+def test_mlp_is_its_children_in_order_so_pipeline_can_cut_it():
+    torch.manual_seed(0)
+    m = MLP(64, 16, 10)
+    assert [n for n, _ in m.named_children()] == ["flatten", "fc1", "relu", "fc2"]
+    assert list(m.state_dict()) == ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]  # checkpoints unchanged
+    x = torch.randn(4, 1, 8, 8)
+    assert torch.equal(m(x), nn.Sequential(*m.children())(x))
+    for n_parts in (2, 4):
+        parts = split_model(m, n_parts)
+        assert len(parts) == n_parts and sum(len(p) for p in parts) == 4
+        check_sequential(m, parts, x, "pipeline")  # raises if the parts do not compute m(x)
+    assert [list(dict(p.named_children())) for p in split_model(m, 2)] == [["flatten", "fc1"], ["relu", "fc2"]]
+    logp = MLP(64, 16, 10, log_softmax=True)  # log_softmax runs outside the children: not a plain chain
+    with pytest.raises(ValueError, match="MLP.forward is not its top-level children called in order"):
+        check_sequential(logp, split_model(logp, 2), x, "pipeline")
 
 
 def test_resnet_depths_and_batchnorm():

@@ -17,7 +17,7 @@ from torch.utils.data import TensorDataset
 import paratrain
 from paratrain.checkpoint import CheckpointError, list_checkpoints, load_file, load_latest, write_checkpoint
 from paratrain.loop import fit, warmup_linear_scaling
-from clitools import ROOT, cli_env, run_cli
+from clitools import cli_env, run_cli
 
 N, GLOBAL_BATCH, EPOCHS = 120, 24, 3  # 5 steps per epoch, 15 in all; stop at 7 = mid-epoch 2
 

@@ -93,7 +93,7 @@ class Cell:
 class BenchSpec:
     """What ``paratrain bench`` measures: the matrix dimensions and the run length."""
 
-    strategies: list[str] = field(default_factory=lambda: ["single", "dp", "ddp", "fsdp", "tensor", "pipeline"])
+    strategies: list[str] = field(default_factory=lambda: ["single", "dp", "ddp", "fsdp", "tensor", "pipeline", "ps"])
     """Strategies to try; those not in this paratrain's registry are listed as skipped."""
     world_sizes: list[int] = field(default_factory=lambda: [1, 2, 4])
     precisions: list[str] = field(default_factory=lambda: ["32", "fp16-mixed", "bf16-mixed"])

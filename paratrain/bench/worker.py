@@ -145,11 +145,8 @@ def _train_paratrain(pt: Any, counter: CommCounter, cfg: TrainConfig, job: dict[
     inner = pt.training_step
 
     def training_step(*args: Any, **kwargs: Any) -> torch.Tensor:
-        counter.armed = clock.timing
-        try:
+        with counter.step(count=clock.timing):
             return inner(*args, **kwargs)
-        finally:
-            counter.armed = False
 
     pt.training_step = training_step  # type: ignore[method-assign]
     aug = eval_augment_for(cfg.data.dataset)
@@ -159,9 +156,9 @@ def _train_paratrain(pt: Any, counter: CommCounter, cfg: TrainConfig, job: dict[
     evaluation = pt.evaluate(model, pt.eval_loader(test_set, transform=None if aug is None else (lambda x: aug(x, 0))))
     timed_steps = total - warm
     comm = counter.bytes
-    measured = cfg.parallel.strategy != "tensor" or pt.world_size == 1
     if cfg.parallel.strategy == "ddp" and cfg.parallel.ddp.comm_hook == "none" and pt.world_size > 1:
         comm += ddp_bucket_bytes(model) * timed_steps  # C++ all-reduce: once per optimizer step
+    comm += getattr(pt.strategy, "bytes_per_step", 0) * timed_steps  # ps: RPC push + pull in optimizer.step
     return {
         "status": "ok", "rank": pt.rank, "device": str(pt.device), "threads": torch.get_num_threads(),
         "steps": result.steps, "steps_per_epoch": steps_per_epoch, "timed_steps": timed_steps,
@@ -169,7 +166,7 @@ def _train_paratrain(pt: Any, counter: CommCounter, cfg: TrainConfig, job: dict[
         "final_loss": result.train_loss, "test_loss": evaluation["loss"],
         "test_accuracy": evaluation["accuracy"], "skipped_steps": result.skipped_steps,
         "peak_mem_bytes": clock.peak, "mem_method": clock.memory.method,
-        "comm_bytes_per_step": comm / max(timed_steps, 1) if measured else None,
+        "comm_bytes_per_step": comm / max(timed_steps, 1),
         "lr": optimizer.param_groups[0]["lr"],
     }
 

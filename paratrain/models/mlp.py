@@ -14,6 +14,11 @@ class MLP(nn.Module):
     Seed 003 returned ``log_softmax`` outputs and trained with ``NLLLoss``; that is
     ``log_softmax=True`` here. The default ``False`` returns raw logits, for ``CrossEntropyLoss``
     (which equals ``NLLLoss`` on ``log_softmax``, so both train the same model).
+
+    Every layer is a child module (``flatten``, ``fc1``, ``relu``, ``fc2``) and the default
+    forward calls them in that order, so ``pipeline`` and ``devices`` can cut the model between
+    any two of them. With ``log_softmax=True`` the forward adds a step outside the children, and
+    those strategies refuse it. The ``state_dict`` keys are ``fc1.*`` and ``fc2.*`` either way.
     """
 
     def __init__(
@@ -30,10 +35,11 @@ class MLP(nn.Module):
                 f"num_classes={num_classes}"
             )
         self.log_softmax = log_softmax
+        self.flatten = nn.Flatten()  # (N, *) -> (N, in_features), as torch.flatten(x, 1)
         self.fc1 = nn.Linear(in_features, hidden)
         self.relu = nn.ReLU()
         self.fc2 = nn.Linear(hidden, num_classes)
 
     def forward(self, x: Tensor) -> Tensor:
-        out = self.fc2(self.relu(self.fc1(torch.flatten(x, 1))))
+        out = self.fc2(self.relu(self.fc1(self.flatten(x))))
         return torch.log_softmax(out, dim=1) if self.log_softmax else out
