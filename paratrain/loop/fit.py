@@ -22,6 +22,7 @@ class FitResult:
     train_loss: float
     eval: dict[str, float] = field(default_factory=dict)
     throughput: dict[str, float] = field(default_factory=dict)
+    """samples/s, step time and data-wait share over the whole call (evaluation excluded)."""
     skipped_steps: int = 0
 
 
@@ -59,11 +60,12 @@ def fit(
     logger = logger or RunLogger(None)
     total = min(epochs * loader.steps_per_epoch, max_steps or math.inf)
     bar = progress(int(total - pt.global_step), pt.is_main_process and progress_bar, "train")
-    meter, window_start, result = Throughput(), pt.global_step, FitResult(pt.global_step, math.nan)
+    meter, run, first_step = Throughput(), Throughput(), pt.global_step  # log window; whole call
+    window_start, result = first_step, FitResult(first_step, math.nan)
     running = torch.zeros((), device=pt.device)  # summed on device: no host sync per step
     while pt.global_step < total:
         model.train()
-        for batch in meter.timed(loader):
+        for batch in run.timed(meter.timed(loader)):
             loss = pt.training_step(model, batch, loss_fn)  # loss_fn(model(x), y); pt.backward(loss)
             running += loss.detach()
             optimizer.step()
@@ -80,9 +82,8 @@ def fit(
                 steps = pt.global_step - window_start
                 # One all-reduce per log line, on every rank alike (same step counts everywhere).
                 result.train_loss = pt.all_reduce_mean(running / (steps * pt.accumulation)).item()
-                result.throughput = meter.summary(steps * pt.plan.global_batch, steps)
-                record = {"step": pt.global_step, "loss": result.train_loss,
-                          "lr": optimizer.param_groups[0]["lr"], **result.throughput,
+                record = {"step": pt.global_step, "loss": result.train_loss, "lr": optimizer.param_groups[0]["lr"],
+                          **meter.summary(steps * pt.plan.global_batch, steps),
                           "loss_scale": pt.precision.loss_scale, "skipped_steps": pt.skipped_steps}
                 logger.log(record)
                 bar.set_postfix(loss=f"{result.train_loss:.4f}")
@@ -91,9 +92,12 @@ def fit(
             if pt.global_step >= total:
                 break
         if evaluator is not None:
-            result.eval = pt.evaluate(model, evaluator, loss_fn)
-            logger.log({"step": pt.global_step, **result.eval}, kind="eval")
+            with meter.paused(), run.paused():
+                result.eval = pt.evaluate(model, evaluator, loss_fn)
+                logger.log({"step": pt.global_step, **result.eval}, kind="eval")
     bar.close()
+    done = pt.global_step - first_step  # throughput of this whole call, evaluation excluded
+    result.throughput = run.summary(done * pt.plan.global_batch, done)
     if checkpoint_dir and not (checkpoint_every and pt.global_step % checkpoint_every == 0):
         pt.save_checkpoint(checkpoint_dir, model, optimizer, scheduler, checkpoint_extra, keep_checkpoints)
     result.steps, result.skipped_steps = pt.global_step, pt.skipped_steps

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import os
@@ -58,6 +59,15 @@ class Throughput:
     def reset(self) -> None:
         self.data_wait = 0.0
         self.start = time.perf_counter()
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Time spent inside (evaluation) does not count as training time."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.start += time.perf_counter() - t0
 
     def timed(self, iterable: Iterable[Any]) -> Iterator[Any]:
         it = iter(iterable)
