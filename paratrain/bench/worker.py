@@ -124,17 +124,9 @@ def _run_paratrain(cfg: TrainConfig, job: dict[str, Any], train_set: Any, test_s
 def _train_paratrain(pt: Any, counter: CommCounter, cfg: TrainConfig, job: dict[str, Any], train_set: Any,
                      test_set: Any) -> dict[str, Any]:
     from ..loop.fit import fit
-    from ..loop.schedule import warmup_linear_scaling
-    from ..loop.train import build_optimizer
+    from ..loop.train import setup_task
 
-    info = dataset_info(cfg.data.dataset)
-    model = build_model(cfg.model, tuple(info["input_shape"]), info["num_classes"])
-    optimizer = build_optimizer(model.parameters(), cfg)
-    model, optimizer = pt.setup(model, optimizer)
-    scheduler = None
-    if cfg.optim.warmup_steps or cfg.optim.base_batch:
-        scheduler = warmup_linear_scaling(optimizer.optimizer, pt.plan.global_batch, cfg.optim.base_batch,
-                                          cfg.optim.warmup_steps)
+    model, optimizer, scheduler = setup_task(pt, cfg)
     steps_per_epoch = len(train_set) // pt.plan.global_batch
     total = cfg.epochs * steps_per_epoch
     warm = min(job["warmup_steps"], total - 1)
