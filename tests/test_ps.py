@@ -32,12 +32,14 @@ def make_optimizer(params):
     return torch.optim.SGD(params, lr=LR, momentum=0.9)
 
 
-def reference(steps):
-    """Plain PyTorch, one process, the same global batches in paratrain's documented order."""
+def reference(steps, clip=None, gamma=1.0):
+    """Plain PyTorch, one process, the same global batches in paratrain's documented order;
+    momentum SGD, a StepLR schedule (gamma 1: constant lr) and optional clipping."""
     x, y = make_data()
     torch.manual_seed(SEED)
     model = make_model()
     opt = make_optimizer(model.parameters())
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=gamma)
     per_epoch = N // GLOBAL_BATCH
     for s in range(steps):
         epoch, i = divmod(s, per_epoch)
@@ -45,7 +47,10 @@ def reference(steps):
         idx = perm[i * GLOBAL_BATCH:(i + 1) * GLOBAL_BATCH]
         opt.zero_grad()
         nn.functional.cross_entropy(model(x[idx]), y[idx]).backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
+        sched.step()
     return {k: v.clone() for k, v in model.state_dict().items()}
 
 
@@ -122,27 +127,6 @@ def test_options_validate():
     assert PSOptions(mode="ASYNC").mode == "async"
 
 
-def reference_with(steps, clip=None, gamma=1.0):
-    """Plain PyTorch, one process: momentum SGD, a StepLR schedule and optional clipping."""
-    x, y = make_data()
-    torch.manual_seed(SEED)
-    model = make_model()
-    opt = make_optimizer(model.parameters())
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=gamma)
-    per_epoch = N // GLOBAL_BATCH
-    for s in range(steps):
-        epoch, i = divmod(s, per_epoch)
-        perm = torch.randperm(N, generator=torch.Generator().manual_seed(SEED * 1_000_003 + epoch))
-        idx = perm[i * GLOBAL_BATCH:(i + 1) * GLOBAL_BATCH]
-        opt.zero_grad()
-        nn.functional.cross_entropy(model(x[idx]), y[idx]).backward()
-        if clip is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
-        sched.step()
-    return {k: v.clone() for k, v in model.state_dict().items()}
-
-
 def assert_close(got, ref, rtol=1e-5):
     assert got.keys() == ref.keys()
     for k in ref:
@@ -184,7 +168,7 @@ def test_parallel_sync_matches_reference_with_scheduler_and_clipping():
     # ps behind Parallel: both ranks train, rank 0 also serves; lr decays on the workers' scheduler
     # and travels with each push, clipping runs on the server after the mean.
     outs = paratrain.launch(parallel_worker, nprocs=2, args=("ps", STEPS, None, False, "sync", 0.5, 0.5), timeout=60)
-    ref = reference_with(STEPS, clip=0.5, gamma=0.5)
+    ref = reference(STEPS, clip=0.5, gamma=0.5)
     for out in outs:  # every rank gets the server's parameters
         assert_close(out["state"], ref)
         assert out["local_optimizer_state"] == 0  # the server's twin holds the momentum
@@ -208,7 +192,7 @@ def test_parallel_checkpoint_resumes_on_ps_ddp_and_single(tmp_path):
     # ps, ddp and a single process all resume from step 4 and end where the reference ends.
     ckpt = tmp_path / "ckpt"
     paratrain.launch(parallel_worker, nprocs=2, args=("ps", 5, str(ckpt), False, "sync", None, 0.5), timeout=60)
-    ref = reference_with(STEPS, gamma=0.5)
+    ref = reference(STEPS, gamma=0.5)
     for strategy, world in (("ps", 2), ("ddp", 2), ("single", 1)):
         again = shutil.copytree(ckpt, tmp_path / strategy)
         outs = paratrain.launch(parallel_worker, nprocs=world,
