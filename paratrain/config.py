@@ -33,9 +33,10 @@ class ParallelConfig:
     strategy: str = "single"
     """single, dp, ddp, fsdp (sharded data parallel, ZeRO-3/ZeRO-2-like) or tensor (Linear layers
     split over processes, optionally combined with fsdp on a 2-D mesh). Also pipeline (one model stage
-    per process) and devices (model parts on several devices of one process)."""
+    per process), devices (model parts on several devices of one process) and ps (parameter server)."""
     precision: str = "32"
-    """32, tf32, fp16-mixed, bf16-mixed (Apex aliases O0, O1, O2)."""
+    """32, tf32, fp16-mixed, bf16-mixed, bf16-true or fp16-true (low-precision weights with fp32
+    master weights); Apex aliases O0, O1 (fp16-mixed), O2 and O3 (fp16-true)."""
     global_batch: int = 64
     """Samples per optimizer step, summed over all workers. Fixed when the world size changes."""
     accumulation: int | None = None
@@ -84,8 +85,14 @@ class ParallelConfig:
             raise ValueError(f"clip_grad_norm {self.clip_grad_norm} must be positive")
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s {self.timeout_s} must be positive")
-        if self.loss_scale is not None and self.precision != "fp16-mixed":
-            raise ValueError(f"loss_scale {self.loss_scale} only applies to precision fp16-mixed, not {self.precision}")
+        if self.loss_scale is not None and self.precision not in ("fp16-mixed", "fp16-true"):
+            raise ValueError(f"loss_scale {self.loss_scale} only applies to precision fp16-mixed or fp16-true, "
+                             f"not {self.precision}")
+        if self.precision in _precision.MASTER_WEIGHTS and self.strategy not in ("single", "dp", "ddp", "devices"):
+            hint = ("bf16-mixed/fp16-mixed: FSDP2 already keeps fp32 sharded master weights and computes in low "
+                    "precision" if self.strategy in ("fsdp", "tensor") else "bf16-mixed or 32")
+            raise ValueError(f"precision {self.precision} (low-precision weights with fp32 master copies) is not "
+                             f"supported with strategy {self.strategy}: use {hint}")
         if self.strategy == "pipeline":
             self._check_pipeline()
         if self.strategy == "ps" and self.precision == "fp16-mixed":

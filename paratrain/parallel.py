@@ -116,6 +116,7 @@ class Parallel:
         self.precision = precision_lib.build(cfg.precision, self.device, cfg.loss_scale)
         self.strategy.precision = self.precision.name  # sharded strategies pick their param/reduce dtypes
         self.strategy.max_grad_norm = cfg.clip_grad_norm  # ps clips on the server
+        self.precision.max_grad_norm = cfg.clip_grad_norm  # bf16-true/fp16-true clip their fp32 masters
         self.plan = BatchPlan.derive(cfg.global_batch, self.strategy.data_parallel_size, cfg.accumulation, cfg.micro_batch)
         # Same seed on every rank: identical initial weights, identical global data order.
         process.seed_everything(cfg.seed)
@@ -158,7 +159,8 @@ class Parallel:
         self._models.append(wrapped)
         if optimizer is None:
             return module
-        return module, ParallelOptimizer(self.strategy.setup_optimizer(wrapped, optimizer), self)
+        optimizer = self.precision.setup_optimizer(self.strategy.setup_optimizer(wrapped, optimizer))
+        return module, ParallelOptimizer(optimizer, self)
 
     def _before_forward(self, wrapped: nn.Module) -> None:
         # Decide before DDP's forward whether this micro-step's backward all-reduces (no_sync).

@@ -7,10 +7,16 @@ name        alias           what it does
 ``tf32``                    fp32 weights, TF32 matmuls on Ampere+ GPUs
 ``fp16-mixed`` ``O1``, ``O2``, ``16-mixed``  autocast fp16 + dynamic (or static) loss scaling
 ``bf16-mixed`` ``bf16``     autocast bf16, no scaling needed
+``bf16-true``               bf16 weights/activations/gradients, fp32 master weights + optimizer
+``fp16-true``  ``O2``, ``O3``  fp16 weights/activations/gradients, fp32 master weights, loss scaling
 ==========  ==============  ==============================================================
 
-Apex's ``O2`` kept fp16 model weights with fp32 master weights; Apex itself is deprecated in favour
-of native autocast, which is what ``O1`` and ``O2`` map to here. Seed 001's fallback advice, in
+Apex's ``O1`` patched functions to run in fp16 where safe: native autocast (``fp16-mixed``) does
+that. ``O2`` kept fp16 model weights with fp32 master weights and dynamic loss scaling: that is
+``fp16-true``. ``O3`` was pure fp16 without master weights, a speed baseline that often fails
+to converge; it maps to ``fp16-true`` too, because paratrain always keeps fp32 master weights
+(updates below fp16's resolution would otherwise be lost). Apex itself is deprecated in favour
+of these native paths. Seed 001's fallback advice, in
 paratrain terms: start with ``fp16-mixed`` and a static ``loss_scale=128``; if it does not converge,
 use the dynamic scaler (``loss_scale=None``); if it still does not, use ``bf16-mixed`` (on hardware
 with bf16) or ``32``. ``skipped_steps`` tells how often fp16 overflowed.
@@ -22,25 +28,28 @@ import torch
 
 from .amp import BF16Mixed, FP16Mixed
 from .base import FP32, TF32, Precision
+from .half import BF16True, FP16True
 
-__all__ = ["Precision", "FP32", "TF32", "FP16Mixed", "BF16Mixed", "PRECISIONS", "ALIASES", "resolve", "build"]
+__all__ = ["Precision", "FP32", "TF32", "FP16Mixed", "BF16Mixed", "BF16True", "FP16True", "PRECISIONS", "ALIASES",
+           "MASTER_WEIGHTS", "resolve", "build"]
 
 PRECISIONS: dict[str, type[Precision]] = {
     "32": FP32,
     "tf32": TF32,
     "fp16-mixed": FP16Mixed,
     "bf16-mixed": BF16Mixed,
+    "bf16-true": BF16True,
+    "fp16-true": FP16True,
 }
-ALIASES = {"O0": "32", "O1": "fp16-mixed", "O2": "fp16-mixed", "16-mixed": "fp16-mixed",
-           "fp32": "32", "bf16": "bf16-mixed", "fp16": "fp16-mixed"}
+ALIASES = {"O0": "32", "O1": "fp16-mixed", "O2": "fp16-true", "O3": "fp16-true", "16-mixed": "fp16-mixed",
+           "fp32": "32", "bf16": "bf16-mixed", "fp16": "fp16-mixed", "16-true": "fp16-true"}
+MASTER_WEIGHTS = ("bf16-true", "fp16-true")  # low-precision weights + fp32 masters: plain-tensor strategies only
 
 
 def resolve(name: str) -> str:
     """Canonical precision name, or a one-line error listing the choices."""
     name = ALIASES.get(str(name), str(name))
     if name not in PRECISIONS:
-        if str(name) == "O3":
-            raise ValueError("precision 'O3' (pure fp16 weights) is not supported: use fp16-mixed or bf16-mixed")
         choices = ", ".join([*PRECISIONS, *ALIASES])
         raise ValueError(f"precision {name!r} is unknown: use one of {choices}")
     return name
@@ -48,6 +57,6 @@ def resolve(name: str) -> str:
 
 def build(name: str, device: torch.device, loss_scale: float | None = None) -> Precision:
     cls = PRECISIONS[resolve(name)]
-    if loss_scale is not None and cls is not FP16Mixed:
-        raise ValueError(f"a static loss scale ({loss_scale}) only applies to fp16-mixed, not {name!r}")
-    return cls(device, loss_scale) if cls is FP16Mixed else cls(device)
+    if loss_scale is not None and not issubclass(cls, FP16Mixed):
+        raise ValueError(f"a static loss scale ({loss_scale}) only applies to fp16-mixed and fp16-true, not {name!r}")
+    return cls(device, loss_scale) if issubclass(cls, FP16Mixed) else cls(device)

@@ -19,6 +19,7 @@ class Precision:
 
     name = "32"
     autocast = False  # True when forward runs under torch.autocast
+    max_grad_norm: float | None = None  # set by Parallel (clip_grad_norm)
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -26,6 +27,9 @@ class Precision:
 
     def setup_model(self, model: nn.Module) -> nn.Module:
         return model
+
+    def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        return optimizer
 
     def forward_context(self) -> ContextManager[Any]:
         return contextlib.nullcontext()
