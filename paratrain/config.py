@@ -174,6 +174,8 @@ class TrainConfig:
     """CSV/JSONL logs and result.json go here (main process only). None: no files."""
     log_every: int = 10
     progress: bool = True
+    tensorboard: bool = False
+    """Also write the logged metrics as TensorBoard events to <log_dir>/tensorboard (pip install tensorboard)."""
     checkpoint_every: int = 0
     """Write a checkpoint every this many optimizer steps (0: only at the end, if checkpoint_dir is set)."""
     checkpoint_dir: str | None = None

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.timeout(150)
 
 def test_ddp_on_two_processes_trains_digits(tmp_path):
     res = run_cli(["train", "--strategy", "ddp", "--nproc-per-node", "2", "--epochs", "3", "--no-progress",
-                   "--log-dir", str(tmp_path)], timeout=120)
+                   "--log-dir", str(tmp_path), "--tensorboard"], timeout=120)
     assert res.returncode == 0, res.stderr[-3000:]
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["world_size"] == 2
@@ -21,6 +21,14 @@ def test_ddp_on_two_processes_trains_digits(tmp_path):
     assert result["test_accuracy"] > 0.85
     assert "test accuracy" in res.stdout and res.stdout.count("finished") == 1  # main process only
     assert (tmp_path / "train.csv").read_text().startswith("step,loss,lr")
+    # the same records as TensorBoard scalars, written by the main process only
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = list((tmp_path / "tensorboard").iterdir())
+    assert len(events) == 1, events
+    acc = EventAccumulator(str(tmp_path / "tensorboard")).Reload()
+    assert {"train/loss", "train/samples_per_s", "eval/accuracy"} <= set(acc.Tags()["scalars"])
+    assert [e.step for e in acc.Scalars("eval/accuracy")] == [22, 44, 66]  # 1438 // 64 steps per epoch
 
 
 def test_config_file_and_overrides(tmp_path):

@@ -24,8 +24,8 @@ _FLAGS: dict[str, tuple[str, Any, str]] = {
     "--model": ("model", str, "mlp, cnn, resnet8, resnet20 or torchvision:<name>"),
     "--dataset": ("data.dataset", str, "digits (default, bundled), cifar10 or synthetic"),
     "--data-dir": ("data.data_dir", str, "folder holding cifar-10-batches-py"),
-    "--strategy": ("parallel.strategy", str, "single, dp or ddp"),
-    "--precision": ("parallel.precision", str, "32, tf32, fp16-mixed, bf16-mixed, O0, O1, O2"),
+    "--strategy": ("parallel.strategy", str, "single, dp, ddp, fsdp, tensor, pipeline, devices or ps"),
+    "--precision": ("parallel.precision", str, "32, tf32, fp16-mixed, bf16-mixed, bf16-true, fp16-true, O0-O3"),
     "--global-batch": ("parallel.global_batch", int, "samples per optimizer step over all workers"),
     "--accumulation": ("parallel.accumulation", int, "micro-steps per optimizer step"),
     "--micro-batch": ("parallel.micro_batch", int, "samples per worker per forward"),
@@ -59,6 +59,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="continue from the newest checkpoint (automatic after a torchrun restart)")
     p.add_argument("--no-progress", dest="progress", action="store_const", const=False, default=None,
                    help="no progress bar")
+    p.add_argument("--tensorboard", dest="tensorboard", action="store_const", const=True, default=None,
+                   help="also write TensorBoard event files to <log-dir>/tensorboard (needs tensorboard)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override any config field, e.g. --set parallel.ddp.bucket_cap_mb=50")
     add_launch_arguments(p)
@@ -71,6 +73,7 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
     flags = {key: getattr(args, key) for key, *_ in _FLAGS.values()}
     flags["parallel.sync_batchnorm"] = getattr(args, "parallel.sync_batchnorm")
     flags["progress"] = args.progress
+    flags["tensorboard"] = getattr(args, "tensorboard", None)  # verify and bench reuse this without the flag
     flags["resume"] = args.resume
     apply_overrides(data, {k: v for k, v in flags.items() if v is not None})
     for item in args.overrides:

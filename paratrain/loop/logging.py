@@ -14,18 +14,23 @@ __all__ = ["RunLogger", "Throughput", "progress"]
 
 class RunLogger:
     """Appends one row per record to ``<kind>.csv`` and ``<kind>.jsonl`` in ``log_dir``
-    (``train`` every few steps, ``eval`` after every epoch).
+    (``train`` every few steps, ``eval`` after every epoch), and with ``tensorboard=True`` each
+    numeric value as a TensorBoard scalar ``<kind>/<name>`` at the record's ``step``.
 
     Only the main process writes; on other ranks (or with ``log_dir=None``) it does nothing.
     """
 
-    def __init__(self, log_dir: str | None, enabled: bool = True, append: bool = False) -> None:
+    def __init__(self, log_dir: str | None, enabled: bool = True, append: bool = False,
+                 tensorboard: bool = False) -> None:
         self.enabled = enabled and log_dir is not None
         self.append = append  # a resumed run continues the existing files
         self.log_dir = log_dir
         self._csv_fields: dict[str, list[str]] = {}
+        self._tb: Any = None
         if self.enabled:
             os.makedirs(log_dir, exist_ok=True)  # type: ignore[arg-type]
+            if tensorboard:
+                self._tb = _summary_writer(os.path.join(log_dir, "tensorboard"))  # type: ignore[arg-type]
 
     def log(self, record: dict[str, Any], kind: str = "train") -> None:
         if not self.enabled:
@@ -40,6 +45,17 @@ class RunLogger:
             if first:
                 writer.writeheader()
             writer.writerow(record)
+        if self._tb is not None:
+            step = int(record.get("step", 0))
+            for name, value in record.items():
+                if name != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self._tb.add_scalar(f"{kind}/{name}", value, step)
+
+    def close(self) -> None:
+        """Flush and close the TensorBoard writer (the CSV/JSONL files are closed after each record)."""
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
 
     def write_json(self, name: str, obj: Any) -> None:
         if self.enabled:
@@ -47,6 +63,15 @@ class RunLogger:
             with open(path + ".tmp", "w") as f:
                 json.dump(obj, f, indent=2)
             os.replace(path + ".tmp", path)
+
+
+def _summary_writer(path: str) -> Any:
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise ImportError("tensorboard logging needs the tensorboard package: pip install tensorboard "
+                          "(or pip install 'paratrain[tensorboard]'), or drop --tensorboard") from None
+    return SummaryWriter(path)
 
 
 class Throughput:

@@ -50,7 +50,8 @@ def run_training(cfg: TrainConfig) -> dict[str, Any]:
         test_set = build_dataset(d.dataset, False, d.data_dir, d.synthetic_size, cfg.parallel.seed)
         model, optimizer, scheduler = setup_task(pt, cfg)
         resumed = _maybe_resume(pt, cfg, model, optimizer, scheduler)
-        logger = RunLogger(cfg.log_dir, enabled=pt.is_main_process, append=resumed)
+        logger = RunLogger(cfg.log_dir, enabled=pt.is_main_process, append=resumed is not None,
+                           tensorboard=cfg.tensorboard)
         pt.print(f"paratrain: {cfg.parallel.strategy} on {pt.world_size} process(es), {pt.device}, "
                  f"precision {cfg.parallel.precision}; global batch {pt.plan.global_batch} = "
                  f"{pt.plan.micro_batch} per worker x {pt.plan.world_size} data-parallel workers x {pt.accumulation} accumulation")
@@ -78,6 +79,7 @@ def run_training(cfg: TrainConfig) -> dict[str, Any]:
             **pt.strategy.report(),
         }
         logger.write_json("result.json", summary)
+        logger.close()
         pt.print(f"finished {result.steps} steps in {summary['seconds']:.1f}s: train loss {result.train_loss:.4f}, "
                  f"test accuracy {100 * (summary['test_accuracy'] or 0):.2f}% on {summary['test_count']} samples"
                  + (f", {result.skipped_steps} fp16 overflow steps skipped" if result.skipped_steps else ""))
