@@ -68,12 +68,13 @@ class ParallelModule(nn.Module):
     """
 
     def __init__(self, wrapped: nn.Module, original: nn.Module, precision: precision_lib.Precision,
-                 before_forward: Callable[[nn.Module], None]) -> None:
+                 before_forward: Callable[[nn.Module], None], after_load: Callable[[nn.Module], None]) -> None:
         super().__init__()
         self.module = wrapped
         object.__setattr__(self, "original", original)  # not a submodule: no duplicate keys
         object.__setattr__(self, "_precision", precision)
         object.__setattr__(self, "_before_forward", before_forward)
+        object.__setattr__(self, "_after_load", after_load)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._before_forward(self.module)
@@ -87,7 +88,10 @@ class ParallelModule(nn.Module):
         return self.original.state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
-        return self.original.load_state_dict(state_dict, strict=strict, assign=assign)
+        """Load into the user's module; fp32 master weights and a parameter server's copy follow."""
+        result = self.original.load_state_dict(state_dict, strict=strict, assign=assign)
+        self._after_load(self.original)
+        return result
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -155,12 +159,16 @@ class Parallel:
         """
         original = model
         wrapped = self.strategy.setup_model(self.precision.setup_model(model))
-        module = ParallelModule(wrapped, original, self.precision, self._before_forward)
+        module = ParallelModule(wrapped, original, self.precision, self._before_forward, self._after_load)
         self._models.append(wrapped)
         if optimizer is None:
             return module
         optimizer = self.precision.setup_optimizer(self.strategy.setup_optimizer(wrapped, optimizer))
         return module, ParallelOptimizer(optimizer, self)
+
+    def _after_load(self, module: nn.Module) -> None:
+        self.precision.sync_from_model()
+        self.strategy.sync_from_model(module)
 
     def _before_forward(self, wrapped: nn.Module) -> None:
         # Decide before DDP's forward whether this micro-step's backward all-reduces (no_sync).

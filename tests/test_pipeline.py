@@ -148,7 +148,9 @@ def ckpt_worker(local_rank, strategy, ckpt_dir, stop_at):
     options = {"pipeline": {"schedule": "1f1b", "n_microbatches": 4}} if strategy == "pipeline" else {}
     pt = paratrain.Parallel(strategy=strategy, global_batch=GLOBAL_BATCH, seed=SEED, **options)
     model = make_mlp()
-    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    # Two groups (same settings as the reference's one): on the second stage the first is empty.
+    rest = [p for i in (2, 4, 6) for p in model[i].parameters()]
+    opt = torch.optim.SGD([{"params": model[0].parameters()}, {"params": rest}], lr=LR, momentum=0.9)
     model, opt = pt.setup(model, opt)
     if stop_at is None:
         pt.load_checkpoint(ckpt_dir, model, opt)
@@ -163,8 +165,9 @@ def ckpt_worker(local_rank, strategy, ckpt_dir, stop_at):
         if pt.global_step % 2 == 0:
             pt.save_checkpoint(ckpt_dir, model, opt)
     state = pt.full_state_dict(model)
+    momentum = len(opt.state)  # restored for every parameter this rank trains
     pt.close()
-    return state, resumed_at
+    return state, resumed_at, momentum
 
 
 def test_pipeline_checkpoint_resumes_on_pipeline_and_single(tmp_path):
@@ -177,8 +180,9 @@ def test_pipeline_checkpoint_resumes_on_pipeline_and_single(tmp_path):
     assert (tmp_path / "ckpt" / "step-00000002.dcp" / ".metadata").is_file()
     for strategy, world in (("pipeline", 2), ("single", 1)):
         again = shutil.copytree(ckpt, tmp_path / strategy)  # the resumed run writes its own checkpoints
-        for state, resumed_at in paratrain.launch(ckpt_worker, nprocs=world, args=(strategy, str(again), None),
-                                                  timeout=90):
+        outs = paratrain.launch(ckpt_worker, nprocs=world, args=(strategy, str(again), None), timeout=90)
+        assert [m for _, _, m in outs] == ([4, 4] if world == 2 else [8])
+        for state, resumed_at, _ in outs:
             assert resumed_at == 2
             assert_close_states(state, ref_state)
 

@@ -275,6 +275,19 @@ def test_fp16_true_scales_skips_overflow_and_keeps_fp16_weights():
     assert all(s["momentum_buffer"] is None or s["momentum_buffer"].dtype == torch.float32 for s in opt.state.values())
 
 
+def test_weights_loaded_after_setup_become_the_masters():
+    pt = paratrain.Parallel(strategy="single", precision="bf16-true", global_batch=8)
+    model = tiny_model()
+    model, opt = pt.setup(model, torch.optim.SGD(model.parameters(), lr=0.0))
+    torch.manual_seed(42)
+    new = tiny_model().state_dict()
+    model.load_state_dict(new)  # e.g. pretrained weights, after setup
+    x, y = tiny_batch()
+    assert train_step(pt, model, opt, x, y)  # lr 0: the masters, copied back, must be the new weights
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, new[k].to(torch.bfloat16)), k
+
+
 @pytest.mark.parametrize("strategy", ["fsdp", "pipeline", "ps"])
 def test_master_weights_refused_where_parameters_are_not_plain(strategy):
     with pytest.raises(ValueError, match=f"precision bf16-true .* is not supported with strategy {strategy}") as e:

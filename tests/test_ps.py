@@ -217,3 +217,50 @@ def test_paratrain_train_strategy_ps(tmp_path):
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["steps"] == 20 and result["ps_updates"] == 40 and result["ps_mode"] == "async"
     assert result["test_count"] == 359 and result["test_accuracy"] > 0.5
+
+
+def weights_after_setup_worker(local_rank):
+    """Weights loaded into the set-up model reach the server: a step with lr 0 keeps them."""
+    pt = paratrain.Parallel(strategy="ps", global_batch=GLOBAL_BATCH, seed=SEED)
+    model = make_model()
+    model, opt = pt.setup(model, torch.optim.SGD(model.parameters(), lr=0.0))
+    torch.manual_seed(99)
+    new = make_model().state_dict()
+    model.load_state_dict(new)
+    loader = pt.train_loader(TensorDataset(*make_data()))
+    xb, yb = next(iter(loader))
+    pt.backward(nn.functional.cross_entropy(model(xb), yb))
+    opt.step()
+    state = pt.full_state_dict(model)
+    pt.close()
+    return all(torch.equal(state[k], new[k]) for k in new)
+
+
+def test_weights_loaded_after_setup_reach_the_server():
+    assert paratrain.launch(weights_after_setup_worker, nprocs=1, timeout=60) == [True]
+
+
+def server_fails_worker(local_rank):
+    """Rank 0 stops after one step (as after an error); rank 1 must hear why, not a broken pipe."""
+    pt = paratrain.Parallel(strategy="ps", global_batch=GLOBAL_BATCH, seed=SEED, ps={"rpc_timeout_s": 20})
+    model = make_model()
+    model, opt = pt.setup(model, make_optimizer(model.parameters()))
+    loader = pt.train_loader(TensorDataset(*make_data()))
+    try:
+        for xb, yb in loader:
+            opt.zero_grad()
+            pt.backward(nn.functional.cross_entropy(model(xb), yb))
+            opt.step()
+            if pt.rank == 0:
+                pt.close(wait_for_peers=False)
+                return "closed"
+    except Exception as e:  # noqa: BLE001 - the message is the result
+        pt.close(wait_for_peers=False)
+        return str(e)
+    return "no error"
+
+
+def test_server_rank_failing_tells_the_others_why():
+    closed, heard = paratrain.launch(server_fails_worker, nprocs=2, timeout=60)
+    assert closed == "closed"
+    assert heard == "parameter server: rank 0 (which hosts the server) stopped after an error"

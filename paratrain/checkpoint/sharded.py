@@ -52,6 +52,30 @@ def _options() -> Any:
     return StateDictOptions(flatten_optimizer_state_dict=True)
 
 
+def _nonempty_groups(optimizer: Any) -> Any:
+    """``optimizer`` itself, or a view of it without its empty param groups.
+
+    A pipeline stage keeps the user's groups but only its own parameters, so a group can be empty
+    there; torch's state-dict helpers fail to load into an empty group (torch 2.13). The view
+    shares the optimizer's state and group dicts; :func:`_merge_view` brings back what loading
+    replaced on the view."""
+    if optimizer is None or all(g["params"] for g in optimizer.param_groups):
+        return optimizer
+    view = object.__new__(type(optimizer))
+    view.__dict__.update(optimizer.__dict__)
+    view.param_groups = [g for g in optimizer.param_groups if g["params"]]
+    return view
+
+
+def _merge_view(optimizer: Any, view: Any) -> None:
+    """After ``view.load_state_dict``: the loaded state and hyperparameters into ``optimizer``."""
+    if view is optimizer or optimizer is None:
+        return
+    optimizer.state = view.state
+    for group, loaded in zip([g for g in optimizer.param_groups if g["params"]], view.param_groups):
+        group.update({k: v for k, v in loaded.items() if k != "params"})
+
+
 def _state(model: nn.Module, optimizer: Any) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
@@ -79,7 +103,7 @@ def save_sharded(path: str | os.PathLike, model: nn.Module, optimizer: Any = Non
         shutil.rmtree(tmp, ignore_errors=True)  # left over from a crashed save
     if _distributed():
         dist.barrier()
-    dcp.save(_state(model, optimizer), checkpoint_id=tmp)
+    dcp.save(_state(model, _nonempty_groups(optimizer)), checkpoint_id=tmp)
     if main:
         with open(os.path.join(tmp, EXTRA), "w") as f:
             json.dump(extra or {}, f)
@@ -102,13 +126,15 @@ def load_sharded(path: str | os.PathLike, model: nn.Module, optimizer: Any = Non
     if not os.path.isfile(os.path.join(path, ".metadata")):
         raise FileNotFoundError(f"{path!r} is not a sharded checkpoint (no .metadata): pass a save_sharded directory")
     model, optimizer = _unwrap(model, optimizer)
-    state = _state(model, optimizer)  # shapes and shardings to load into; DCP fills them in place
+    view = _nonempty_groups(optimizer)
+    state = _state(model, view)  # shapes and shardings to load into; DCP fills them in place
     dcp.load(state, checkpoint_id=path)
     if optimizer is None:
         set_model_state_dict(model, state["model"], options=_options())
     else:
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+        set_state_dict(model, view, model_state_dict=state["model"], optim_state_dict=state["optim"],
                        options=_options())
+        _merge_view(optimizer, view)
     extra_path = os.path.join(path, EXTRA)
     if not os.path.isfile(extra_path):
         return {}

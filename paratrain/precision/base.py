@@ -31,6 +31,9 @@ class Precision:
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         return optimizer
 
+    def sync_from_model(self) -> None:
+        """The user loaded new weights into the set-up model: refresh any copy of them (masters)."""
+
     def forward_context(self) -> ContextManager[Any]:
         return contextlib.nullcontext()
 

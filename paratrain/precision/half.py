@@ -49,7 +49,11 @@ class MasterWeights:
         return model
 
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        """Put each parameter's fp32 master in its place in ``optimizer``'s param groups."""
+        """Put each parameter's fp32 master in its place in ``optimizer``'s param groups (on the
+        parameter's device: the strategy has placed the model by now)."""
+        for p, m in self._pairs.values():
+            if m.device != p.device:
+                m.data = m.data.to(p.device)
         for group in optimizer.param_groups:
             group["params"] = [self._pairs[id(p)][1] if id(p) in self._pairs else p for p in group["params"]]
         for p in [p for p in optimizer.state if id(p) in self._pairs]:  # an optimizer that already stepped
@@ -74,6 +78,10 @@ class MasterWeights:
                     p.copy_(m)
                     p.grad = m.grad = None
 
+    def sync_from_model(self) -> None:
+        """The user loaded new weights into the model: the masters start from them."""
+        self.load_masters(None)
+
     def masters_state(self) -> list[torch.Tensor]:
         return [m.detach().cpu().clone() for _, m in self._pairs.values()]
 
@@ -81,7 +89,7 @@ class MasterWeights:
         """Restore saved masters (in parameter order); without them, start from the model's values."""
         pairs = list(self._pairs.values())
         if masters is None:
-            masters = [p.detach() for p, _ in pairs]
+            masters = [p.detach() for p, _ in pairs]  # the model's (rounded) values
         if len(masters) != len(pairs):
             raise ValueError(f"checkpoint holds {len(masters)} master weights but the model has {len(pairs)} "
                              "floating parameters: load it into the same model")

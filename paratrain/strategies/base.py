@@ -112,6 +112,9 @@ class Strategy:
         if optimizer is not None and optim_state is not None:
             optimizer.load_state_dict(optim_state)
 
+    def sync_from_model(self, module: nn.Module) -> None:
+        """The user loaded new weights into the set-up model: refresh copies kept elsewhere (ps)."""
+
     def report(self) -> dict[str, Any]:
         """Strategy-specific numbers for the run's summary (e.g. the parameter server's updates)."""
         return {}

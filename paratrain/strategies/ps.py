@@ -46,6 +46,7 @@ process that dies silently is detected after ``rpc_timeout_s`` without a message
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import os
 import threading
@@ -82,7 +83,9 @@ class PSOptions:
     worker's gradient applied on arrival; staleness reported)."""
     rpc_timeout_s: float = 60.0
     """Limit on every RPC and on the server's wait for a message: a dead or hung worker fails the job
-    (the rendezvous at startup waits as long as torch's own, for every process to arrive)."""
+    (the rendezvous at startup waits as long as torch's own, for every process to arrive). In sync
+    mode a push waits for the slowest rank's push of the same step, so this must also cover the
+    longest gap between two steps of any rank (an evaluation, a checkpoint write)."""
 
     def __post_init__(self) -> None:
         self.mode = str(self.mode).lower()
@@ -473,7 +476,12 @@ class ParameterServer(Strategy):
             params = [p.detach().cpu().clone() for p in self._params]
             _SERVER = _Server(params, _server_optimizer(optimizer, params, index), self.dist.world_size,
                               self.options.mode, self.max_grad_norm)
-        self._start_rpc()  # init_rpc is itself a rendezvous: the server exists before anyone pushes
+        try:
+            self._start_rpc()  # init_rpc is itself a rendezvous: the server exists before anyone pushes
+        except BaseException:
+            if self.dist.rank == 0:
+                _SERVER = None
+            raise
         self.bytes_per_step = 2 * sum(p.numel() * p.element_size() for p in self._params)
         return optimizer
 
@@ -513,7 +521,8 @@ class ParameterServer(Strategy):
             state = module.state_dict()
             for (name, _), v in zip(module.named_parameters(), s.params):
                 state[name] = v.detach().clone()
-            return state, s.optimizer.state_dict()
+            # A deep copy: in async mode other ranks keep stepping the live state while it is written.
+            return state, copy.deepcopy(s.optimizer.state_dict())
 
     def checkpoint_state(self, module: nn.Module, optimizer: Any) -> tuple[dict, dict | None]:
         """The server's parameters and optimizer state (rank 0 writes checkpoints), with the
@@ -535,12 +544,20 @@ class ParameterServer(Strategy):
             with s.lock, torch.no_grad():
                 for p, v in zip(s.params, module.parameters()):
                     p.copy_(v)
-                if optimizer is not None:
+                if optimizer is not None and optim_state is not None:
                     s.optimizer.load_state_dict(optim_state)
         if optimizer is not None:
             optimizer.state.clear()  # the server's twin holds the state; the local one never steps
         if self._distributed():
             dist.barrier()  # nobody pushes before the server holds the checkpoint
+
+    def sync_from_model(self, module: nn.Module) -> None:
+        """After the user loads weights into the set-up model (``model.load_state_dict``): rank 0
+        copies them into the server, so the next step does not bring the old values back."""
+        if self.dist.rank == 0 and _SERVER is not None:
+            with _SERVER.lock, torch.no_grad():
+                for p, v in zip(_SERVER.params, module.parameters()):
+                    p.copy_(v)
 
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """The server's trained parameters (and rank 0's buffers) on every rank. Collective."""
@@ -564,6 +581,10 @@ class ParameterServer(Strategy):
             if self.dist.rank != 0:
                 with contextlib.suppress(Exception):
                     rpc.rpc_sync(SERVER, _abort, args=(self.dist.rank, "it stopped after an error"), timeout=5)
+            elif _SERVER is not None:
+                # Answer the ranks waiting on a sync step with the cause, not a broken pipe.
+                _SERVER.fail("parameter server: rank 0 (which hosts the server) stopped after an error")
+                time.sleep(1.0)
             with contextlib.suppress(Exception):
                 rpc.shutdown(graceful=False)
         if self.dist.rank == 0:
