@@ -62,8 +62,8 @@ def _header(res: BenchResult) -> list[str]:
         f"timing: {spec['warmup_steps']} warm-up steps excluded, step time of the slowest rank, 1 run per cell "
         f"(fresh processes each); time per epoch = {m.get('timing', 'median step')} time x steps per epoch",
         f"memory: {_MEMORY.get(m.get('memory') or '', 'n/a')}, largest over ranks",
-        "comm/step: payload per rank per optimizer step (all-reduce size; gather output; reduce-scatter input; "
-        "pipeline: activations and gradients sent; ps: gradient pushed + parameters pulled)",
+        "comm/step: payload of the busiest rank per optimizer step (all-reduce size; gather output; reduce-scatter "
+        "input; pipeline: activations and gradients sent; ps: gradient pushed + parameters pulled)",
     ]
 
 

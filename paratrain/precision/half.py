@@ -33,7 +33,10 @@ __all__ = ["BF16True", "FP16True", "MasterWeights"]
 
 
 class MasterWeights:
-    """fp32 master copies of a model's low-precision parameters, stepped by the optimizer."""
+    """fp32 master copies of a model's low-precision parameters, stepped by the optimizer.
+
+    A mixin placed before a mixed precision (``BF16Mixed``/``FP16Mixed``), whose autocast,
+    backward and step (loss scaling) it keeps, applied to the masters."""
 
     dtype: torch.dtype
     max_grad_norm: float | None = None  # set by Parallel: clipping applies to the fp32 master gradients
@@ -60,10 +63,9 @@ class MasterWeights:
             optimizer.state[self._pairs[id(p)][1]] = optimizer.state.pop(p)
         return optimizer
 
-    def _master_step(self, optimizer: torch.optim.Optimizer, clip: Callable[[], Any] | None,
-                     step: Callable[[torch.optim.Optimizer, Callable[[], Any] | None], bool]) -> bool:
-        """Gradients to the masters (fp32), ``step`` on them (clipping the masters), masters back
-        into the model (rounded); the model's gradients are cleared."""
+    def step(self, optimizer: torch.optim.Optimizer, clip: Callable[[], Any] | None = None) -> bool:
+        """Gradients to the masters (fp32), the mixed precision's step on them (clipping the
+        masters), masters back into the model (rounded); the model's gradients are cleared."""
         for p, m in self._pairs.values():
             m.grad = None if p.grad is None else p.grad.to(torch.float32)
         if clip is not None and self.max_grad_norm is not None:
@@ -71,12 +73,19 @@ class MasterWeights:
             max_norm = self.max_grad_norm
             clip = lambda: torch.nn.utils.clip_grad_norm_(masters, max_norm)  # noqa: E731
         try:
-            return step(optimizer, clip)
+            return super().step(optimizer, clip)  # type: ignore[misc]
         finally:
             with torch.no_grad():
                 for p, m in self._pairs.values():
                     p.copy_(m)
                     p.grad = m.grad = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "masters": self.masters_state()}  # type: ignore[misc]
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)  # type: ignore[misc]
+        self.load_masters(state.get("masters"))
 
     def sync_from_model(self) -> None:
         """The user loaded new weights into the model: the masters start from them."""
@@ -107,16 +116,6 @@ class BF16True(MasterWeights, BF16Mixed):
         super().__init__(device)
         self._init_masters()
 
-    def step(self, optimizer: torch.optim.Optimizer, clip: Callable[[], Any] | None = None) -> bool:
-        return self._master_step(optimizer, clip, super().step)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "masters": self.masters_state()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        super().load_state_dict(state)
-        self.load_masters(state.get("masters"))
-
 
 class FP16True(MasterWeights, FP16Mixed):
     """fp16 weights, activations and gradients; fp32 master weights; loss scaling (Apex ``O2``).
@@ -130,13 +129,3 @@ class FP16True(MasterWeights, FP16Mixed):
     def __init__(self, device: torch.device, loss_scale: float | None = None) -> None:
         super().__init__(device, loss_scale)
         self._init_masters()
-
-    def step(self, optimizer: torch.optim.Optimizer, clip: Callable[[], Any] | None = None) -> bool:
-        return self._master_step(optimizer, clip, super().step)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "masters": self.masters_state()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        super().load_state_dict(state)
-        self.load_masters(state.get("masters"))
