@@ -155,3 +155,18 @@ def test_sigkilled_worker_is_restarted_and_resumes_exactly(tmp_path):
     assert early.returncode == 0, early.stderr[-3000:]
     assert "no checkpoint" in early.stdout
     assert_same(_final_params(tmp_path / "early" / "checkpoints")[1], ref_params, rtol=1e-6)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("strategy, kill", [("ps", "0:5"), ("pipeline", "1:5")])  # ps: rank 0 hosts the server
+def test_killed_rank_of_ps_and_pipeline_resumes_exactly(tmp_path, strategy, kill):
+    common = ["train", "--strategy", strategy, "--nproc-per-node", "2", "--max-steps", "12", "--checkpoint-every",
+              "3", "--no-progress"]
+    ref = run_cli([*common, "--log-dir", str(tmp_path / "ref")], timeout=100)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    killed = run_cli([*common, "--log-dir", str(tmp_path / "kill"), "--max-restarts", "1"], timeout=120,
+                     PARATRAIN_TEST_KILL_AT=kill)
+    assert killed.returncode == 0, killed.stderr[-3000:]
+    a, b = (json.loads((tmp_path / d / "result.json").read_text()) for d in ("ref", "kill"))
+    assert b["resumed_from_step"] == 3 and a["steps"] == b["steps"] == 12
+    assert b["test_loss"] == a["test_loss"]  # the same final model, evaluated on all 359 test samples
