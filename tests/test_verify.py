@@ -60,7 +60,8 @@ def test_bad_values_are_one_line_errors():
     assert r.returncode == 2 and "not divisible by world size 3" in r.stderr
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "ps"])  # ps: the server's own optimizer steps are not the loop's
+# ps: the server's own optimizer steps are not the loop's; tensor, pipeline: both ranks read the same batch
+@pytest.mark.parametrize("strategy", ["ddp", "ps", "tensor", "pipeline"])
 def test_verify_passes_on_a_correct_config(strategy):
     r = run_cli(["verify", "--nproc", "2", "--steps", "6", "--model", "mlp", "--strategy", strategy, *LIMIT],
                 timeout=280)

@@ -48,6 +48,11 @@ class Strategy:
     def data_parallel_rank(self) -> int:
         return self.dist.rank
 
+    @property
+    def data_parallel_leader(self) -> bool:
+        """Is this the lowest rank of those that read the same data shard (one per shard)?"""
+        return True
+
     # --- model ----------------------------------------------------------------------------
     def setup_model(self, model: nn.Module) -> nn.Module:
         """Move to the device, convert BatchNorm if asked, and wrap."""

@@ -186,6 +186,10 @@ class Pipeline(Strategy):
     def data_parallel_rank(self) -> int:
         return 0
 
+    @property
+    def data_parallel_leader(self) -> bool:
+        return self.dist.rank == 0
+
     # --- model ----------------------------------------------------------------------------
     def setup_model(self, model: nn.Module) -> nn.Module:
         if self.sync_batchnorm:

@@ -108,6 +108,10 @@ class TensorParallel(FullyShardedDataParallel):
         return self.dist.rank // self.tp  # init_device_mesh lays ranks out row-major over (dp, tp)
 
     @property
+    def data_parallel_leader(self) -> bool:
+        return self.dist.rank % self.tp == 0
+
+    @property
     def mesh(self) -> Any:
         """The 2-D ``(dp, tp)`` DeviceMesh (either dimension may be 1)."""
         if self._mesh is None:

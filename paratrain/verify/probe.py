@@ -48,6 +48,9 @@ class Probe:
         self._fingerprints: list[float] = []
         self._weights: dict[int, torch.Tensor] = {}
         self._handles: list[Any] = []
+        self.count_forwards = True
+        """Count samples at the outermost forward (user scripts); paratrain's own runs instead
+        report each rank's micro-batches with :meth:`record_batch`."""
 
     # --- hooks -----------------------------------------------------------------------------
     def install(self) -> "Probe":
@@ -75,6 +78,11 @@ class Probe:
             return
         if self.root is None:
             self.root = module
+        if self.count_forwards:
+            self.record_batch(x)
+
+    def record_batch(self, x: torch.Tensor) -> None:
+        """Count ``x`` (one micro-batch of inputs) towards the current optimizer step."""
         self._samples += int(x.shape[0])
         self._fingerprints += self._fingerprint(x).tolist()
 

@@ -87,7 +87,7 @@ def run_job(local_rank: int, job: dict[str, Any]) -> dict[str, Any]:
             if job["kind"] == "entry":
                 state, losses, model = _run_entry(job)
             else:
-                state, losses, model = _run_builtin(job)
+                state, losses, model = _run_builtin(job, probe)
     except Exception as e:  # noqa: BLE001 - what the probe saw before the failure still names its cause
         error = f"{type(e).__name__}: {next((ln for ln in str(e).splitlines() if ln.strip()), '')}".strip()
     finally:
@@ -138,7 +138,7 @@ class _LossLog:
         pass
 
 
-def _run_builtin(job: dict[str, Any]) -> tuple[dict[str, torch.Tensor], list[float], nn.Module]:
+def _run_builtin(job: dict[str, Any], probe: Probe) -> tuple[dict[str, torch.Tensor], list[float], nn.Module]:
     from ..config import TrainConfig, from_dict
     from ..data.augment import augment_for
     from ..data.datasets import build_dataset
@@ -154,6 +154,18 @@ def _run_builtin(job: dict[str, Any]) -> tuple[dict[str, torch.Tensor], list[flo
         if train_set is None:
             train_set = build_dataset(d.dataset, True, d.data_dir, d.synthetic_size, cfg.parallel.seed)
         model, optimizer, scheduler = setup_task(pt, cfg)
+        # Count the micro-batches paratrain hands to the strategy, on one rank per data shard: the
+        # ranks of a tensor-parallel group or of a pipeline read the same batch, and a pipeline's
+        # stages run forwards on micro-batches and activations, not on the inputs.
+        probe.count_forwards = False
+        step, leader = pt.training_step, pt.strategy.data_parallel_leader
+
+        def counted_step(model: Any, batch: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+            if leader:
+                probe.record_batch(batch[0])
+            return step(model, batch, *args, **kwargs)
+
+        pt.training_step = counted_step  # type: ignore[method-assign]
         steps = job["steps"]
         epochs = math.ceil(steps / max(1, len(train_set) // pt.plan.global_batch))
         log = _LossLog()
