@@ -33,10 +33,15 @@ EXTRA = "extra.json"
 
 
 def _unwrap(model: nn.Module, optimizer: Any) -> tuple[nn.Module, Any]:
+    """The module whose parameters this rank holds: a pipeline's stage, else the user's module
+    (sharded in place by fsdp/tensor)."""
     from ..parallel import ParallelModule, ParallelOptimizer
+    from ..strategies.pipeline import PipelineModule
 
     if isinstance(model, ParallelModule):
-        model = model.original
+        model = model.module if isinstance(model.module, PipelineModule) else model.original
+    if isinstance(model, PipelineModule):
+        model = model.module
     if isinstance(optimizer, ParallelOptimizer):
         optimizer = optimizer.optimizer
     return model, optimizer

@@ -53,7 +53,7 @@ def save_checkpoint(pt: "Parallel", directory: str | os.PathLike, model: torch.n
         from .sharded import save_sharded
 
         sharded = f"step-{pt.global_step:08d}.dcp"
-        save_sharded(Path(directory) / sharded, _local_module(pt, model), optimizer)
+        save_sharded(Path(directory) / sharded, model, optimizer)
     if not pt.is_main_process:
         return None
     model_state, optim_state = (None, None) if sharded else pt.strategy.checkpoint_state(pt.unwrap(model), optimizer)
@@ -72,14 +72,6 @@ def save_checkpoint(pt: "Parallel", directory: str | os.PathLike, model: torch.n
         "extra": extra or {},
     }
     return write_checkpoint(directory, pt.global_step, state, keep=keep)
-
-
-def _local_module(pt: "Parallel", model: torch.nn.Module) -> torch.nn.Module:
-    """The module whose parameters this rank holds and trains: the (sharded) model itself for
-    fsdp/tensor, this rank's stage for pipeline, the user's module otherwise."""
-    from ..parallel import ParallelModule
-
-    return pt.strategy.unwrap(model.module if isinstance(model, ParallelModule) else model)
 
 
 def _choose(pt: "Parallel", source: str | os.PathLike) -> str | None:
@@ -117,7 +109,7 @@ def load_checkpoint(pt: "Parallel", source: str | os.PathLike, model: torch.nn.M
     if state.get("sharded"):  # DCP reshards to this run's world size and strategy
         from .sharded import load_sharded
 
-        load_sharded(Path(path).parent / state["sharded"], _local_module(pt, model), optimizer)
+        load_sharded(Path(path).parent / state["sharded"], model, optimizer)
     elif pt.strategy.sharded_state:
         raise CheckpointError(f"checkpoint {path!r} holds a full (unsharded) model; load it into a ddp/single run, "
                               "or save it again from a sharded one")
