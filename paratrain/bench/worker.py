@@ -23,7 +23,7 @@ import torch.distributed as dist
 from ..config import TrainConfig, apply_overrides, from_dict
 from ..data.augment import augment_for, eval_augment_for
 from ..data.datasets import build_dataset, dataset_info
-from ..env.process import destroy, select_device
+from ..env.process import destroy, preload_dynamo, select_device
 from ..models import build_model
 from .matrix import BASELINE, Cell
 from .measure import CommCounter, PeakMemory, ddp_bucket_bytes, sync
@@ -172,7 +172,7 @@ def _run_baseline(local_rank: int, cfg: TrainConfig, cell: Cell, job: dict[str, 
     device = select_device(local_rank, cfg.parallel.accelerator)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    import torch._dynamo  # noqa: F401  (before init_process_group: see paratrain.env.process.init)
+    preload_dynamo()
 
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     try:

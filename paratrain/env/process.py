@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import importlib
 import os
 import random
 import time
@@ -23,7 +24,7 @@ from .base import ProcessInfo
 from .detect import detect_process
 
 __all__ = [
-    "Dist", "init", "destroy", "select_device", "select_backend", "rank", "world_size",
+    "Dist", "init", "destroy", "preload_dynamo", "available_accelerator", "select_device", "select_backend", "rank", "world_size",
     "local_rank", "is_main_process", "barrier", "print_once", "save_on_main",
     "main_process_first", "seed_everything",
 ]
@@ -56,25 +57,45 @@ class Dist:
         return self.info.rank == 0
 
 
+def available_accelerator() -> tuple[str, int] | None:
+    """The accelerator this process can use and how many devices it has, or ``None`` for CPU only.
+
+    A CUDA (or XPU) build of torch on a machine without such a device still names its accelerator
+    (``torch.accelerator.current_accelerator()`` says ``cuda``) but reports it as not available:
+    that counts as none, and the job runs on the CPU.
+    """
+    acc_api = getattr(torch, "accelerator", None)
+    if acc_api is not None and hasattr(acc_api, "is_available"):
+        if not acc_api.is_available():
+            return None
+        acc = acc_api.current_accelerator()
+        return None if acc is None else (acc.type, max(1, int(acc_api.device_count())))
+    if torch.cuda.is_available():  # torch without torch.accelerator.is_available
+        return "cuda", max(1, torch.cuda.device_count())
+    return None
+
+
 def select_device(local_rank: int, accelerator: str = "auto") -> torch.device:
-    """``cuda:<local_rank>`` (or another accelerator) when present and asked for, else CPU."""
+    """``cuda:<local_rank>`` (or another accelerator) when one is present, else the CPU.
+
+    ``accelerator="auto"`` takes the accelerator when there is one and the CPU otherwise; naming
+    one (``cuda``, ``xpu``, ``mps``) that this machine does not have is an error.
+    """
     if accelerator not in ("auto", "cpu", "cuda", "xpu", "mps"):
         raise ValueError(f"accelerator {accelerator!r} is unknown: use auto, cpu, cuda, xpu or mps")
     if accelerator == "cpu":
         return torch.device("cpu")
-    acc = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
-    if acc is None and torch.cuda.is_available():
-        acc = torch.device("cuda")
-    if acc is None:
+    found = available_accelerator()
+    if found is None:
         if accelerator != "auto":
-            raise RuntimeError(f"accelerator {accelerator!r} was asked for but none is available: use cpu")
+            raise RuntimeError(f"accelerator {accelerator!r} was asked for but this machine has none: use cpu")
         return torch.device("cpu")
-    if accelerator != "auto" and acc.type != accelerator:
-        raise RuntimeError(f"accelerator {accelerator!r} was asked for but this machine has {acc.type}")
-    if acc.type == "mps":
+    kind, count = found
+    if accelerator != "auto" and kind != accelerator:
+        raise RuntimeError(f"accelerator {accelerator!r} was asked for but this machine has {kind}: use {kind} or cpu")
+    if kind == "mps":
         return torch.device("mps")
-    count = torch.accelerator.device_count() if hasattr(torch, "accelerator") else torch.cuda.device_count()
-    return torch.device(acc.type, local_rank % max(1, count))
+    return torch.device(kind, local_rank % count)
 
 
 def select_backend(device: torch.device, requested: str | None = None) -> str:
@@ -88,6 +109,17 @@ def select_backend(device: torch.device, requested: str | None = None) -> str:
     if requested == "nccl" and device.type != "cuda":
         raise RuntimeError(f"backend 'nccl' needs CUDA devices, but this process runs on {device}: use gloo")
     return requested
+
+
+def preload_dynamo() -> None:
+    """Import ``torch._dynamo`` before ``init_process_group``.
+
+    DDP imports ``torch._dynamo``; imported *after* ``init_process_group`` it keeps the group alive
+    past ``destroy()``, and gloo's threads can then abort the exiting worker (torch 2.13). Importing
+    it first costs nothing extra (DDP would pay for the import anyway). Through ``importlib``: a
+    function-local ``import torch._dynamo`` would make ``torch`` a local name of that function.
+    """
+    importlib.import_module("torch._dynamo")
 
 
 def init(
@@ -109,10 +141,7 @@ def init(
         return Dist(info, device, None)
     chosen = select_backend(device, backend)
     if not dist.is_initialized():
-        # DDP imports torch._dynamo; imported *after* init_process_group it keeps the group alive
-        # past destroy(), and gloo's threads can then abort the exiting worker (torch 2.13). Import
-        # it first (DDP would pay for the import anyway).
-        import torch._dynamo  # noqa: F401
+        preload_dynamo()
         os.environ.setdefault("MASTER_ADDR", info.master_addr)
         os.environ.setdefault("MASTER_PORT", str(info.master_port))
         if os.environ["MASTER_ADDR"] in ("127.0.0.1", "localhost") and chosen == "gloo":

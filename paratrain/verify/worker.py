@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from ..nn.syncbn import has_unsynced_batchnorm
-from ..env.process import destroy
+from ..env.process import destroy, preload_dynamo
 from ..userfn import load_callable
 from .probe import Probe, clean_name
 
@@ -102,7 +102,7 @@ def run_job(local_rank: int, job: dict[str, Any]) -> dict[str, Any]:
 def _run_entry(job: dict[str, Any]) -> tuple[dict[str, torch.Tensor], list[float] | None, nn.Module | None]:
     # A user's script calls init_process_group itself; DDP's torch._dynamo import must come first
     # (see paratrain.env.process.init: otherwise gloo can abort the exiting worker, torch 2.13).
-    import torch._dynamo  # noqa: F401
+    preload_dynamo()
 
     fn = load_entry(job["entry"])
     try:
