@@ -26,18 +26,39 @@ class UsageError(Exception):
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="paratrain",
+        allow_abbrev=False,
         description="Take a PyTorch training job from one device to N workers without changing its result.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, module in SUBCOMMANDS.items():
         importlib.import_module(module).add_parser(sub)
+    for p in sub.choices.values():
+        p.allow_abbrev = False  # "--nproc" is not "--nproc-per-node": no guessing at flag names
     return parser
+
+
+def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """Parse ``argv``; a subcommand that runs a user's program (``run``) keeps the program's own
+    arguments out of argparse's reach, so they reach the program untouched."""
+    sub = _subparsers(parser)
+    if argv and argv[0] in sub.choices:
+        split = sub.choices[argv[0]].get_default("split_program")
+        if split is not None:
+            head, program_args = split(sub.choices[argv[0]], argv[1:])
+            args = parser.parse_args([argv[0], *head])
+            args.script_args = program_args
+            return args
+    return parser.parse_args(argv)
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> argparse._SubParsersAction:
+    return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = parser.parse_args(argv)
+    args = _parse(parser, argv)
     args.argv = argv  # subcommands that re-launch themselves under torchrun pass it on
     try:
         return int(args.func(args) or 0)

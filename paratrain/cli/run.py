@@ -69,14 +69,40 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--log-dir", "--log_dir", default=None, metavar="DIR", help="torchrun log directory")
     p.add_argument("-m", "--module", action="store_true", help="run the program as a module, like python -m")
     p.add_argument("script", help="the training script (or module with -m)")
-    p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
-    p.set_defaults(func=main)
+    p.add_argument("script_args", nargs=argparse.REMAINDER,
+                   help="arguments for the script, passed to it untouched (also ones named like paratrain's flags)")
+    p.set_defaults(func=main, split_program=split_program)
     return p
+
+
+def split_program(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[list[str], list[str]]:
+    """Split ``run``'s arguments at the script: ``(launcher args + [script], script args)``.
+
+    argparse would read a script argument such as ``--nproc 7`` or ``--help`` as one of the
+    launcher's own flags (or as an abbreviation of one); everything after the script name belongs
+    to the script, so it is cut off before parsing. ``--`` before the script is accepted too.
+    """
+    actions = parser._option_string_actions
+    i = 0
+    while i < len(argv):
+        tok = argv[i]
+        if tok == "--":
+            return argv[:i] + argv[i + 1:i + 2], argv[i + 2:]
+        if not tok.startswith("-") or tok == "-":
+            return argv[:i + 1], argv[i + 1:]
+        name = tok.split("=", 1)[0]
+        action = actions.get(name)
+        if action is not None and action.nargs != 0 and "=" not in tok:
+            i += 1  # the flag's value
+        i += 1
+    return argv, []
 
 
 def main(args: argparse.Namespace) -> int:
     """Validate the arguments, then run torchrun; returns its exit code."""
     cfg = launch_config(args, log_dir=args.log_dir)
+    if not args.script:
+        raise ValueError("no script given: paratrain run [launch flags] script.py [script args]")
     if not args.module and not os.path.isfile(args.script):
         raise FileNotFoundError(f"script {args.script!r} does not exist: give the path to a Python file (or use -m)")
     return torchrun(cfg, [args.script, *args.script_args], module=args.module)
