@@ -250,7 +250,7 @@ def from_dict(cls: type, data: Mapping[str, Any], where: str = "config") -> Any:
     kwargs = {}
     for key, value in data.items():
         tp = hints[key]
-        if dataclasses.is_dataclass(tp) and isinstance(value, Mapping):
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp) and isinstance(value, Mapping):
             kwargs[key] = from_dict(tp, value, f"{where}.{key}")
         else:
             kwargs[key] = _coerce(value, tp, f"{where}.{key}")

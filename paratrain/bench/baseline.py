@@ -11,7 +11,7 @@ measures paratrain's ``ddp`` against: seed 000's loop, with nothing of paratrain
 
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from typing import Any, Callable, Generator
 
 import torch
 from torch import nn
@@ -32,7 +32,7 @@ def plain_ddp_steps(
     seed: int = 0,
     device: torch.device | str = "cpu",
     make_optimizer: Callable[[nn.Module], torch.optim.Optimizer] | None = None,
-) -> Iterator[nn.Module | torch.Tensor]:
+) -> Generator[Any, None, None]:
     """Seed 000's DDP training loop as a generator over steps.
 
     The first ``next()`` sets up (sampler, loader, ``DDP(net)``, optimizer) and yields the DDP model;
@@ -41,7 +41,7 @@ def plain_ddp_steps(
     be on ``device``; the process group must be initialised.
     """
     device = torch.device(device)
-    train_sampler = DistributedSampler(dataset=trainset, shuffle=True, seed=seed)
+    train_sampler: DistributedSampler[Any] = DistributedSampler(dataset=trainset, shuffle=True, seed=seed)
     trainloader = DataLoader(trainset, batch_size=batch_size, sampler=train_sampler, drop_last=True)
     net = DDP(net, device_ids=[device.index] if device.type == "cuda" else None)
     criterion = nn.CrossEntropyLoss()
@@ -50,7 +50,7 @@ def plain_ddp_steps(
 
     epoch = 0
     while True:
-        trainloader.sampler.set_epoch(epoch)
+        train_sampler.set_epoch(epoch)
         for images, labels in trainloader:
             images, labels = images.to(device), labels.to(device)
             optimizer.zero_grad()

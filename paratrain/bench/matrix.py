@@ -233,13 +233,13 @@ def build_matrix(spec: BenchSpec, base: dict[str, Any], train_size: int) -> list
     probes: dict[str, str | None] = {}
     out = []
     for cell in cells:
-        reason = cell.skip or _machine_skip(cell, gpus)
-        if reason is None and cell.precision not in probes:
+        why: str | None = cell.skip or _machine_skip(cell, gpus)
+        if why is None and cell.precision not in probes:
             probes[cell.precision] = _probe_precision(cell.precision, device)
-        reason = reason or probes.get(cell.precision) or _config_error(base, cell)
-        if reason is None and _steps_per_epoch(train_size, cell.global_batch) < 1:
-            reason = f"the training set ({train_size} samples) is smaller than one global batch of {cell.global_batch}"
-        if reason is None and cell.strategy == BASELINE and cell.global_batch % cell.world_size:
-            reason = f"global batch {cell.global_batch} does not split over {cell.world_size} workers"
-        out.append(replace(cell, skip=reason) if reason else cell)
+        why = why or probes.get(cell.precision) or _config_error(base, cell)
+        if why is None and _steps_per_epoch(train_size, cell.global_batch) < 1:
+            why = f"the training set ({train_size} samples) is smaller than one global batch of {cell.global_batch}"
+        if why is None and cell.strategy == BASELINE and cell.global_batch % cell.world_size:
+            why = f"global batch {cell.global_batch} does not split over {cell.world_size} workers"
+        out.append(replace(cell, skip=why) if why else cell)
     return out

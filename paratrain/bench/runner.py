@@ -192,7 +192,7 @@ def run_bench(spec: BenchSpec, base: dict[str, Any], progress: bool = True,
     """Build the matrix for ``spec`` over the base config dict ``base`` and run it."""
     cfg = from_dict(TrainConfig, dict(base))
     data = _job_data(cfg)
-    train_size = len(data[0]) if data is not None else len(build_dataset(
+    train_size = len(data[0]) if data is not None else len(build_dataset(  # type: ignore[arg-type]
         cfg.data.dataset, True, cfg.data.data_dir, cfg.data.synthetic_size, cfg.parallel.seed))
     cells = build_matrix(spec, base, train_size)
     start = time.perf_counter()

@@ -152,4 +152,4 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     model, _ = _unwrap(model, None)
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))  # type: ignore[return-value]

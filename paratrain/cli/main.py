@@ -30,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Take a PyTorch training job from one device to N workers without changing its result.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name, module in SUBCOMMANDS.items():
+    for module in SUBCOMMANDS.values():
         importlib.import_module(module).add_parser(sub)
     for p in sub.choices.values():
         p.allow_abbrev = False  # "--nproc" is not "--nproc-per-node": no guessing at flag names

@@ -24,7 +24,8 @@ from . import train as _train
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser("verify", help="check that N workers train the same model as one",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--nproc", type=int, default=2, metavar="N", help="world size compared with 1 (default 2)")
+    p.add_argument("--nproc-per-node", "--nproc_per_node", "--nproc", dest="nproc", type=int, default=2, metavar="N",
+                   help="world size compared with 1 (default 2)")
     p.add_argument("--steps", type=int, default=20, metavar="K", help="optimizer steps per run (default 20)")
     p.add_argument("--tol", type=float, default=1e-5, help="relative divergence that passes (default 1e-5)")
     p.add_argument("--check-accumulation", type=int, default=2, metavar="A",

@@ -87,7 +87,8 @@ def fit(
                           "loss_scale": pt.precision.loss_scale, "skipped_steps": pt.skipped_steps}
                 logger.log(record)
                 bar.set_postfix(loss=f"{result.train_loss:.4f}")
-                running.zero_(), meter.reset()
+                running.zero_()
+                meter.reset()
                 window_start = pt.global_step
             if pt.global_step >= total:
                 break

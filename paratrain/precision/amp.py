@@ -41,7 +41,7 @@ class FP16Mixed(BF16Mixed):
         super().__init__(device)
         if loss_scale is not None and not (loss_scale > 0 and math.isfinite(loss_scale)):
             raise ValueError(f"loss scale {loss_scale} must be a positive finite number, or None for dynamic")
-        self.static_scale = loss_scale
+        self.static_scale: float = 1.0 if loss_scale is None else loss_scale  # used only without a scaler
         self.scaler = None if loss_scale is not None else torch.amp.GradScaler(device.type)
 
     @property

@@ -7,6 +7,7 @@ replaces it with PowerSGD's low-rank approximation.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch.distributed as dist
 from torch import nn
@@ -59,7 +60,7 @@ class DistributedDataParallel(Strategy):
             return model  # a world of one: DDP would only add overhead
         o: DDPOptions = self.options
         # broadcast_buffers is passed only to turn it off: newer torch warns that it is deprecated.
-        extra = {} if o.broadcast_buffers else {"broadcast_buffers": False}
+        extra: dict[str, Any] = {} if o.broadcast_buffers else {"broadcast_buffers": False}
         ddp = DDP(
             model,
             device_ids=[self.device.index] if self.device.type == "cuda" else None,

@@ -15,6 +15,7 @@ On a machine without GPUs every part lands on the CPU, through the same code and
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 from torch import nn
@@ -58,7 +59,9 @@ class DeviceSplit(nn.Module):
     """``parts[i]`` on ``devices[i]``; forward moves the activations into each part's device and
     returns the output on ``output_device`` (where the batches and targets are)."""
 
-    def __init__(self, parts: list[nn.Module], devices: list[torch.device], output_device: torch.device,
+    original: nn.Module
+
+    def __init__(self, parts: Sequence[nn.Module], devices: list[torch.device], output_device: torch.device,
                  original: nn.Module) -> None:
         super().__init__()
         self.parts = nn.ModuleList(part.to(device) for part, device in zip(parts, devices))

@@ -180,7 +180,7 @@ def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2.0) ->
     for p in params:
         by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p.grad)
     norms = []
-    for mesh, grads in by_mesh.items():
+    for grads in by_mesh.values():
         norm = torch.nn.utils.get_total_norm(grads, norm_type)
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
     if not norms:
@@ -198,7 +198,7 @@ class FullyShardedDataParallel(Strategy):
     sharded_state = True
     precision = "32"  # set by Parallel: picks FSDP's MixedPrecisionPolicy
 
-    def __init__(self, dist_info: Dist, sync_batchnorm: bool = False, options: FSDPOptions | None = None) -> None:
+    def __init__(self, dist_info: Dist, sync_batchnorm: bool = False, options: Any = None) -> None:
         super().__init__(dist_info, sync_batchnorm, options or FSDPOptions())
         self.swap = ParameterSwap()
 
@@ -233,8 +233,9 @@ class FullyShardedDataParallel(Strategy):
 
     def set_gradient_sync(self, model: nn.Module, enabled: bool) -> None:
         # Off: gradients accumulate unsharded locally; the last micro-step reduce-scatters them.
-        if hasattr(model, "set_requires_gradient_sync"):
-            model.set_requires_gradient_sync(enabled)
+        setter = getattr(model, "set_requires_gradient_sync", None)  # FSDP2's FSDPModule
+        if setter is not None:
+            setter(enabled)
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
         return clip_grad_norm_(model.parameters(), max_norm)

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -90,7 +90,12 @@ class PipelineModule(nn.Module):
     the old buffers (silently wrong on gloo in torch 2.13).
     """
 
-    def __init__(self, parts: list[nn.Module], index: int, original: nn.Module, device: torch.device,
+    module: nn.Module
+    stage: "_StageForward"
+    original: nn.Module
+    parts: Sequence[nn.Module]
+
+    def __init__(self, parts: Sequence[nn.Module], index: int, original: nn.Module, device: torch.device,
                  options: PipelineOptions, distributed: bool) -> None:
         super().__init__()
         self.module = parts[index]
@@ -297,10 +302,10 @@ class Pipeline(Strategy):
         local = {k: v.detach().cpu() for k, v in pipe.module.state_dict().items()}
         gathered = [local]
         if self.dist.backend is not None and self.dist.world_size > 1:
-            gathered = [None] * self.dist.world_size
+            gathered = [{} for _ in range(self.dist.world_size)]
             dist.all_gather_object(gathered, local)
         merged: dict[str, torch.Tensor] = {}
         for stage_state in gathered:
-            merged.update(stage_state)  # type: ignore[arg-type]
+            merged.update(stage_state)
         # In the model's own key order; entries outside every stage (top-level buffers) are local.
         return {k: merged.get(k, v.detach().cpu()) for k, v in pipe.original.state_dict().items()}

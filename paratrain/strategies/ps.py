@@ -192,7 +192,8 @@ class ParameterServer(Strategy):
             group.update(values)
         return model_state, optim_state
 
-    def load_checkpoint_state(self, module: nn.Module, optimizer: Any, model_state: dict, optim_state: dict) -> None:
+    def load_checkpoint_state(self, module: nn.Module, optimizer: Any, model_state: dict[str, Any],
+                              optim_state: dict[str, Any] | None) -> None:
         super().load_checkpoint_state(module, optimizer, model_state, optim_state)
         self._copy_into_server(module)
         s = self._hosted()

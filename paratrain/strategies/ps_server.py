@@ -138,7 +138,7 @@ class ServerState:
         """
         try:
             for i, p in enumerate(self.params):
-                got = [g[i] for g in grads if g[i] is not None]
+                got = [t for t in (g[i] for g in grads) if t is not None]
                 p.grad = None if not got else torch.stack(got).sum(0).div_(len(grads))
             if self.clip_grad_norm is not None:
                 torch.nn.utils.clip_grad_norm_(self.params, self.clip_grad_norm)

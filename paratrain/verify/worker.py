@@ -167,7 +167,7 @@ def _run_builtin(job: dict[str, Any], probe: Probe) -> tuple[dict[str, torch.Ten
 
         pt.training_step = counted_step  # type: ignore[method-assign]
         steps = job["steps"]
-        epochs = math.ceil(steps / max(1, len(train_set) // pt.plan.global_batch))
+        epochs = math.ceil(steps / max(1, len(train_set) // pt.plan.global_batch))  # type: ignore[arg-type]
         log = _LossLog()
         fit(pt, model, optimizer, train_set, epochs=epochs, max_steps=steps, scheduler=scheduler,
             augment=augment_for(d.dataset) if d.augment else None, logger=log, log_every=1,  # type: ignore[arg-type]
