@@ -1,6 +1,21 @@
 #!/usr/bin/env bash
-# Sets up the venv (scripts/setup.sh) and runs the whole test suite. CI runs exactly this.
+# Sets up the venvs (scripts/setup.sh) and runs everything CI checks, in this order:
+#   1. static checks over paratrain/: ruff (pyflakes rules and more) and mypy, zero findings;
+#   2. the whole test suite on the pinned CPU build of torch;
+#   3. the smoke suite (pytest -m smoke) on PyPI's default CUDA build of torch, on the CPU.
+# Arguments go to both pytest runs (e.g. -x, -k NAME). PARATRAIN_SKIP_CUDA_WHEEL=1 skips step 3.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
-exec "${PARATRAIN_VENV:-.venv}/bin/python" -m pytest -q "$@"
+bash scripts/setup.sh cpu
+venv=${PARATRAIN_VENV:-.venv}
+echo "== static checks (ruff, mypy)"
+"$venv/bin/ruff" check paratrain
+"$venv/bin/mypy" paratrain
+echo "== full suite, torch $("$venv/bin/python" -c 'import torch; print(torch.__version__)')"
+"$venv/bin/python" -m pytest -q --durations=15 "$@"
+if [ "${PARATRAIN_SKIP_CUDA_WHEEL:-0}" != 1 ]; then
+  bash scripts/setup.sh cuda
+  cvenv=${PARATRAIN_CUDA_VENV:-.venv-cuda}
+  echo "== smoke suite, torch $("$cvenv/bin/python" -c 'import torch; print(torch.__version__, "cuda available:", torch.cuda.is_available())')"
+  "$cvenv/bin/python" -m pytest -q -m smoke -p no:cacheprovider "$@"
+fi
