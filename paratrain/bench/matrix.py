@@ -24,8 +24,9 @@ import torch
 
 from .. import strategies as _strategies
 from ..config import TrainConfig, apply_overrides, from_dict
+from ..env.process import available_accelerator
 
-__all__ = ["Cell", "BenchSpec", "build_matrix", "quick_spec", "full_spec", "BASELINE"]
+__all__ = ["Cell", "BenchSpec", "build_matrix", "quick_spec", "full_spec", "cuda_devices", "BASELINE"]
 
 BASELINE = "plain-ddp"  # the hand-written loop's strategy name in a Cell
 _ONE_PROCESS = ("single", "dp", "devices")
@@ -141,6 +142,16 @@ def full_spec() -> BenchSpec:
     return BenchSpec()
 
 
+def cuda_devices(accelerator: str = "auto") -> int:
+    """CUDA devices the cells will run on, as their processes choose them (``select_device``): the
+    visible GPUs, or none when the config's ``accelerator`` picks the CPU (or another accelerator)
+    or this CUDA build finds no GPU."""
+    if accelerator not in ("auto", "cuda"):
+        return 0
+    found = available_accelerator()
+    return found[1] if found is not None and found[0] == "cuda" else 0
+
+
 def _probe_precision(precision: str, device: str) -> str | None:
     """Why ``precision`` cannot run on ``device`` here, or None."""
     dtype = {"fp16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}.get(precision)
@@ -189,7 +200,7 @@ def build_matrix(spec: BenchSpec, base: dict[str, Any], train_size: int) -> list
     """Every cell of ``spec`` on top of the base config dict ``base``, skipped ones included."""
     base_cfg = from_dict(TrainConfig, copy.deepcopy(base))
     batch = base_cfg.parallel.global_batch
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpus = cuda_devices(base_cfg.parallel.accelerator)
     device = "cuda" if gpus else "cpu"
     known = set(_strategies.STRATEGIES)
     cells: list[Cell] = []

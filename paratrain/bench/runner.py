@@ -20,7 +20,7 @@ import torch
 from ..config import TrainConfig, from_dict
 from ..data.datasets import build_dataset
 from ..launch.spawn import LaunchError, launch
-from .matrix import BASELINE, BenchSpec, Cell, build_matrix
+from .matrix import BASELINE, BenchSpec, Cell, build_matrix, cuda_devices
 from .measure import load_avg
 from .worker import run_cell
 
@@ -102,8 +102,10 @@ def _run_one(cell: Cell, spec: BenchSpec, base: dict[str, Any], data: Any) -> Ce
            "threads": spec.threads, "data": data, "timeout": spec.cell_timeout}
     env = {"OMP_NUM_THREADS": str(spec.threads)}
     nprocs = cell.world_size
-    if cell.strategy == "dp":  # one process over world_size GPUs
-        nprocs, env["CUDA_VISIBLE_DEVICES"] = 1, ",".join(str(i) for i in range(cell.world_size))
+    if cell.strategy == "dp":  # one process over the first world_size of the GPUs this process may use
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        ids = [d.strip() for d in visible.split(",")] if visible else [str(i) for i in range(cell.world_size)]
+        nprocs, env["CUDA_VISIBLE_DEVICES"] = 1, ",".join(ids[: cell.world_size])
     start = time.perf_counter()
     for attempt in (1, 2):
         try:
@@ -204,6 +206,6 @@ def run_bench(spec: BenchSpec, base: dict[str, Any], progress: bool = True,
         "spec": dataclasses.asdict(spec), "base_config": base, "runs_per_cell": 1,
         "bench_seconds": time.perf_counter() - start,
         "memory": next((r.mem_method for r in results if r.mem_method), None),
-        "timing": "mean step of a synchronised window" if torch.cuda.is_available() else "median step",
+        "timing": "mean step of a synchronised window" if cuda_devices(cfg.parallel.accelerator) else "median step",
     }
     return BenchResult(meta=meta, results=results, recommendation=recommend(results, spec.tolerance))

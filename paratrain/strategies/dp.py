@@ -3,14 +3,40 @@
 Seed 000 measured it slower than one GPU (19.1 s vs 13.2 s per epoch): it replicates the model
 every forward and gathers outputs on GPU 0. It is here for comparison; prefer ``ddp``.
 On a machine with fewer than two GPUs it degenerates to the plain module (said once).
+
+DataParallel runs each replica in a thread of its own and passes on only *whether* autocast is
+on, not its dtype; autocast's dtype is per thread and defaults to float16 on CUDA. Under
+``bf16-mixed``/``bf16-true`` the replicas would silently compute in float16 (without a loss
+scaler). So the module DataParallel replicates re-enters autocast with the precision's dtype in
+its forward, as torch's AMP notes ask for multi-GPU modules.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
+from ..precision import PRECISIONS
 from .base import Strategy
+
+__all__ = ["DataParallel", "ReplicaAutocast"]
+
+
+class ReplicaAutocast(nn.Module):
+    """Runs ``module`` under autocast to ``dtype`` whenever autocast is on in the calling thread."""
+
+    def __init__(self, module: nn.Module, device_type: str, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.module = module
+        self.device_type, self.dtype = device_type, dtype
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if not torch.is_autocast_enabled(self.device_type):
+            return self.module(*args, **kwargs)
+        with torch.autocast(self.device_type, dtype=self.dtype):
+            return self.module(*args, **kwargs)
 
 
 class DataParallel(Strategy):
@@ -29,4 +55,14 @@ class DataParallel(Strategy):
                 "running the plain module"
             )
             return model
-        return nn.DataParallel(model)
+        # The model sits on this process's device, which DataParallel needs first in its list.
+        first = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        devices = [first, *(i for i in range(gpus) if i != first)]
+        precision = PRECISIONS.get(self.precision)
+        if precision is not None and precision.autocast:
+            model = ReplicaAutocast(model, self.device.type, precision.dtype)  # type: ignore[attr-defined]
+        return nn.DataParallel(model, device_ids=devices)
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        model = super().unwrap(model)
+        return model.module if isinstance(model, ReplicaAutocast) else model
