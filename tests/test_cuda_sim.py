@@ -35,6 +35,8 @@ from paratrain.env import process
 from paratrain.env.base import ProcessInfo
 from paratrain.env.process import Dist, available_accelerator, select_backend, select_device
 
+pytestmark = pytest.mark.smoke  # also run on PyPI's CUDA wheel (scripts/test.sh)
+
 CPU = torch.device("cpu")
 
 

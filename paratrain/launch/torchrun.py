@@ -216,12 +216,17 @@ def torchrun(cfg: LaunchConfig, program: list[str], module: bool = False) -> int
     from torch.distributed.elastic.rendezvous.api import RendezvousError
 
     parser = trun.get_args_parser()
-    argv = _torchrun_argv(cfg, program, module, set(parser._option_string_actions))
+    parser.allow_abbrev = False
+    # Only the launcher's part goes through torchrun's parser: the program's own arguments
+    # (``--nproc 7``, ``--help``...) are set afterwards, untouched.
+    argv = _torchrun_argv(cfg, program[:1], module, set(parser._option_string_actions))
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     if _is_loopback(cfg.rendezvous_host):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     try:
-        trun.run(parser.parse_args(argv))
+        args = parser.parse_args(argv)
+        args.training_script_args = list(program[1:])
+        trun.run(args)
     except ChildFailedError as e:
         line, rc = _failure_line(e)
         print(line, file=sys.stderr, flush=True)
