@@ -8,6 +8,7 @@ the command line with ``--set section.field=value``.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import types
 import typing
@@ -24,6 +25,10 @@ from .strategies.ps import PSOptions
 from .strategies.tensor import TensorOptions
 
 __all__ = ["ParallelConfig", "DataConfig", "OptimConfig", "TrainConfig", "load_config", "apply_overrides", "from_dict"]
+
+
+BACKENDS = ("auto", "gloo", "nccl", "mpi", "xccl", "hccl")
+ACCELERATORS = ("auto", "cpu", "cuda", "xpu", "mps")
 
 
 @dataclass(kw_only=True)
@@ -83,8 +88,12 @@ class ParallelConfig:
             raise ValueError(f"global_batch {self.global_batch} must be at least 1")
         if self.clip_grad_norm is not None and self.clip_grad_norm <= 0:
             raise ValueError(f"clip_grad_norm {self.clip_grad_norm} must be positive")
-        if self.timeout_s <= 0:
-            raise ValueError(f"timeout_s {self.timeout_s} must be positive")
+        if not (math.isfinite(self.timeout_s) and self.timeout_s > 0):
+            raise ValueError(f"timeout_s {self.timeout_s} must be a positive number of seconds")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend {self.backend!r} is unknown: use one of {', '.join(BACKENDS)}")
+        if self.accelerator not in ACCELERATORS:
+            raise ValueError(f"accelerator {self.accelerator!r} is unknown: use one of {', '.join(ACCELERATORS)}")
         if self.loss_scale is not None and self.precision not in ("fp16-mixed", "fp16-true"):
             raise ValueError(f"loss_scale {self.loss_scale} only applies to precision fp16-mixed or fp16-true, "
                              f"not {self.precision}")
@@ -153,8 +162,12 @@ class OptimConfig:
     def __post_init__(self) -> None:
         if self.name not in ("sgd", "adamw"):
             raise ValueError(f"optimizer {self.name!r} is unknown: use sgd or adamw")
-        if self.lr <= 0:
-            raise ValueError(f"lr {self.lr} must be positive")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"lr {self.lr} must be a positive finite number, e.g. 0.05")
+        for name in ("momentum", "weight_decay"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} {value} must be a finite number >= 0")
         if self.warmup_steps < 0:
             raise ValueError(f"warmup_steps {self.warmup_steps} must be >= 0")
         if self.base_batch is not None and self.base_batch < 1:

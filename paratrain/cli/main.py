@@ -9,6 +9,7 @@ import sys
 from typing import Sequence
 
 from ..checkpoint.io import CheckpointError
+from ..env.process import UnavailableError
 
 # subcommand name -> module under paratrain.cli providing add_parser(subparsers) and main(args) -> int
 SUBCOMMANDS = {
@@ -21,6 +22,12 @@ SUBCOMMANDS = {
 
 class UsageError(Exception):
     """A bad value given by the user: printed as one line, exit code 2."""
+
+
+# What a user can fix from one line: a bad value, a missing or unusable file, a damaged checkpoint.
+# Anything else is a bug and keeps its traceback.
+USER_ERRORS = (UsageError, ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, FileExistsError,
+               PermissionError, CheckpointError, UnavailableError)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,12 +69,44 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.argv = argv  # subcommands that re-launch themselves under torchrun pass it on
     try:
         return int(args.func(args) or 0)
-    except (UsageError, ValueError, FileNotFoundError, CheckpointError) as e:
-        # One clear line, non-zero exit: the bad value is in the message.
-        print(f"paratrain {args.command}: error: {e}", file=sys.stderr)
+    except USER_ERRORS as e:
+        # One clear line, non-zero exit: the bad value is in the message. The traceback goes to a file.
+        where = _save_traceback(args.command)
+        line = f"{_one_line(e)}" + (f" (traceback: {where})" if where else "")
         if "TORCHELASTIC_ERROR_FILE" in os.environ:
-            raise  # a torchrun worker: let @record hand the cause to the agent's one-line report
+            # A torchrun worker: the agent prints one line for the whole job from this record.
+            from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+            ErrorHandler().record_exception(type(e)(line))
+        else:
+            print(f"paratrain {args.command}: error: {line}", file=sys.stderr)
         return 2
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split())  # a KeyError's quotes, a multi-line message: one line
+    return text if isinstance(e, (UsageError, ValueError, CheckpointError, UnavailableError)) else f"{type(e).__name__}: {text}"
+
+
+def _save_traceback(command: str) -> str | None:
+    """Write the current exception's traceback to ``$PARATRAIN_ERROR_DIR`` (the run directory,
+    set by ``paratrain train``) or the temp folder; its path, or None if nothing could be written."""
+    import tempfile
+    import traceback
+
+    rank = os.environ.get("RANK", "0")
+    for folder in (os.environ.get("PARATRAIN_ERROR_DIR"), os.path.join(tempfile.gettempdir(), "paratrain-errors")):
+        if not folder:
+            continue
+        try:
+            os.makedirs(folder, exist_ok=True)
+            path = os.path.join(folder, f"error-{command}-rank{rank}.log")
+            with open(path, "w") as f:
+                f.write(traceback.format_exc())
+            return path
+        except OSError:
+            continue
+    return None
 
 
 def entry_point() -> None:

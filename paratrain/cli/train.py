@@ -16,6 +16,7 @@ from ..config import TrainConfig, apply_overrides, from_dict, load_config
 from ..data.datasets import build_dataset
 from ..data.sampler import BatchPlan
 from ..env.detect import detect_process
+from ..env.process import select_backend, select_device
 from ..launch.torchrun import torchrun
 from .run import add_launch_arguments, launch_config
 
@@ -86,6 +87,8 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
 
 def main(args: argparse.Namespace) -> int:
     cfg = build_config(args)  # validate before any process starts
+    if cfg.log_dir and not os.path.isfile(cfg.log_dir):
+        os.environ.setdefault("PARATRAIN_ERROR_DIR", cfg.log_dir)  # tracebacks of one-line errors go there
     launch = launch_config(args)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ or detect_process().world_size > 1:
         from ..loop.train import run_training
@@ -93,6 +96,7 @@ def main(args: argparse.Namespace) -> int:
         run_training(cfg)  # we are one worker of a launched job
         return 0
     world = launch.nproc_per_node * launch.min_nodes
+    _check_machine(cfg)
     BatchPlan.derive(cfg.parallel.global_batch, world, cfg.parallel.accumulation, cfg.parallel.micro_batch)
     _check_dataset_fits(cfg, world)
     if world == 1 and launch.max_nodes == 1 and launch.max_restarts == 0:
@@ -103,7 +107,13 @@ def main(args: argparse.Namespace) -> int:
     if cfg.parallel.strategy in ("single", "dp"):
         raise ValueError(f"strategy {cfg.parallel.strategy!r} runs in one process, but {world} were asked for: "
                          "use --strategy ddp or drop --nproc-per-node")
-    return torchrun(launch, ["paratrain", *args.argv], module=True)
+    return torchrun(launch, ["paratrain", *args.argv], module=True, command="train")
+
+
+def _check_machine(cfg: TrainConfig) -> None:
+    """Fail before starting workers when the asked-for accelerator or backend is not here."""
+    device = select_device(0, cfg.parallel.accelerator)
+    select_backend(device, None if cfg.parallel.backend == "auto" else cfg.parallel.backend)
 
 
 def _check_dataset_fits(cfg: TrainConfig, world: int) -> None:

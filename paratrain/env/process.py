@@ -11,6 +11,8 @@ import contextlib
 import importlib
 import os
 import random
+import signal
+import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -24,12 +26,16 @@ from .base import ProcessInfo
 from .detect import detect_process
 
 __all__ = [
-    "Dist", "init", "destroy", "preload_dynamo", "available_accelerator", "select_device", "select_backend", "rank", "world_size",
+    "Dist", "UnavailableError", "init", "die_with_launcher", "destroy", "preload_dynamo", "available_accelerator", "select_device", "select_backend", "rank", "world_size",
     "local_rank", "is_main_process", "barrier", "print_once", "save_on_main",
     "main_process_first", "seed_everything",
 ]
 
 _BACKENDS = ("gloo", "nccl", "mpi", "xccl", "hccl")
+
+
+class UnavailableError(RuntimeError):
+    """A device or backend that was asked for is not on this machine (a one-line user error)."""
 
 
 @dataclass(frozen=True)
@@ -88,11 +94,11 @@ def select_device(local_rank: int, accelerator: str = "auto") -> torch.device:
     found = available_accelerator()
     if found is None:
         if accelerator != "auto":
-            raise RuntimeError(f"accelerator {accelerator!r} was asked for but this machine has none: use cpu")
+            raise UnavailableError(f"accelerator {accelerator!r} was asked for but this machine has none: use cpu")
         return torch.device("cpu")
     kind, count = found
     if accelerator != "auto" and kind != accelerator:
-        raise RuntimeError(f"accelerator {accelerator!r} was asked for but this machine has {kind}: use {kind} or cpu")
+        raise UnavailableError(f"accelerator {accelerator!r} was asked for but this machine has {kind}: use {kind} or cpu")
     if kind == "mps":
         return torch.device("mps")
     return torch.device(kind, local_rank % count)
@@ -105,10 +111,38 @@ def select_backend(device: torch.device, requested: str | None = None) -> str:
     if requested not in _BACKENDS:
         raise ValueError(f"backend {requested!r} is unknown: use one of {', '.join(_BACKENDS)} or auto")
     if requested == "mpi" and not dist.is_mpi_available():
-        raise RuntimeError("backend 'mpi' was asked for but this torch build has no MPI support: use gloo")
+        raise UnavailableError("backend 'mpi' was asked for but this torch build has no MPI support: use gloo")
     if requested == "nccl" and device.type != "cuda":
-        raise RuntimeError(f"backend 'nccl' needs CUDA devices, but this process runs on {device}: use gloo")
+        raise UnavailableError(f"backend 'nccl' needs CUDA devices, but this process runs on {device}: use gloo")
     return requested
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_launcher() -> bool:
+    """Make this worker end when the process that launched it dies (Linux ``PR_SET_PDEATHSIG``).
+
+    A torchrun agent killed by SIGKILL (an OOM kill) cannot stop its workers; without this they
+    would train on and keep writing checkpoints into a run directory that a re-run also uses.
+    Applied to workers of torchrun/``paratrain run`` and ``paratrain.launch``. Returns whether it
+    was armed.
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    if "TORCHELASTIC_RUN_ID" not in os.environ and "PARATRAIN_SPAWNED" not in os.environ:
+        return False
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+            return False
+    except (OSError, AttributeError):
+        return False
+    if os.getppid() == 1:  # the launcher died before the signal was armed
+        os.kill(os.getpid(), signal.SIGTERM)
+    return True
 
 
 def preload_dynamo() -> None:
@@ -134,12 +168,13 @@ def init(
     error after that long instead of hanging forever.
     """
     info = detect_process()
+    die_with_launcher()
     device = select_device(info.local_rank, accelerator)
+    chosen = select_backend(device, backend)  # also in a world of one: a bad --backend is an error there too
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if info.world_size == 1 and not dist.is_initialized():
         return Dist(info, device, None)
-    chosen = select_backend(device, backend)
     if not dist.is_initialized():
         preload_dynamo()
         os.environ.setdefault("MASTER_ADDR", info.master_addr)

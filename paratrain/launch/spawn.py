@@ -33,7 +33,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def _worker(local_rank: int, fn: Callable, nprocs: int, env: dict[str, str], args: tuple, out_dir: str) -> None:
     os.environ.update(env)
-    os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), GROUP_RANK="0")
+    os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), GROUP_RANK="0", PARATRAIN_SPAWNED="1")
     result = fn(local_rank, *args)
     # Results travel through files in a private directory the parent created for this launch.
     with open(os.path.join(out_dir, f"{local_rank}.pkl"), "wb") as f:

@@ -17,8 +17,10 @@ What it adds:
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
+import socket
 import sys
 import uuid
 from dataclasses import dataclass
@@ -28,7 +30,7 @@ from .spawn import free_port
 
 __all__ = ["LaunchConfig", "torchrun"]
 
-_PREFIX = "paratrain run: error:"
+_PREFIX = "paratrain run: error:"  # the default; paratrain train passes its own
 _NOT_AVAILABLE = "<N/A>"  # ProcessFailure.error_file when the worker wrote no error file
 
 
@@ -176,7 +178,7 @@ def _one_line(text: Any) -> str:
     return lines[0] if lines else ""
 
 
-def _failure_line(err: Any) -> tuple[str, int]:
+def _failure_line(err: Any, prefix: str = _PREFIX) -> tuple[str, int]:
     """One line and an exit code for a ``ChildFailedError``."""
     rank, failure = err.get_first_failure()
     ranks = sorted(err.failures)
@@ -196,10 +198,32 @@ def _failure_line(err: Any) -> tuple[str, int]:
         if isinstance(message, dict):  # {"message": "Type: msg", "extraInfo": {...}}
             message = message.get("message", "")
         root = _one_line(message)
-    return f"{_PREFIX} worker {who} failed ({how})" + (f": {root}" if root else ""), rc
+    return f"{prefix} worker {who} failed ({how})" + (f": {root}" if root else ""), rc
 
 
-def torchrun(cfg: LaunchConfig, program: list[str], module: bool = False) -> int:
+def _set_threads(nproc_per_node: int) -> None:
+    """Intra-op threads per worker: this node's cores shared by its workers (a user's
+    ``OMP_NUM_THREADS`` wins). Said in one line, instead of torchrun's four-line banner."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    threads = max(1, cores // max(1, nproc_per_node))
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    if nproc_per_node > 1:
+        print(f"paratrain: OMP_NUM_THREADS={threads} per worker ({cores} cores / {nproc_per_node} workers on this "
+              "node; set OMP_NUM_THREADS to choose)", file=sys.stderr, flush=True)
+
+
+def check_resolvable(host: str) -> None:
+    """Fail in one line when ``host`` has no address: c10d would otherwise retry forever."""
+    try:
+        socket.getaddrinfo(host, None)
+    except OSError as e:
+        raise ValueError(f"address {host!r} does not resolve ({e.strerror or e}): "
+                         "give the master/rendezvous host as a name this machine can look up, or an IP") from None
+
+
+def torchrun(cfg: LaunchConfig, program: list[str], module: bool = False, command: str = "run") -> int:
     """Run ``program`` (``[script.py, *args]``, or ``[module, *args]`` with ``module``) under torchrun.
 
     Blocks until every worker on this node has finished. Returns 0 on success; on a worker failure
@@ -209,6 +233,8 @@ def torchrun(cfg: LaunchConfig, program: list[str], module: bool = False) -> int
     """
     if not program:
         raise ValueError("no program to run: give a script path (or a module with -m) and its arguments")
+    prefix = f"paratrain {command}: error:"
+    check_resolvable(cfg.rendezvous_host)
     import torch.distributed.run as trun
     from torch.distributed import DistError
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -221,6 +247,12 @@ def torchrun(cfg: LaunchConfig, program: list[str], module: bool = False) -> int
     # (``--nproc 7``, ``--help``...) are set afterwards, untouched.
     argv = _torchrun_argv(cfg, program[:1], module, set(parser._option_string_actions))
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    _set_threads(cfg.nproc_per_node)
+    if not os.environ.get("PARATRAIN_LAUNCH_LOGS"):
+        # The agent's own warnings ("Sending process ... closing signal") repeat what the one line
+        # below says; PARATRAIN_LAUNCH_LOGS=1 keeps them.
+        logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+        logging.getLogger("torch.distributed.run").setLevel(logging.ERROR)
     if _is_loopback(cfg.rendezvous_host):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     try:
@@ -228,14 +260,14 @@ def torchrun(cfg: LaunchConfig, program: list[str], module: bool = False) -> int
         args.training_script_args = list(program[1:])
         trun.run(args)
     except ChildFailedError as e:
-        line, rc = _failure_line(e)
+        line, rc = _failure_line(e, prefix)
         print(line, file=sys.stderr, flush=True)
         return rc
     except (RendezvousError, DistError) as e:  # DistError: the TCP store cannot bind, connect or time out
-        print(f"{_PREFIX} rendezvous at {cfg.rendezvous_host} failed: {type(e).__name__}: {_one_line(e)}",
+        print(f"{prefix} rendezvous at {cfg.rendezvous_host} failed: {type(e).__name__}: {_one_line(e)}",
               file=sys.stderr, flush=True)
         return 1
     except SignalException as e:
-        print(f"{_PREFIX} stopped by {e.sigval.name}; workers were terminated", file=sys.stderr, flush=True)
+        print(f"{prefix} stopped by {e.sigval.name}; workers were terminated", file=sys.stderr, flush=True)
         return 128 + int(e.sigval)
     return 0
