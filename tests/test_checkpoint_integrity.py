@@ -179,6 +179,23 @@ def test_resume_with_no_checkpoint_is_an_error(tmp_path):
     assert_one_clean_line(str(e.value))
 
 
+def test_named_checkpoint_file_is_verified_too(tmp_path):
+    pt = paratrain.Parallel(strategy="single", global_batch=4, seed=1)
+    model = pt.setup(nn.Linear(3, 2))
+    path = pt.save_checkpoint(str(tmp_path), model, None)
+    flip_bit(path, random.Random(5))
+    with pytest.raises(CheckpointError, match="SHA-256") as e:
+        pt.load_checkpoint(str(path), model)
+    assert_one_clean_line(str(e.value))
+    pt.close()
+
+
+def test_a_failed_write_leaves_no_temporary_file(tmp_path):
+    with pytest.raises(Exception):
+        write_checkpoint(tmp_path, 1, {"f": lambda: 0})  # torch.save cannot pickle a lambda
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.timeout(200)
 def test_cli_resume_with_no_good_checkpoint_fails_in_one_line(tmp_path):
     common = ["train", "--strategy", "single", "--max-steps", "2", "--checkpoint-every", "1", "--no-progress",

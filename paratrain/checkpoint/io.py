@@ -77,10 +77,14 @@ def _write_atomic(path: Path, write: Callable[[IO[bytes]], Any]) -> None:
     """``write(f)`` into ``path.tmp-<pid>``, fsync, rename over ``path``: all or nothing."""
     tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
     crash_after = int(os.environ.get("PARATRAIN_TEST_CRASH_AFTER_BYTES", "-1"))
-    with open(tmp, "wb") as f:
-        write(_CrashAfter(f, crash_after) if crash_after >= 0 else f)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(tmp, "wb") as f:
+            write(_CrashAfter(f, crash_after) if crash_after >= 0 else f)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:  # e.g. an object torch.save cannot serialize: leave nothing behind
+        tmp.unlink(missing_ok=True)
+        raise
     os.replace(tmp, path)
     _fsync_dir(path.parent)
 
