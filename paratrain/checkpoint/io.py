@@ -1,36 +1,45 @@
-"""Atomic checkpoint files, a ``latest`` pointer, and loading that never executes pickled code.
+"""Atomic checkpoint files with SHA-256 digests, a ``latest`` pointer, and loading that never
+executes pickled code.
 
 Layout of a checkpoint directory::
 
-    step-00000040.pt    # written as .tmp, fsync'd, renamed: never seen half-written
+    step-00000040.pt      # streamed by torch.save to a temporary name, fsync'd, renamed
+    step-00000040.dcp/    # fsdp/tensor/pipeline: every rank's shards (see sharded.py)
+    step-00000040.sha256  # digests of all the files above, written after them
     step-00000080.pt
-    latest              # the name of the newest complete checkpoint, replaced last
+    step-00000080.sha256
+    latest                # the name of the newest complete checkpoint, replaced last
 
-A crash during a write leaves only a ``.tmp`` file behind, which is never loaded; ``latest``
-still names the previous complete checkpoint.
+Every file is written as ``<name>.tmp-<pid>`` and renamed, so a crash leaves only temporary
+files behind (removed by the next save), and ``latest`` still names the previous checkpoint.
+Loading checks a checkpoint's files against its manifest before torch reads them, reads the
+``.pt`` with ``weights_only=True`` and DCP metadata with an unpickler that builds only metadata
+(:mod:`.safe_dcp`); a checkpoint that fails any of this is reported in one line and the next
+older one is tried.
 """
 
 from __future__ import annotations
 
-import io
 import os
-import pickle
 import re
 import shutil
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 
-__all__ = ["CheckpointError", "save_file", "load_file", "write_checkpoint", "load_latest", "list_checkpoints"]
+from .errors import CheckpointError, load_error
+from .manifest import SUFFIX, file_digest, format_manifest, verify_manifest
+
+__all__ = ["CheckpointError", "save_file", "load_file", "write_checkpoint", "load_latest", "list_checkpoints",
+           "verify_checkpoint"]
 
 _NAME = re.compile(r"^step-(\d{8,})\.pt$")
+_LEFTOVER = re.compile(r"^(step-\d{8,}\.(pt|sha256)|latest)\.tmp-\d+$")  # a killed writer's temporary file
+_LEFTOVER_DIR = re.compile(r"^step-\d{8,}\.dcp\.(tmp|old)$")  # a killed save_sharded's directory
 LATEST = "latest"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used: missing, truncated, corrupt, or holding pickled code."""
 
 
 def _fsync_dir(path: Path) -> None:
@@ -44,27 +53,46 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
-    # Test hook: die after writing this many bytes, as a killed writer would.
-    crash_after = int(os.environ.get("PARATRAIN_TEST_CRASH_AFTER_BYTES", "-1"))
-    with open(tmp, "wb") as f:
-        if 0 <= crash_after < len(data):
-            f.write(data[:crash_after])
-            f.flush()
+class _CrashAfter:
+    """Test hook (``PARATRAIN_TEST_CRASH_AFTER_BYTES``): the writer dies after that many bytes,
+    as a killed process would."""
+
+    def __init__(self, f: IO[bytes], limit: int) -> None:
+        self.f, self.left = f, limit
+
+    def write(self, data: Any) -> int:
+        data = memoryview(data).cast("B")
+        if len(data) > self.left:
+            self.f.write(data[: self.left])
+            self.f.flush()
             os._exit(137)
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+        self.left -= len(data)
+        return self.f.write(data)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def _write_atomic(path: Path, write: Callable[[IO[bytes]], Any]) -> None:
+    """``write(f)`` into ``path.tmp-<pid>``, fsync, rename over ``path``: all or nothing."""
+    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
+    crash_after = int(os.environ.get("PARATRAIN_TEST_CRASH_AFTER_BYTES", "-1"))
+    try:
+        with open(tmp, "wb") as f:
+            write(_CrashAfter(f, crash_after) if crash_after >= 0 else f)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:  # e.g. an object torch.save cannot serialize: leave nothing behind
+        tmp.unlink(missing_ok=True)
+        raise
     os.replace(tmp, path)
     _fsync_dir(path.parent)
 
 
 def save_file(obj: Any, path: str | os.PathLike) -> None:
-    """``torch.save`` to a temporary name, fsync, rename: all or nothing."""
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    _write_atomic(Path(path), buf.getvalue())
+    """``torch.save`` streamed to a temporary name, fsync, rename: all or nothing, and no
+    in-memory copy of the serialized checkpoint."""
+    _write_atomic(Path(path), lambda f: torch.save(obj, f))
 
 
 def load_file(path: str | os.PathLike, map_location: Any = "cpu") -> Any:
@@ -74,17 +102,12 @@ def load_file(path: str | os.PathLike, map_location: Any = "cpu") -> Any:
         raise CheckpointError(f"checkpoint {str(path)!r} does not exist")
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
-    except pickle.UnpicklingError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f"checkpoint {str(path)!r} is refused: it holds objects other than tensors and "
-                              f"plain data (weights_only load: {first})") from None
-    except (RuntimeError, EOFError, OSError, ValueError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f"checkpoint {str(path)!r} is truncated or corrupt: {first}") from None
+    except Exception as e:  # torch's loader raises anything from EOFError to IndexError on a bad file
+        raise load_error(f"checkpoint {str(path)!r}", e) from None
 
 
 def list_checkpoints(directory: str | os.PathLike) -> list[Path]:
-    """Complete checkpoints in ``directory``, oldest first."""
+    """Checkpoints in ``directory`` (their ``.pt`` files), oldest first."""
     d = Path(directory)
     if not d.is_dir():
         return []
@@ -92,35 +115,107 @@ def list_checkpoints(directory: str | os.PathLike) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def write_checkpoint(directory: str | os.PathLike, step: int, obj: Any, keep: int = 3) -> Path:
-    """Write ``step-XXXXXXXX.pt`` atomically, point ``latest`` at it, keep the newest ``keep``."""
+def _step(path: Path) -> int:
+    return int(_NAME.match(path.name).group(1))
+
+
+def _parts(path: Path) -> tuple[Path, Path]:
+    """A checkpoint's shard directory and manifest, beside its ``.pt`` file."""
+    return path.with_suffix(".dcp"), path.with_suffix(SUFFIX)
+
+
+def _remove(path: Path) -> None:
+    shards, manifest = _parts(path)
+    path.unlink(missing_ok=True)  # first: from here on the checkpoint is not listed any more
+    shutil.rmtree(shards, ignore_errors=True)
+    manifest.unlink(missing_ok=True)
+
+
+def _remove_leftovers(d: Path) -> None:
+    """Temporary files and directories of a writer that was killed mid-save."""
+    for p in d.iterdir():
+        if _LEFTOVER.match(p.name):
+            p.unlink(missing_ok=True)
+        elif _LEFTOVER_DIR.match(p.name):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def write_checkpoint(directory: str | os.PathLike, step: int, obj: Any, keep: int = 3,
+                     digests: dict[str, str] | None = None) -> Path:
+    """Write ``step-XXXXXXXX.pt`` atomically, then its manifest, then point ``latest`` at it; keep
+    the newest ``keep`` checkpoints up to this step.
+
+    ``digests`` are the SHA-256 digests of the checkpoint's shard files, already written under
+    ``step-XXXXXXXX.dcp/`` (names relative to ``directory``).
+    """
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
+    _remove_leftovers(d)  # called by the one writer, after every rank has finished its shards
     path = d / f"step-{step:08d}.pt"
     save_file(obj, path)
-    _write_atomic(d / LATEST, path.name.encode())  # updated only after the file is complete
-    for old in list_checkpoints(d)[:-keep] if keep > 0 else []:
-        old.unlink(missing_ok=True)
-        shutil.rmtree(old.with_suffix(".dcp"), ignore_errors=True)  # its shards, for sharded strategies
+    digests = {**(digests or {}), path.name: file_digest(path)}
+    _write_atomic(_parts(path)[1], lambda f: f.write(format_manifest(digests)))
+    _write_atomic(d / LATEST, lambda f: f.write(path.name.encode()))  # only once the checkpoint is complete
+    # Checkpoints newer than this one (left by a run this one resumed before) are not counted.
+    older = [p for p in list_checkpoints(d) if _step(p) <= step]
+    for old in older[:-keep] if keep > 0 else []:
+        _remove(old)
     return path
 
 
-def load_latest(directory: str | os.PathLike, map_location: Any = "cpu") -> tuple[Path, Any] | None:
-    """The newest loadable checkpoint in ``directory`` (``None`` if there is none).
+def verify_checkpoint(path: str | os.PathLike) -> None:
+    """Check the checkpoint ``path`` (its ``.pt`` file) before anything of it is loaded: every file
+    against the digests of its manifest, and its DCP metadata (if sharded) with the restricted
+    unpickler. A checkpoint written without a manifest (older paratrain) is loaded unverified,
+    with a warning; the loaders still never run pickled code."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {str(path)!r} does not exist")
+    shards, manifest = _parts(path)
+    if manifest.is_file():
+        verify_manifest(manifest, path, shards)
+    else:
+        warnings.warn(f"checkpoint {str(path)!r} has no manifest {manifest.name!r}: its files cannot be checked "
+                      "for corruption", stacklevel=3)
+    if shards.is_dir():
+        if not (shards / ".metadata").is_file():
+            raise CheckpointError(f"checkpoint {str(path)!r} is incomplete: {shards.name}/.metadata is missing")
+        from .safe_dcp import read_metadata  # torch.distributed.checkpoint: 2 s to import, only when sharded
 
-    ``latest`` is tried first; a checkpoint that is truncated, corrupt or refused is reported in
-    one line and the next older one is used instead.
+        read_metadata(shards / ".metadata")
+
+
+def _candidates(d: Path) -> list[Path]:
+    """The checkpoint ``latest`` names first, then the older ones, newest first."""
+    candidates = list(reversed(list_checkpoints(d)))
+    try:
+        named = d / (d / LATEST).read_bytes().decode("ascii").strip()
+    except (OSError, UnicodeDecodeError, ValueError):
+        return candidates  # no pointer, or a garbled one: every checkpoint, newest first
+    if named in candidates:  # newer ones than latest were never completed
+        candidates = [named] + [c for c in candidates if _step(c) < _step(named)]
+    return candidates
+
+
+def load_latest(directory: str | os.PathLike, map_location: Any = "cpu") -> tuple[Path, Any] | None:
+    """The newest good checkpoint in ``directory``; ``None`` if it holds none at all.
+
+    ``latest`` is tried first; a checkpoint that fails its digests, is truncated, corrupt or
+    refused is reported in one line and the next older one is tried. Raises
+    :class:`CheckpointError` when there are checkpoints but none is good.
     """
     d = Path(directory)
-    candidates = list(reversed(list_checkpoints(d)))
-    pointer = d / LATEST
-    if pointer.is_file():
-        named = d / pointer.read_text().strip()
-        if named in candidates:  # try the pointed-to checkpoint first, then older ones
-            candidates = [named] + [c for c in candidates if c != named and c.name < named.name]
-    for path in candidates:
+    failures = []
+    for path in _candidates(d):
         try:
-            return path, load_file(path, map_location)
+            verify_checkpoint(path)
+            found = path, load_file(path, map_location)
         except CheckpointError as e:
-            warnings.warn(f"{e}; falling back to an older checkpoint", stacklevel=2)
+            failures.append(str(e))
+            continue
+        for failure in failures:  # reported once a good one is found: else the error below says it all
+            warnings.warn(f"{failure}; using an older checkpoint", stacklevel=2)
+        return found
+    if failures:
+        raise CheckpointError(f"no good checkpoint in {str(d)!r}: " + "; ".join(failures))
     return None

@@ -13,7 +13,8 @@ parameters (pipeline stages) never write or read each other's entries. Layout::
         __0_0.distcp # rank 0's shards, __1_0.distcp rank 1's...
         extra.json   # the caller's small plain data (step...), written by rank 0
 
-``path`` must be on a filesystem every rank sees.
+``path`` must be on a filesystem every rank sees. Loading never runs pickled code: ``.metadata``
+and non-tensor entries are read by the restricted loaders of :mod:`.safe_dcp`.
 """
 
 from __future__ import annotations
@@ -26,6 +27,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from .errors import CheckpointError
+from .manifest import file_digest
+from .safe_dcp import SafeFileSystemReader, SafeLoadPlanner, read_metadata
 
 __all__ = ["save_sharded", "load_sharded", "full_state_dict"]
 
@@ -90,12 +95,28 @@ def _state(model: nn.Module, optimizer: Any) -> dict[str, Any]:
     return {"model": model_state, "optim": optim_state}
 
 
+def _digests(path: str) -> dict[str, str]:
+    """SHA-256 of every file under ``path``, hashed by all ranks in parallel (each a share of the
+    files); the whole map on rank 0, ``{}`` elsewhere."""
+    files = sorted(os.path.relpath(os.path.join(root, name), path)
+                   for root, _, names in os.walk(path) for name in names)
+    rank, world = (dist.get_rank(), dist.get_world_size()) if _distributed() else (0, 1)
+    mine = {f: file_digest(os.path.join(path, f)) for f in files[rank::world]}
+    if world == 1:
+        return mine
+    parts: list[Any] = [None] * world if rank == 0 else []
+    dist.gather_object(mine, parts if rank == 0 else None, dst=0)
+    return {f: d for part in parts for f, d in part.items()} if rank == 0 else {}
+
+
 def save_sharded(path: str | os.PathLike, model: nn.Module, optimizer: Any = None,
-                 extra: dict[str, Any] | None = None) -> None:
+                 extra: dict[str, Any] | None = None) -> dict[str, str]:
     """Write ``model`` (and ``optimizer``) state as a DCP checkpoint directory. Call on all ranks.
 
     ``extra`` is small JSON-serializable data (step, config...). The directory appears complete or
-    not at all: it is written as ``path.tmp`` and renamed once every rank has finished.
+    not at all: it is written as ``path.tmp`` and renamed once every rank has finished. Returns,
+    on rank 0, the SHA-256 digest of every file written (names relative to ``path``) for a
+    manifest; ``{}`` on the other ranks.
     """
     import torch.distributed.checkpoint as dcp
 
@@ -119,21 +140,30 @@ def save_sharded(path: str | os.PathLike, model: nn.Module, optimizer: Any = Non
         shutil.rmtree(old, ignore_errors=True)
     if _distributed():
         dist.barrier()  # nobody reads path before it is complete
+    return _digests(path)
 
 
 def load_sharded(path: str | os.PathLike, model: nn.Module, optimizer: Any = None) -> dict[str, Any]:
     """Load a :func:`save_sharded` checkpoint into ``model`` (and ``optimizer``), resharding to this
     run's world size and strategy. Call on all ranks. Returns the saved ``extra``."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
     path = os.fspath(path)
     if not os.path.isfile(os.path.join(path, ".metadata")):
         raise FileNotFoundError(f"{path!r} is not a sharded checkpoint (no .metadata): pass a save_sharded directory")
+    read_metadata(os.path.join(path, ".metadata"))  # refused in one line here, before DCP reads it
     model, optimizer = _unwrap(model, optimizer)
     view = _nonempty_groups(optimizer)
     state = _state(model, view)  # shapes and shardings to load into; DCP fills them in place
-    dcp.load(state, checkpoint_id=path)
+    try:
+        dcp.load(state, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner(path))
+    except CheckpointException as e:  # every rank's traceback: keep the first cause's one line
+        cause = next((exc for exc, _ in e.failures.values() if isinstance(exc, CheckpointError)), None)
+        if cause is None:
+            raise
+        raise CheckpointError(str(cause)) from None
     if optimizer is None:
         set_model_state_dict(model, state["model"], options=_options())
     else:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from .io import CheckpointError, list_checkpoints, load_file, load_latest, write_checkpoint
+from .io import CheckpointError, list_checkpoints, load_file, load_latest, verify_checkpoint, write_checkpoint
 from .rng import rng_state, set_rng_state
 
 if TYPE_CHECKING:
@@ -48,12 +48,13 @@ def save_checkpoint(pt: "Parallel", directory: str | os.PathLike, model: torch.n
                            "save after optimizer.step()")
     optimizer = getattr(optimizer, "optimizer", optimizer)
     rngs = _gather_rng(pt)  # every rank takes part
-    sharded = None
-    if pt.strategy.sharded_state:  # every rank writes its own shards; the .pt file (last) points at them
+    sharded, digests = None, {}
+    if pt.strategy.sharded_state:  # every rank writes its own shards; the .pt file (then the manifest) points at them
         from .sharded import save_sharded
 
         sharded = f"step-{pt.global_step:08d}.dcp"
-        save_sharded(Path(directory) / sharded, model, optimizer)
+        digests = {f"{sharded}/{name}": d for name, d in save_sharded(Path(directory) / sharded, model,
+                                                                      optimizer).items()}
     if not pt.is_main_process:
         return None
     model_state, optim_state = (None, None) if sharded else pt.strategy.checkpoint_state(pt.unwrap(model), optimizer)
@@ -71,32 +72,45 @@ def save_checkpoint(pt: "Parallel", directory: str | os.PathLike, model: torch.n
         "rng": rngs,
         "extra": extra or {},
     }
-    return write_checkpoint(directory, pt.global_step, state, keep=keep)
+    return write_checkpoint(directory, pt.global_step, state, keep=keep, digests=digests)
+
+
+def _pick(source: str | os.PathLike) -> str | None:
+    """The checkpoint file to load: ``source`` itself once verified, or a directory's newest good one."""
+    src = Path(source)
+    if src.is_dir():
+        found = load_latest(src)
+        return str(found[0]) if found else None
+    verify_checkpoint(src)
+    return str(src)
 
 
 def _choose(pt: "Parallel", source: str | os.PathLike) -> str | None:
-    """Rank 0 picks the checkpoint file (newest loadable one of a directory); all ranks agree."""
+    """Rank 0 picks and verifies the checkpoint file; all ranks agree, on an error too."""
     choice: list[Any] = [None]
+    failure = None
     if pt.is_main_process:
-        src = Path(source)
-        if src.is_dir():
-            found = load_latest(src)
-            choice[0] = str(found[0]) if found else None
-        elif src.exists():
-            choice[0] = str(src)
-        else:
-            choice[0] = f"missing:{src}"
+        try:
+            choice[0] = ("ok", _pick(source))
+        except Exception as e:  # the other ranks wait in the broadcast: tell them before raising
+            failure, choice[0] = e, ("error", str(e) if isinstance(e, CheckpointError) else
+                                     f"rank 0 could not choose a checkpoint in {str(source)!r}: {type(e).__name__}")
     if _distributed(pt):
         dist.broadcast_object_list(choice, src=0)
-    if choice[0] and choice[0].startswith("missing:"):
-        raise CheckpointError(f"checkpoint {choice[0][8:]!r} does not exist")
-    return choice[0]
+    if failure is not None:
+        raise failure
+    kind, value = choice[0]
+    if kind == "error":
+        raise CheckpointError(value)
+    return value
 
 
 def load_checkpoint(pt: "Parallel", source: str | os.PathLike, model: torch.nn.Module, optimizer: Any = None,
                     scheduler: Any = None) -> dict[str, Any] | None:
-    """Restore everything from ``source`` (a checkpoint file, or a directory: its newest loadable
-    checkpoint). Returns the checkpoint's ``extra``, or ``None`` when a directory holds none."""
+    """Restore everything from ``source`` (a checkpoint file, or a directory: its newest good
+    checkpoint). Returns the checkpoint's ``extra``, or ``None`` when a directory holds none.
+    Raises :class:`CheckpointError` when ``source`` fails verification, or none of a directory's
+    checkpoints is good."""
     path = _choose(pt, source)
     if path is None:
         return None

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from ..checkpoint import CheckpointError
 from ..config import TrainConfig
 from ..data.augment import augment_for, eval_augment_for
 from ..data.datasets import build_dataset, dataset_info
@@ -91,13 +92,19 @@ def run_training(cfg: TrainConfig) -> dict[str, Any]:
 
 
 def _maybe_resume(pt: Parallel, cfg: TrainConfig, model: Any, optimizer: Any, scheduler: Any) -> int | None:
-    """Load the newest checkpoint when asked to, or automatically after torchrun restarted us."""
+    """Load the newest good checkpoint when asked to, or automatically after torchrun restarted us.
+
+    Checkpoints that are all bad are an error (CheckpointError), never a silent start from
+    scratch. No checkpoint at all is an error for ``--resume``; after a restart it means the
+    group failed before its first checkpoint, and training starts over from step 0."""
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
     if not (cfg.resume or restarted) or cfg.checkpoint_dir is None:
         return None
-    # A restart before the first checkpoint finds no directory yet: start from step 0.
     if not os.path.isdir(cfg.checkpoint_dir) or pt.load_checkpoint(cfg.checkpoint_dir, model, optimizer,
                                                                     scheduler) is None:
+        if not restarted:
+            raise CheckpointError(f"--resume: no checkpoint in {cfg.checkpoint_dir!r}; run without --resume to "
+                                  "start from step 0")
         pt.print(f"paratrain: no checkpoint in {cfg.checkpoint_dir} yet, starting from step 0")
         return None
     pt.print(f"paratrain: resumed from step {pt.global_step} in {cfg.checkpoint_dir}"
