@@ -49,10 +49,11 @@ def test_train_each_strategy(tmp_path: Path, strategy: str) -> None:
     assert result["test_count"] == 359  # every test sample counted once
 
 
-def test_checkpoint_save_and_resume(tmp_path: Path) -> None:
-    first = train(tmp_path, "ddp", "--checkpoint-every", "2")
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])  # a plain checkpoint, and a sharded one through DCP
+def test_checkpoint_save_and_resume(tmp_path: Path, strategy: str) -> None:
+    first = train(tmp_path, strategy, "--checkpoint-every", "2")
     assert first["steps"] == 3
-    resumed = train(tmp_path, "ddp", "--checkpoint-every", "2", "--resume", "--max-steps", "5")
+    resumed = train(tmp_path, strategy, "--checkpoint-every", "2", "--resume", "--max-steps", "5")
     assert resumed["steps"] == 5 and resumed["resumed_from_step"] == 3  # the final checkpoint of the first run
 
 

@@ -79,7 +79,7 @@ def _write_atomic(path: Path, write: Callable[[IO[bytes]], Any]) -> None:
     crash_after = int(os.environ.get("PARATRAIN_TEST_CRASH_AFTER_BYTES", "-1"))
     try:
         with open(tmp, "wb") as f:
-            write(_CrashAfter(f, crash_after) if crash_after >= 0 else f)
+            write(_CrashAfter(f, crash_after) if crash_after >= 0 else f)  # type: ignore[arg-type]
             f.flush()
             os.fsync(f.fileno())
     except BaseException:  # e.g. an object torch.save cannot serialize: leave nothing behind
@@ -116,7 +116,10 @@ def list_checkpoints(directory: str | os.PathLike) -> list[Path]:
 
 
 def _step(path: Path) -> int:
-    return int(_NAME.match(path.name).group(1))
+    m = _NAME.match(path.name)
+    if m is None:
+        raise CheckpointError(f"{str(path)!r} is not named like a checkpoint (step-XXXXXXXX.pt)")
+    return int(m.group(1))
 
 
 def _parts(path: Path) -> tuple[Path, Path]:
