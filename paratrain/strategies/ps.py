@@ -6,8 +6,9 @@ trains like every other rank, so all N processes are workers and the global batc
 N exactly as for ddp. The user's loop is unchanged: ``optimizer.step()`` pushes this rank's
 gradient to the server and loads the parameters it answers with (:class:`ParameterServer`).
 
-The server itself, the sync/async modes and seed 003's *dedicated* layout
-(:func:`run_parameter_server`: rank 0 serves and trains nothing) are in ``ps_server.py``.
+The server itself and the sync/async modes are in :mod:`paratrain.ps.server`; seed 003's
+*dedicated* layout (:func:`run_parameter_server`: rank 0 serves and trains nothing) is in
+:mod:`paratrain.ps.dedicated`.
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ from torch import nn
 
 from ..env.process import Dist
 from .base import Strategy
-from .ps_server import (MODES, SERVER, PSOptions, PSResult, ServerState, abort, call_server, get_server, push_async,
-                        push_sync, run_parameter_server, set_server)
+from ..ps.dedicated import PSResult, run_parameter_server
+from ..ps.server import (MODES, SERVER, PSOptions, ServerState, abort, call_server, get_server, push_async, push_sync,
+                         set_server)
 
 __all__ = ["ParameterServer", "PSOptions", "PSResult", "run_parameter_server", "MODES"]
 

@@ -1,9 +1,6 @@
-"""The parameter server over ``torch.distributed.rpc`` (seed 003), and its dedicated layout.
+"""Seed 003's dedicated parameter-server layout over ``torch.distributed.rpc``.
 
-:class:`ServerState` holds the parameters and the optimizer; the module-level functions below are
-what workers call on it over RPC. Two layouts use it: the ``ps`` strategy behind ``Parallel``
-(``strategies/ps.py``: rank 0 hosts the server and trains too) and, here,
-:func:`run_parameter_server` (seed 003's): rank 0 is a dedicated server that trains nothing, ranks
+:func:`run_parameter_server`: rank 0 is a dedicated server (:mod:`paratrain.ps.server`) that trains nothing, ranks
 1..N-1 are workers, each pulling the parameters, computing a gradient on its shard of the data
 and pushing it back. Every process calls the same function; the launcher is ``paratrain.launch``
 or ``paratrain run`` (torchrun), as for the other strategies::
@@ -37,11 +34,11 @@ A worker that raises tells the server, which fails the waiting workers and raise
 process that dies silently is detected after ``rpc_timeout_s`` without a message.
 """
 
+
 from __future__ import annotations
 
 import contextlib
 import os
-import threading
 import time
 import traceback
 import warnings
@@ -57,33 +54,9 @@ from ..data.loaders import GlobalBatchLoader
 from ..data.sampler import BatchPlan
 from ..env.detect import detect_process
 from ..env.process import seed_everything, select_device
+from .server import SERVER, PSOptions, ServerState, abort, call_server, fetch, finish, push_async, push_sync, set_server
 
-__all__ = ["PSOptions", "PSResult", "ServerState", "run_parameter_server", "MODES", "SERVER",
-           "get_server", "set_server", "call_server", "push_sync", "push_async", "abort"]
-
-MODES = ("sync", "async")
-SERVER = "ps"
-
-
-@dataclass(kw_only=True)
-class PSOptions:
-    """Parameter-server settings."""
-
-    mode: str = "sync"
-    """sync (all workers' gradients averaged, one optimizer step per global batch) or async (each
-    worker's gradient applied on arrival; staleness reported)."""
-    rpc_timeout_s: float = 60.0
-    """Limit on every RPC and on the server's wait for a message: a dead or hung worker fails the job
-    (the rendezvous at startup waits as long as torch's own, for every process to arrive). In sync
-    mode a push waits for the slowest rank's push of the same step, so this must also cover the
-    longest gap between two steps of any rank (an evaluation, a checkpoint write)."""
-
-    def __post_init__(self) -> None:
-        self.mode = str(self.mode).lower()
-        if self.mode not in MODES:
-            raise ValueError(f"ps mode {self.mode!r} is unknown: use one of {', '.join(MODES)}")
-        if not self.rpc_timeout_s > 0:
-            raise ValueError(f"ps rpc_timeout_s {self.rpc_timeout_s} must be positive")
+__all__ = ["PSResult", "run_parameter_server"]
 
 
 @dataclass
@@ -108,132 +81,6 @@ class PSResult:
     """Wall time from the RPC rendezvous to the last update."""
 
 
-class ServerState:
-    """The state behind the RPC functions below; one per server process."""
-
-    def __init__(self, params: list[torch.Tensor], optimizer: torch.optim.Optimizer, workers: int, mode: str,
-                 clip_grad_norm: float | None = None) -> None:
-        self.params = params
-        self.optimizer, self.workers, self.mode, self.clip_grad_norm = optimizer, workers, mode, clip_grad_norm
-        self.lock = threading.Lock()
-        self.version = 0  # optimizer steps applied
-        self.staleness: list[int] = []
-        self.losses: list[float] = []
-        self.slots: dict[int, tuple[Any, float, Any]] = {}  # sync: this step's (grads, loss, hyper) per worker
-        self.pending: torch.futures.Future = torch.futures.Future()  # sync: answer to this step's pushes
-        self.finished: set[int] = set()
-        self.error: str | None = None
-        self.done = threading.Event()
-        self.last_message = time.monotonic()
-
-    def snapshot(self) -> tuple[int, list[torch.Tensor]]:
-        # A copy: the response is serialised after the lock is released, while others may step.
-        return self.version, [p.detach().clone() for p in self.params]
-
-    def apply(self, grads: list[list[torch.Tensor | None]], hyper: list[dict[str, Any]] | None = None) -> None:
-        """Average ``grads`` (one list per worker) into ``.grad``, clip, and take one optimizer step
-        with the param groups' hyperparameters ``hyper`` (the pushing worker's lr...) when given.
-
-        Called under ``lock``. An error here fails the whole job (every waiting worker hears it).
-        """
-        try:
-            for i, p in enumerate(self.params):
-                got = [t for t in (g[i] for g in grads) if t is not None]
-                p.grad = None if not got else torch.stack(got).sum(0).div_(len(grads))
-            if self.clip_grad_norm is not None:
-                torch.nn.utils.clip_grad_norm_(self.params, self.clip_grad_norm)
-            for group, values in zip(self.optimizer.param_groups, hyper or []):
-                group.update(values)
-            self.optimizer.step()
-        except Exception as e:
-            self.fail(f"parameter server: optimizer step {self.version} failed: "
-                      f"{traceback.format_exception_only(type(e), e)[-1].strip()}", locked=True)
-            raise RuntimeError(self.error) from e
-        self.optimizer.zero_grad(set_to_none=True)
-        self.version += 1
-
-    def fail(self, message: str, locked: bool = False) -> None:
-        """Record the job's first error, answer the workers waiting on a sync step with it, stop serving."""
-        with contextlib.nullcontext() if locked else self.lock:
-            if self.error is None:
-                self.error = message
-            if not self.pending.done():
-                # Returned, not set_exception: RPC (torch 2.13) hands an async_execution future's
-                # exception to the caller as a return value anyway; _call raises it.
-                self.pending.set_result(RuntimeError(self.error))
-        self.done.set()
-
-
-_SERVER: ServerState | None = None  # this process's server, if it hosts one (the RPC functions reach it here)
-
-
-def get_server() -> ServerState | None:
-    return _SERVER
-
-
-def set_server(state: ServerState | None) -> None:
-    global _SERVER
-    _SERVER = state
-
-
-def _server() -> ServerState:
-    assert _SERVER is not None, "this process is not the parameter server"
-    _SERVER.last_message = time.monotonic()
-    if _SERVER.error is not None:
-        raise RuntimeError(_SERVER.error)
-    return _SERVER
-
-
-# --- what workers call on the server (module-level functions: RPC sends them by name) ------------
-def _fetch() -> tuple[int, list[torch.Tensor]]:
-    s = _server()
-    with s.lock:
-        return s.snapshot()
-
-
-@rpc.functions.async_execution
-def push_sync(worker: int, version: int, grads: list[torch.Tensor | None], loss: float,
-               hyper: list[dict[str, Any]] | None = None) -> torch.futures.Future:
-    s = _server()
-    with s.lock:
-        answer = s.pending  # resolved by the last worker of this step
-        s.slots[worker] = (grads, loss, hyper)
-        s.staleness.append(s.version - version)
-        if len(s.slots) == s.workers:
-            order = sorted(s.slots)  # deterministic sum, whatever the arrival order
-            # Hyperparameters (lr under a scheduler) are the same on every worker in sync mode: the first's.
-            s.apply([s.slots[w][0] for w in order], s.slots[order[0]][2])  # on error every worker is told (fail)
-            s.losses.append(sum(s.slots[w][1] for w in order) / len(order))
-            s.slots.clear()
-            s.pending = torch.futures.Future()
-            answer.set_result(s.snapshot())
-    return answer
-
-
-def push_async(worker: int, version: int, grads: list[torch.Tensor | None], loss: float,
-                hyper: list[dict[str, Any]] | None = None) -> tuple[int, list[torch.Tensor]]:
-    s = _server()
-    with s.lock:
-        s.staleness.append(s.version - version)
-        s.apply([grads], hyper)
-        s.losses.append(loss)
-        return s.snapshot()
-
-
-def _finish(worker: int) -> None:
-    s = _server()
-    with s.lock:
-        s.finished.add(worker)
-        if len(s.finished) == s.workers:
-            s.done.set()
-
-
-def abort(worker: int, message: str) -> None:
-    assert _SERVER is not None
-    _SERVER.fail(f"parameter server: worker rank {worker} failed: {message}")
-
-
-# --- the entry point -----------------------------------------------------------------------------
 def run_parameter_server(
     model_fn: Callable[[], nn.Module],
     optimizer_fn: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
@@ -282,12 +129,12 @@ def run_parameter_server(
         # shm/ibv need resources containers often lack; uv (TCP) works everywhere.
         _transports=["uv"],
     )
-    global _SERVER
     is_server = info.rank == 0
     seed_everything(seed, offset_by_rank=not is_server)  # the server's init is the reference init
     model = model_fn()
-    if is_server:
-        _SERVER = ServerState(list(model.parameters()), optimizer_fn(model.parameters()), workers, opts.mode)
+    server = ServerState(list(model.parameters()), optimizer_fn(model.parameters()), workers, opts.mode) \
+        if is_server else None
+    set_server(server)
     name = SERVER if is_server else f"worker{info.rank}"
     with warnings.catch_warnings():
         # init_rpc builds a private gloo group for its barrier and warns about its own use of it.
@@ -296,7 +143,8 @@ def run_parameter_server(
     start = time.monotonic()
     try:
         if is_server:
-            result = _serve(_SERVER, opts, info.rank)  # type: ignore[arg-type]
+            assert server is not None
+            result = _serve(server, opts, info.rank)
             result.state_dict = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
         else:
             device = select_device(info.local_rank, accelerator)
@@ -305,12 +153,10 @@ def run_parameter_server(
     except BaseException:
         with contextlib.suppress(Exception):  # keep the original error
             rpc.shutdown(graceful=False)  # local only: the others learn of the failure through their RPCs
-        if is_server:
-            _SERVER = None
+        set_server(None)
         raise
     rpc.shutdown(graceful=True, timeout=opts.rpc_timeout_s)  # waits for every process to get here
-    if is_server:
-        _SERVER = None
+    set_server(None)
     return result
 
 
@@ -342,7 +188,7 @@ def _work(model: nn.Module, dataset: Dataset, plan: BatchPlan, rank: int, device
     loader = GlobalBatchLoader(dataset, plan, rank - 1, device, seed, position=lambda: done)
     result = PSResult(role="worker", rank=rank, mode=opts.mode)
     try:
-        version, values = call_server(_fetch, (), rank, opts)
+        version, values = call_server(fetch, (), rank, opts)
         while done < steps:
             for x, y in loader:  # one epoch from step `done` on; the next iter() is the next epoch
                 with torch.no_grad():
@@ -357,7 +203,7 @@ def _work(model: nn.Module, dataset: Dataset, plan: BatchPlan, rank: int, device
                 done += 1
                 if done == steps:
                     break
-        call_server(_finish, (rank,), rank, opts)
+        call_server(finish, (rank,), rank, opts)
     except Exception as e:
         last = traceback.format_exception_only(type(e), e)[-1].strip()
         with contextlib.suppress(Exception):  # the server may be the one that is gone
@@ -365,24 +211,3 @@ def _work(model: nn.Module, dataset: Dataset, plan: BatchPlan, rank: int, device
         raise
     result.updates = done
     return result
-
-
-def call_server(fn: Callable[..., Any], args: tuple, rank: int, opts: PSOptions) -> Any:
-    """``rpc_sync`` to the server, with one-line errors instead of RPC's multi-line remote tracebacks."""
-    try:
-        out = rpc.rpc_sync(SERVER, fn, args=args)
-    except Exception as e:  # a remote error keeps its type, with the server's traceback in the text
-        text = str(e)
-    else:
-        if isinstance(out, Exception):  # a sync step the server failed (see ServerState.fail)
-            raise out
-        return out
-    ours = [line for line in text.splitlines() if line.startswith("RuntimeError: parameter server:")]
-    if ours:  # the server failed the job (a worker failed, or its optimizer step): pass its reason on
-        raise RuntimeError(ours[-1].removeprefix("RuntimeError: "))
-    if "ran for more than set timeout" in text:
-        wait = " (sync mode: the server waits for every worker's gradient)" if opts.mode == "sync" else ""
-        raise TimeoutError(f"worker rank {rank}: no answer from the parameter server within rpc_timeout_s="
-                           f"{opts.rpc_timeout_s}{wait}: a process died or hangs")
-    first = next((line for line in text.splitlines() if line.strip()), "")
-    raise RuntimeError(f"worker rank {rank}: call to the parameter server failed: {first}")
