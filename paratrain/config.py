@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import sys
 import types
 import typing
 from dataclasses import dataclass, field
@@ -285,7 +286,10 @@ def load_config(path: str | os.PathLike | None) -> dict[str, Any]:
         with open(path) as f:
             data = yaml.safe_load(f) or {}
     else:
-        import tomllib
+        if sys.version_info >= (3, 11):
+            import tomllib
+        else:  # pragma: no cover - Python 3.10: the same parser, from PyPI
+            import tomli as tomllib
 
         with open(path, "rb") as f:
             try:

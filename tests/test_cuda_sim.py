@@ -361,10 +361,10 @@ def test_parallel_accelerator_cuda_on_cuda_build_without_gpu(cuda_no_gpu, fake_g
 # --- strategies --------------------------------------------------------------------------------------
 
 def test_ddp_on_cuda_passes_the_device(two_gpus, fake_ddp):
-    from paratrain.strategies.ddp import DDPOptions, DistributedDataParallel
+    from paratrain.strategies.ddp import DDPOptions, DDPStrategy
 
     net = mlp()
-    s = DistributedDataParallel(dist_info(cuda(1), rank=1, world=2), options=DDPOptions(comm_hook="fp16"))
+    s = DDPStrategy(dist_info(cuda(1), rank=1, world=2), options=DDPOptions(comm_hook="fp16"))
     wrapped = s.wrap(net)
     assert isinstance(wrapped, fake_ddp) and wrapped.module is net
     assert wrapped.kwargs["device_ids"] == [1]
@@ -374,35 +374,35 @@ def test_ddp_on_cuda_passes_the_device(two_gpus, fake_ddp):
 
 
 def test_ddp_setup_model_moves_to_the_device(two_gpus, fake_ddp, fake_to):
-    from paratrain.strategies.ddp import DistributedDataParallel
+    from paratrain.strategies.ddp import DDPStrategy
 
     net = mlp()
-    DistributedDataParallel(dist_info(cuda(1), rank=1, world=2)).setup_model(net)
+    DDPStrategy(dist_info(cuda(1), rank=1, world=2)).setup_model(net)
     assert fake_to == [(net, cuda(1))]
     assert fake_ddp.made[0].kwargs["device_ids"] == [1]
 
 
 def test_ddp_on_cpu_has_no_device_ids(cuda_no_gpu, fake_ddp):
-    from paratrain.strategies.ddp import DistributedDataParallel
+    from paratrain.strategies.ddp import DDPStrategy
 
-    wrapped = DistributedDataParallel(dist_info(CPU, rank=1, world=2)).wrap(mlp())
+    wrapped = DDPStrategy(dist_info(CPU, rank=1, world=2)).wrap(mlp())
     assert wrapped.kwargs["device_ids"] is None
 
 
 def test_ddp_world_of_one_does_not_wrap(one_gpu, fake_ddp):
-    from paratrain.strategies.ddp import DistributedDataParallel
+    from paratrain.strategies.ddp import DDPStrategy
 
     net = mlp()
-    assert DistributedDataParallel(dist_info(cuda(0))).wrap(net) is net and fake_ddp.made == []
+    assert DDPStrategy(dist_info(cuda(0))).wrap(net) is net and fake_ddp.made == []
 
 
 @pytest.mark.parametrize("precision, dtype", [("32", None), ("bf16-mixed", torch.bfloat16),
                                               ("fp16-mixed", torch.float16), ("bf16-true", torch.bfloat16)])
 def test_dp_wraps_over_every_gpu(two_gpus, fake_dp, precision, dtype):
-    from paratrain.strategies.dp import DataParallel, ReplicaAutocast
+    from paratrain.strategies.dp import DataParallelStrategy, ReplicaAutocast
 
     net = mlp()
-    s = DataParallel(dist_info(cuda(0)))
+    s = DataParallelStrategy(dist_info(cuda(0)))
     s.precision = precision  # what Parallel sets
     wrapped = s.wrap(net)
     assert isinstance(wrapped, fake_dp)
@@ -417,20 +417,20 @@ def test_dp_wraps_over_every_gpu(two_gpus, fake_dp, precision, dtype):
 
 
 def test_dp_puts_the_process_device_first(two_gpus, fake_dp):
-    from paratrain.strategies.dp import DataParallel
+    from paratrain.strategies.dp import DataParallelStrategy
 
-    assert DataParallel(dist_info(cuda(1), local_rank=1)).wrap(mlp()).kwargs["device_ids"] == [1, 0]
+    assert DataParallelStrategy(dist_info(cuda(1), local_rank=1)).wrap(mlp()).kwargs["device_ids"] == [1, 0]
 
 
 @pytest.mark.parametrize("sim", ["one_gpu", "cuda_no_gpu"])
 def test_dp_with_fewer_than_two_gpus_is_the_plain_module(request, fake_dp, sim):
-    from paratrain.strategies.dp import DataParallel
+    from paratrain.strategies.dp import DataParallelStrategy
 
     request.getfixturevalue(sim)
     net = mlp()
     device = cuda(0) if sim == "one_gpu" else CPU
     with pytest.warns(UserWarning, match="DataParallel would change nothing"):
-        assert DataParallel(dist_info(device)).wrap(net) is net
+        assert DataParallelStrategy(dist_info(device)).wrap(net) is net
     assert fake_dp.made == []
 
 
@@ -451,7 +451,7 @@ def test_dp_replicas_compute_in_the_precision_dtype(two_gpus, fake_dp, threads_a
     from torch.nn.parallel import parallel_apply
 
     import paratrain.precision as precision_lib
-    from paratrain.strategies.dp import DataParallel
+    from paratrain.strategies.dp import DataParallelStrategy
 
     seen: list[tuple[bool, torch.dtype]] = []
 
@@ -460,7 +460,7 @@ def test_dp_replicas_compute_in_the_precision_dtype(two_gpus, fake_dp, threads_a
             seen.append((torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")))
             return x
 
-    s = DataParallel(dist_info(cuda(0)))
+    s = DataParallelStrategy(dist_info(cuda(0)))
     s.precision = precision
     replica = s.wrap(Probe()).module  # what DataParallel replicates onto each GPU
     with precision_lib.build(precision, cuda(0)).forward_context():  # what ParallelModule.forward enters
@@ -521,10 +521,10 @@ def fake_fully_shard(monkeypatch):
 
 @pytest.mark.parametrize("precision", ["32", "bf16-mixed"])
 def test_fsdp_mesh_is_cuda(two_gpus, fake_mesh, fake_fully_shard, capsys, precision):
-    from paratrain.strategies.fsdp import FullyShardedDataParallel
+    from paratrain.strategies.fsdp import FSDPStrategy
 
     net = mlp()
-    s = FullyShardedDataParallel(dist_info(cuda(1), rank=1, world=2))
+    s = FSDPStrategy(dist_info(cuda(1), rank=1, world=2))
     s.precision = precision
     assert s.wrap(net) is net
     (mesh,) = fake_mesh
@@ -536,29 +536,29 @@ def test_fsdp_mesh_is_cuda(two_gpus, fake_mesh, fake_fully_shard, capsys, precis
 
 
 def test_fsdp_mesh_on_cuda_build_without_gpu_is_cpu(cuda_no_gpu, fake_mesh, fake_fully_shard, capsys):
-    from paratrain.strategies.fsdp import FullyShardedDataParallel
+    from paratrain.strategies.fsdp import FSDPStrategy
 
-    FullyShardedDataParallel(dist_info(CPU, rank=0, world=2)).wrap(mlp())
+    FSDPStrategy(dist_info(CPU, rank=0, world=2)).wrap(mlp())
     assert fake_mesh[0].device_type == "cpu"
 
 
 @pytest.mark.parametrize("tp_size, shape", [(None, (1, 2)), (1, (2, 1))])
 def test_tensor_mesh_is_cuda(two_gpus, fake_mesh, tp_size, shape):
-    from paratrain.strategies.tensor import TensorOptions, TensorParallel
+    from paratrain.strategies.tensor import TensorOptions, TensorParallelStrategy
 
-    s = TensorParallel(dist_info(cuda(1), rank=1, world=2), options=TensorOptions(tp_size=tp_size))
+    s = TensorParallelStrategy(dist_info(cuda(1), rank=1, world=2), options=TensorOptions(tp_size=tp_size))
     mesh = s.mesh
     assert (mesh.device_type, mesh.shape, mesh.names) == ("cuda", shape, ("dp", "tp"))
 
 
 def test_tensor_parallelizes_over_the_cuda_tp_mesh(two_gpus, fake_mesh, monkeypatch, capsys):
-    from paratrain.strategies.tensor import TensorParallel
+    from paratrain.strategies.tensor import TensorParallelStrategy
 
     calls = []
     monkeypatch.setattr(torch.distributed.tensor.parallel, "parallelize_module",
                         lambda module, mesh, plan: calls.append((module, mesh, plan)) or module)
     net = mlp()
-    assert TensorParallel(dist_info(cuda(0), rank=0, world=2)).wrap(net) is net
+    assert TensorParallelStrategy(dist_info(cuda(0), rank=0, world=2)).wrap(net) is net
     (module, mesh, plan), = calls
     assert module is net and (mesh.device_type, mesh.names, mesh.shape) == ("cuda", ("tp",), (2,))
     assert sorted(plan) == ["0", "2"]
@@ -566,7 +566,7 @@ def test_tensor_parallelizes_over_the_cuda_tp_mesh(two_gpus, fake_mesh, monkeypa
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_pipeline_stage_lives_on_the_process_device(two_gpus, fake_to, monkeypatch, schedule):
-    from paratrain.strategies.pipeline import Pipeline, PipelineModule, PipelineOptions
+    from paratrain.strategies.pipeline import PipelineStrategy, PipelineModule, PipelineOptions
 
     stages, schedules = [], []
 
@@ -582,7 +582,7 @@ def test_pipeline_stage_lives_on_the_process_device(two_gpus, fake_to, monkeypat
     monkeypatch.setattr(torch.distributed.pipelining, "ScheduleGPipe", type("ScheduleGPipe", (Schedule,), {}))
     monkeypatch.setattr(torch.distributed.pipelining, "Schedule1F1B", type("Schedule1F1B", (Schedule,), {}))
     net = mlp()
-    s = Pipeline(dist_info(cuda(1), rank=1, world=2), options=PipelineOptions(schedule=schedule, n_microbatches=2))
+    s = PipelineStrategy(dist_info(cuda(1), rank=1, world=2), options=PipelineOptions(schedule=schedule, n_microbatches=2))
     pipe = s.setup_model(net)
     assert isinstance(pipe, PipelineModule) and pipe.device == cuda(1) and pipe.index == 1
     assert fake_to == [(pipe.module, cuda(1))]  # only this rank's stage goes to its GPU
@@ -593,12 +593,12 @@ def test_pipeline_stage_lives_on_the_process_device(two_gpus, fake_to, monkeypat
 
 
 def test_devices_default_to_every_gpu(two_gpus, fake_to):
-    from paratrain.strategies.devices import Devices, DeviceSplit, default_devices
+    from paratrain.strategies.devices import DevicesStrategy, DeviceSplit, default_devices
 
     assert default_devices(cuda(0)) == ["cuda:0", "cuda:1"]
     assert default_devices(CPU) == ["cpu", "cpu"]  # accelerator=cpu on a GPU machine
     net = mlp()
-    split = Devices(dist_info(cuda(0))).setup_model(net)
+    split = DevicesStrategy(dist_info(cuda(0))).setup_model(net)
     assert isinstance(split, DeviceSplit)
     assert split.devices == [cuda(0), cuda(1)] and split.output_device == cuda(0)
     assert [d for _, d in fake_to] == [cuda(0), cuda(1)]
@@ -618,10 +618,10 @@ def test_devices_cuda_build_without_gpu(cuda_no_gpu):
 
 
 def test_ps_moves_the_model_to_the_device(two_gpus, fake_to):
-    from paratrain.strategies.ps import ParameterServer
+    from paratrain.strategies.ps import ParameterServerStrategy
 
     net = mlp()
-    assert ParameterServer(dist_info(cuda(1), rank=1, world=2)).setup_model(net) is net
+    assert ParameterServerStrategy(dist_info(cuda(1), rank=1, world=2)).setup_model(net) is net
     assert fake_to == [(net, cuda(1))]
 
 

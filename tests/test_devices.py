@@ -10,7 +10,7 @@ from paratrain.config import ParallelConfig
 from paratrain.env.base import ProcessInfo
 from paratrain.env.process import Dist
 from paratrain.models import MLP
-from paratrain.strategies.devices import Devices, DeviceSplit, DevicesOptions, default_devices
+from paratrain.strategies.devices import DevicesStrategy, DeviceSplit, DevicesOptions, default_devices
 
 N, GLOBAL_BATCH, SEED, LR = 96, 16, 4, 0.05  # 6 optimizer steps
 
@@ -66,7 +66,7 @@ def test_devices_matches_single_process_reference():
 
 
 def strategy(**options):
-    return Devices(Dist(ProcessInfo(), torch.device("cpu"), None), options=DevicesOptions(**options))
+    return DevicesStrategy(Dist(ProcessInfo(), torch.device("cpu"), None), options=DevicesOptions(**options))
 
 
 def test_forward_moves_activations_into_each_part(monkeypatch):
@@ -106,5 +106,5 @@ def test_bad_options():
     with pytest.raises(ValueError, match="MLP.forward is not its top-level children called in order"):
         strategy().setup_model(MLP(12, 8, 4, log_softmax=True))(torch.randn(2, 1, 3, 4))  # log_softmax outside the children
     with pytest.raises(ValueError, match="runs in one process but WORLD_SIZE=2"):
-        Devices(Dist(ProcessInfo(rank=0, world_size=2), torch.device("cpu"), "gloo"))
+        DevicesStrategy(Dist(ProcessInfo(rank=0, world_size=2), torch.device("cpu"), "gloo"))
     assert ParallelConfig(strategy="devices", devices={"devices": ["cpu", "cpu"]}).devices.devices == ["cpu", "cpu"]

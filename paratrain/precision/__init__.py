@@ -5,7 +5,7 @@ name        alias           what it does
 ==========  ==============  ==============================================================
 ``32``      ``O0``          fp32 everywhere (TF32 off)
 ``tf32``                    fp32 weights, TF32 matmuls on Ampere+ GPUs
-``fp16-mixed`` ``O1``, ``O2``, ``16-mixed``  autocast fp16 + dynamic (or static) loss scaling
+``fp16-mixed`` ``O1``, ``16-mixed``  autocast fp16 + dynamic (or static) loss scaling
 ``bf16-mixed`` ``bf16``     autocast bf16, no scaling needed
 ``bf16-true``               bf16 weights/activations/gradients, fp32 master weights + optimizer
 ``fp16-true``  ``O2``, ``O3``  fp16 weights/activations/gradients, fp32 master weights, loss scaling

@@ -6,27 +6,27 @@ from typing import Any
 
 from ..env.process import Dist
 from .base import Strategy
-from .ddp import DDPOptions, DistributedDataParallel
-from .devices import Devices, DevicesOptions
-from .dp import DataParallel
-from .fsdp import FSDPOptions, FullyShardedDataParallel
-from .pipeline import Pipeline, PipelineOptions
-from .ps import ParameterServer, PSOptions
-from .single import SingleDevice
-from .tensor import TensorOptions, TensorParallel
+from .ddp import DDPOptions, DDPStrategy
+from .devices import DevicesStrategy, DevicesOptions
+from .dp import DataParallelStrategy
+from .fsdp import FSDPOptions, FSDPStrategy
+from .pipeline import PipelineStrategy, PipelineOptions
+from .ps import ParameterServerStrategy, PSOptions
+from .single import SingleDeviceStrategy
+from .tensor import TensorOptions, TensorParallelStrategy
 
 __all__ = ["Strategy", "STRATEGIES", "DDPOptions", "FSDPOptions", "TensorOptions", "PipelineOptions",
            "DevicesOptions", "PSOptions", "build", "resolve"]
 
 STRATEGIES: dict[str, type[Strategy]] = {
-    "single": SingleDevice,
-    "dp": DataParallel,
-    "ddp": DistributedDataParallel,
-    "fsdp": FullyShardedDataParallel,
-    "tensor": TensorParallel,
-    "pipeline": Pipeline,
-    "devices": Devices,
-    "ps": ParameterServer,
+    "single": SingleDeviceStrategy,
+    "dp": DataParallelStrategy,
+    "ddp": DDPStrategy,
+    "fsdp": FSDPStrategy,
+    "tensor": TensorParallelStrategy,
+    "pipeline": PipelineStrategy,
+    "devices": DevicesStrategy,
+    "ps": ParameterServerStrategy,
 }
 
 

@@ -49,7 +49,7 @@ class DDPOptions:
             raise ValueError(f"ddp powersgd_rank {self.powersgd_rank} must be at least 1")
 
 
-class DistributedDataParallel(Strategy):
+class DDPStrategy(Strategy):
     name = "ddp"
 
     def __init__(self, dist_info: Dist, sync_batchnorm: bool = False, options: DDPOptions | None = None) -> None:

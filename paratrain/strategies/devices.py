@@ -24,7 +24,7 @@ from ..env.process import Dist
 from ._split import check_sequential, is_plain_sequential, parse_split_points, split_model
 from .base import Strategy
 
-__all__ = ["DevicesOptions", "DeviceSplit", "Devices", "default_devices"]
+__all__ = ["DevicesOptions", "DeviceSplit", "DevicesStrategy", "default_devices"]
 
 
 @dataclass(kw_only=True)
@@ -80,7 +80,7 @@ class DeviceSplit(nn.Module):
         return x.to(self.output_device)
 
 
-class Devices(Strategy):
+class DevicesStrategy(Strategy):
     name = "devices"
     processes = "one"
 

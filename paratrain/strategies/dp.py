@@ -21,7 +21,7 @@ from torch import nn
 from ..precision import PRECISIONS
 from .base import Strategy
 
-__all__ = ["DataParallel", "ReplicaAutocast"]
+__all__ = ["DataParallelStrategy", "ReplicaAutocast"]
 
 
 class ReplicaAutocast(nn.Module):
@@ -39,7 +39,7 @@ class ReplicaAutocast(nn.Module):
             return self.module(*args, **kwargs)
 
 
-class DataParallel(Strategy):
+class DataParallelStrategy(Strategy):
     name = "dp"
     processes = "one"
 

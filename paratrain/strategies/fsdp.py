@@ -25,7 +25,7 @@ from ..env.process import Dist
 from .base import Strategy
 
 __all__ = [
-    "FSDPOptions", "FullyShardedDataParallel", "shard_model", "mixed_precision_policy",
+    "FSDPOptions", "FSDPStrategy", "shard_model", "mixed_precision_policy",
     "parameter_bytes", "ParameterSwap", "clip_grad_norm_",
 ]
 
@@ -192,7 +192,7 @@ def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2.0) ->
     return total
 
 
-class FullyShardedDataParallel(Strategy):
+class FSDPStrategy(Strategy):
     name = "fsdp"
     collective_forward = True
     sharded_state = True

@@ -18,9 +18,9 @@ is off because it divides *all* of ``.grad`` after the step, which would also sh
 accumulated in earlier micro-steps (torch 2.13).
 
 Parameters and checkpoints: every rank holds the whole model, but only its stage is moved to
-the device and trained: :meth:`Pipeline.setup_optimizer` keeps only the stage's parameters in
+the device and trained: :meth:`PipelineStrategy.setup_optimizer` keeps only the stage's parameters in
 the optimizer's groups. ``ParallelModule.state_dict()`` is therefore meaningful only for this
-rank's stage; :meth:`Pipeline.full_state_dict` gathers the trained model on every rank.
+rank's stage; :meth:`PipelineStrategy.full_state_dict` gathers the trained model on every rank.
 Checkpoints go through ``torch.distributed.checkpoint`` like fsdp's: each rank writes its
 stage's parameters and optimizer state under the user's parameter names, so a pipeline
 checkpoint loads into a pipeline of another depth, or into ddp/single/fsdp, and back.
@@ -42,7 +42,7 @@ from ..env.process import Dist
 from ._split import check_sequential, parse_split_points, split_model
 from .base import Strategy
 
-__all__ = ["PipelineOptions", "Pipeline", "PipelineModule"]
+__all__ = ["PipelineOptions", "PipelineStrategy", "PipelineModule"]
 
 SCHEDULES = ("gpipe", "1f1b")
 
@@ -173,7 +173,7 @@ class PipelineModule(nn.Module):
         return out if self.is_last else None
 
 
-class Pipeline(Strategy):
+class PipelineStrategy(Strategy):
     name = "pipeline"
     collective_forward = True
     sharded_state = True  # each rank checkpoints its stage through DCP

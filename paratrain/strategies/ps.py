@@ -4,7 +4,7 @@ Through ``Parallel`` (``strategy="ps"``, ``fit``, ``paratrain train --strategy p
 *colocated*: rank 0 holds the parameters and the optimizer in its RPC threads and its main thread
 trains like every other rank, so all N processes are workers and the global batch is split over
 N exactly as for ddp. The user's loop is unchanged: ``optimizer.step()`` pushes this rank's
-gradient to the server and loads the parameters it answers with (:class:`ParameterServer`).
+gradient to the server and loads the parameters it answers with (:class:`ParameterServerStrategy`).
 
 The server itself and the sync/async modes are in :mod:`paratrain.ps.server`; seed 003's
 *dedicated* layout (:func:`run_parameter_server`: rank 0 serves and trains nothing) is in
@@ -31,7 +31,7 @@ from ..ps.dedicated import PSResult, run_parameter_server
 from ..ps.server import (MODES, SERVER, PSOptions, ServerState, abort, call_server, get_server, push_async, push_sync,
                          set_server)
 
-__all__ = ["ParameterServer", "PSOptions", "PSResult", "run_parameter_server", "MODES"]
+__all__ = ["ParameterServerStrategy", "PSOptions", "PSResult", "run_parameter_server", "MODES"]
 
 
 def _hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
@@ -54,7 +54,7 @@ def _server_optimizer(optimizer: torch.optim.Optimizer, params: list[torch.Tenso
                          f"groups and defaults ({type(e).__name__}: {e}): use a torch.optim optimizer") from None
 
 
-class ParameterServer(Strategy):
+class ParameterServerStrategy(Strategy):
     """``ps`` behind ``Parallel``: every rank trains; rank 0 also serves the parameters over RPC.
 
     ``setup`` starts RPC (its rendezvous address is chosen by rank 0 and sent over the process

@@ -7,7 +7,7 @@ from torch import nn
 from .base import Strategy
 
 
-class SingleDevice(Strategy):
+class SingleDeviceStrategy(Strategy):
     name = "single"
     processes = "one"
 

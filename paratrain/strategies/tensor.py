@@ -22,9 +22,9 @@ import torch.distributed as dist
 from torch import nn
 
 from ..env.process import Dist
-from .fsdp import FSDPOptions, FullyShardedDataParallel, format_bytes, parameter_bytes, shard_model
+from .fsdp import FSDPOptions, FSDPStrategy, format_bytes, parameter_bytes, shard_model
 
-__all__ = ["TensorOptions", "TensorParallel", "auto_plan"]
+__all__ = ["TensorOptions", "TensorParallelStrategy", "auto_plan"]
 
 STYLES = ("colwise", "rowwise")
 
@@ -78,7 +78,7 @@ def auto_plan(model: nn.Module) -> dict[str, str]:
     return plan
 
 
-class TensorParallel(FullyShardedDataParallel):
+class TensorParallelStrategy(FSDPStrategy):
     """DTensor tensor parallelism, with FSDP2 on the dp dimension of a 2-D mesh.
 
     From ``fsdp`` it keeps the in-place wrapping, the optimizer rebuild over DTensor parameters,
