@@ -98,26 +98,20 @@ class ParallelConfig:
         if self.loss_scale is not None and self.precision not in ("fp16-mixed", "fp16-true"):
             raise ValueError(f"loss_scale {self.loss_scale} only applies to precision fp16-mixed or fp16-true, "
                              f"not {self.precision}")
-        if self.precision in _precision.MASTER_WEIGHTS and self.strategy not in ("single", "dp", "ddp", "devices"):
-            hint = ("bf16-mixed/fp16-mixed: FSDP2 already keeps fp32 sharded master weights and computes in low "
-                    "precision" if self.strategy in ("fsdp", "tensor") else "bf16-mixed or 32")
-            raise ValueError(f"precision {self.precision} (low-precision weights with fp32 master copies) is not "
-                             f"supported with strategy {self.strategy}: use {hint}")
-        if self.strategy == "pipeline":
-            self._check_pipeline()
-        if self.strategy == "ps" and self.precision == "fp16-mixed":
-            raise ValueError("precision fp16-mixed is not supported with strategy ps (each rank would skip "
-                             "overflowing steps on its own): use bf16-mixed or 32")
+        self.strategy_class.validate(self)
 
-    def _check_pipeline(self) -> None:
-        if self.precision == "fp16-mixed":
-            raise ValueError("precision fp16-mixed is not supported with strategy pipeline (each stage would skip "
-                             "overflowing steps on its own): use bf16-mixed or 32")
-        # The pipeline is one data-parallel replica: a step's batch is global_batch / accumulation.
-        n, step_batch = self.pipeline.n_microbatches, self.micro_batch or self.global_batch // (self.accumulation or 1)
-        if step_batch % n:
-            raise ValueError(f"pipeline n_microbatches={n} does not divide the batch of {step_batch} samples per step "
-                             f"(global_batch {self.global_batch}): use a global batch that is a multiple of {n}")
+    @property
+    def strategy_class(self) -> type[_strategies.Strategy]:
+        """The class of the configured strategy: ask it what it can do, never compare its name."""
+        return _strategies.resolve(self.strategy)
+
+    def strategy_options(self) -> Any:
+        """The options section of the configured strategy (``self.ddp`` for ddp...), or None."""
+        return getattr(self, self.strategy, None)
+
+    def data_parallel_size(self, world: int) -> int:
+        """Data shards for ``world`` processes under the configured strategy (tensor/pipeline share batches)."""
+        return self.strategy_class.data_parallel_size_for(world, self.strategy_options())
 
 
 @dataclass(kw_only=True)

@@ -96,17 +96,16 @@ def main(args: argparse.Namespace) -> int:
         run_training(cfg)  # we are one worker of a launched job
         return 0
     world = launch.nproc_per_node * launch.min_nodes
+    cfg.parallel.strategy_class.check_world(world)
     _check_machine(cfg)
-    BatchPlan.derive(cfg.parallel.global_batch, world, cfg.parallel.accumulation, cfg.parallel.micro_batch)
+    BatchPlan.derive(cfg.parallel.global_batch, cfg.parallel.data_parallel_size(world), cfg.parallel.accumulation,
+                     cfg.parallel.micro_batch)
     _check_dataset_fits(cfg, world)
     if world == 1 and launch.max_nodes == 1 and launch.max_restarts == 0:
         from ..loop.train import run_training
 
         run_training(cfg)
         return 0
-    if cfg.parallel.strategy in ("single", "dp"):
-        raise ValueError(f"strategy {cfg.parallel.strategy!r} runs in one process, but {world} were asked for: "
-                         "use --strategy ddp or drop --nproc-per-node")
     return torchrun(launch, ["paratrain", *args.argv], module=True, command="train")
 
 

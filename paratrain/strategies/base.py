@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..env.process import Dist
+from ..precision import MASTER_WEIGHTS
 
 __all__ = ["Strategy"]
 
@@ -22,9 +23,13 @@ class Strategy:
     """
 
     name: ClassVar[str] = "base"
-    processes: ClassVar[str] = "any"  # "one" or "any"
+    processes: ClassVar[str] = "any"  # "one": the whole job is one process; "any"
+    drives_all_local_devices: ClassVar[bool] = False  # one process uses every GPU it sees (dp)
     collective_forward: ClassVar[bool] = False  # does forward itself communicate (FSDP, TP, pipeline)?
     sharded_state: ClassVar[bool] = False  # checkpoint through torch.distributed.checkpoint (FSDP, TP)?
+    master_weights: ClassVar[bool] = False  # bf16-true/fp16-true: low-precision model + fp32 masters in the optimizer
+    master_weights_hint: ClassVar[str] = "bf16-mixed or 32"  # what to use instead when master_weights is False
+    local_overflow_skip: ClassVar[bool] = True  # fp16-mixed: can a rank skip an overflowing step without the others?
     precision: str = "32"  # set by Parallel: sharded strategies pick their param/reduce dtypes from it
     max_grad_norm: float | None = None  # set by Parallel (clip_grad_norm): ps clips on its server
 
@@ -33,16 +38,35 @@ class Strategy:
         self.device = dist_info.device
         self.sync_batchnorm = sync_batchnorm
         self.options = options
-        if self.processes == "one" and dist_info.world_size > 1:
-            raise ValueError(
-                f"strategy {self.name!r} runs in one process but WORLD_SIZE={dist_info.world_size}: "
-                "use --strategy ddp, or launch a single process"
-            )
+        self.check_world(dist_info.world_size)
+
+    # --- what the strategy can run (asked before any process starts) -----------------------
+    @classmethod
+    def validate(cls, cfg: Any) -> None:
+        """Refuse a ``ParallelConfig`` this strategy cannot run, in one line naming the fix."""
+        if cfg.precision in MASTER_WEIGHTS and not cls.master_weights:
+            raise ValueError(f"precision {cfg.precision} (low-precision weights with fp32 master copies) is not "
+                             f"supported with strategy {cls.name}: use {cls.master_weights_hint}")
+        if cfg.precision == "fp16-mixed" and not cls.local_overflow_skip:
+            raise ValueError(f"precision fp16-mixed is not supported with strategy {cls.name} (each rank would skip "
+                             "overflowing steps on its own): use bf16-mixed or 32")
+
+    @classmethod
+    def check_world(cls, world: int) -> None:
+        """Refuse a world of ``world`` processes that this strategy cannot run on, in one line."""
+        if cls.processes == "one" and world > 1:
+            raise ValueError(f"strategy {cls.name!r} runs in one process, but {world} were asked for: "
+                             "use --strategy ddp, or drop --nproc-per-node/--nnodes")
+
+    @classmethod
+    def data_parallel_size_for(cls, world: int, options: Any = None) -> int:
+        """How many data shards a world of ``world`` processes reads (the batch is split that many ways)."""
+        return world
 
     # --- data layout ----------------------------------------------------------------------
     @property
     def data_parallel_size(self) -> int:
-        return self.dist.world_size
+        return self.data_parallel_size_for(self.dist.world_size, self.options)
 
     @property
     def data_parallel_rank(self) -> int:

@@ -51,6 +51,7 @@ class DDPOptions:
 
 class DDPStrategy(Strategy):
     name = "ddp"
+    master_weights = True
 
     def __init__(self, dist_info: Dist, sync_batchnorm: bool = False, options: DDPOptions | None = None) -> None:
         super().__init__(dist_info, sync_batchnorm, options or DDPOptions())

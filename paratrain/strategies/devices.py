@@ -83,6 +83,7 @@ class DeviceSplit(nn.Module):
 class DevicesStrategy(Strategy):
     name = "devices"
     processes = "one"
+    master_weights = True
 
     def __init__(self, dist_info: Dist, sync_batchnorm: bool = False, options: DevicesOptions | None = None) -> None:
         super().__init__(dist_info, sync_batchnorm, options or DevicesOptions())

@@ -42,6 +42,8 @@ class ReplicaAutocast(nn.Module):
 class DataParallelStrategy(Strategy):
     name = "dp"
     processes = "one"
+    drives_all_local_devices = True
+    master_weights = True
 
     def convert_batchnorm(self, model: nn.Module) -> nn.Module:
         self.warn("sync_batchnorm has no effect with dp: DataParallel replicas cannot sync BatchNorm; use ddp")

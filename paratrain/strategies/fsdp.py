@@ -194,6 +194,7 @@ def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2.0) ->
 
 class FSDPStrategy(Strategy):
     name = "fsdp"
+    master_weights_hint = "bf16-mixed (FSDP2 already keeps fp32 sharded master weights and computes in low precision)"
     collective_forward = True
     sharded_state = True
     precision = "32"  # set by Parallel: picks FSDP's MixedPrecisionPolicy

@@ -177,16 +177,27 @@ class PipelineStrategy(Strategy):
     name = "pipeline"
     collective_forward = True
     sharded_state = True  # each rank checkpoints its stage through DCP
+    local_overflow_skip = False
+
+    @classmethod
+    def validate(cls, cfg: Any) -> None:
+        super().validate(cfg)
+        # The pipeline is one data-parallel replica: a step's batch is global_batch / accumulation.
+        n = cfg.pipeline.n_microbatches
+        step_batch = cfg.micro_batch or cfg.global_batch // (cfg.accumulation or 1)
+        if step_batch % n:
+            raise ValueError(f"pipeline n_microbatches={n} does not divide the batch of {step_batch} samples per step "
+                             f"(global_batch {cfg.global_batch}): use a global batch that is a multiple of {n}")
+
+    @classmethod
+    def data_parallel_size_for(cls, world: int, options: Any = None) -> int:
+        return 1  # one replica: every stage sees the same batch
 
     def __init__(self, dist_info: Dist, sync_batchnorm: bool = False, options: PipelineOptions | None = None) -> None:
         super().__init__(dist_info, sync_batchnorm, options or PipelineOptions())
         self._pipes: dict[int, PipelineModule] = {}  # id(user's model) -> its stage
 
     # --- data layout: one replica; every stage sees the same batch ------------------------
-    @property
-    def data_parallel_size(self) -> int:
-        return 1
-
     @property
     def data_parallel_rank(self) -> int:
         return 0

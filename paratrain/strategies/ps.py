@@ -68,6 +68,7 @@ class ParameterServerStrategy(Strategy):
     """
 
     name = "ps"
+    local_overflow_skip = False
 
     def __init__(self, dist_info: Dist, sync_batchnorm: bool = False, options: PSOptions | None = None) -> None:
         super().__init__(dist_info, sync_batchnorm, options or PSOptions())

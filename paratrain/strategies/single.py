@@ -10,6 +10,7 @@ from .base import Strategy
 class SingleDeviceStrategy(Strategy):
     name = "single"
     processes = "one"
+    master_weights = True
 
     def convert_batchnorm(self, model: nn.Module) -> nn.Module:
         return model  # one process sees the whole batch: plain BatchNorm is already "synced"

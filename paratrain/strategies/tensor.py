@@ -87,6 +87,12 @@ class TensorParallelStrategy(FSDPStrategy):
     """
 
     name = "tensor"
+    master_weights_hint = "bf16-mixed (FSDP2 already keeps fp32 sharded master weights and computes in low precision)"
+
+    @classmethod
+    def data_parallel_size_for(cls, world: int, options: Any = None) -> int:
+        tp = getattr(options, "tp_size", None) or world
+        return max(1, world // tp)
 
     def __init__(self, dist_info: Dist, sync_batchnorm: bool = False, options: TensorOptions | None = None) -> None:
         super().__init__(dist_info, sync_batchnorm, options or TensorOptions())
@@ -99,10 +105,6 @@ class TensorParallelStrategy(FSDPStrategy):
         self._mesh: Any = None
 
     # --- data layout: the ranks of one tp group read the same batch ---------------------------
-    @property
-    def data_parallel_size(self) -> int:
-        return self.dp
-
     @property
     def data_parallel_rank(self) -> int:
         return self.dist.rank // self.tp  # init_device_mesh lays ranks out row-major over (dp, tp)

@@ -128,12 +128,11 @@ def _finish(title: str, ref: RunView, main: RunView, extra: list[tuple[RunView, 
 
 def verify_config(config: dict[str, Any], opts: VerifyOptions) -> VerifyReport:
     """Verify a built-in job (a :class:`TrainConfig` dict, as ``paratrain train`` reads it)."""
-    from .. import strategies
 
     cfg = from_dict(TrainConfig, copy.deepcopy(config))
     n = opts.world_size
     strategy = cfg.parallel.strategy
-    if strategies.STRATEGIES[strategy].processes == "one":
+    if cfg.parallel.strategy_class.processes == "one":
         strategy = "ddp"
     base = apply_overrides(copy.deepcopy(config), {"log_dir": None, "progress": False, "checkpoint_every": 0,
                                                    "checkpoint_dir": None, "resume": False})
