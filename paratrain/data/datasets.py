@@ -65,7 +65,8 @@ _CIFAR_LAYOUT = (
 
 
 def digits(train: bool, test_fraction: float = 0.2, split_seed: int = 0) -> TensorDataset:
-    """scikit-learn's bundled 8×8 handwritten digits (1797 real images, 10 classes, no download).
+    """The 8×8 handwritten digits that scikit-learn bundles (1797 real images, 10 classes), shipped
+    inside paratrain (``data/files/digits.npz``; see ``DIGITS_NOTICE.txt``): no download, no scikit-learn.
 
     Images are ``float32`` of shape ``(N, 1, 8, 8)``, scaled to [0, 1] and then normalised with the
     scalar mean and std of the *train* split; labels are ``int64``. The split is a permutation from
@@ -74,15 +75,10 @@ def digits(train: bool, test_fraction: float = 0.2, split_seed: int = 0) -> Tens
     """
     if not 0.0 < test_fraction < 1.0:
         raise ValueError(f"test_fraction={test_fraction!r} must be strictly between 0 and 1")
-    try:
-        from sklearn.datasets import load_digits
-    except ImportError as exc:
-        raise ImportError(
-            "scikit-learn is needed for the 'digits' dataset: pip install scikit-learn"
-        ) from exc
-    images, labels = load_digits(return_X_y=True)
-    x = torch.from_numpy(np.asarray(images, dtype=np.float32)).reshape(-1, 1, 8, 8) / 16.0
-    y = torch.from_numpy(np.asarray(labels, dtype=np.int64))
+    with np.load(os.path.join(os.path.dirname(__file__), "files", "digits.npz")) as f:
+        images, labels = f["images"], f["labels"]
+    x = torch.from_numpy(images.astype(np.float32)).reshape(-1, 1, 8, 8) / 16.0
+    y = torch.from_numpy(labels.astype(np.int64))
     n = len(y)
     n_test = int(round(n * test_fraction))
     if not 0 < n_test < n:
