@@ -306,3 +306,48 @@ def apply_overrides(data: dict[str, Any], overrides: Mapping[str, Any]) -> dict[
                 raise ValueError(f"cannot set {dotted!r}: {p!r} is not a section")
         node[leaf] = value
     return data
+
+
+def to_toml(cfg: Any) -> str:
+    """``cfg`` (a config dataclass) as TOML that :func:`load_config` reads back into the same config.
+
+    TOML has no null: a field at ``None`` is written as a comment when ``None`` is its default, and
+    as ``"none"`` (which the loader reads as ``None``) otherwise.
+    """
+    head: list[str] = []
+    tables: list[str] = []
+
+    def value(v: Any) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, (int, float)):
+            return repr(v) if not (isinstance(v, float) and not math.isfinite(v)) else ("nan" if v != v else
+                                                                                         ("inf" if v > 0 else "-inf"))
+        if isinstance(v, str):
+            return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        if isinstance(v, (list, tuple)):
+            return "[" + ", ".join(value(x) for x in v) + "]"
+        if isinstance(v, Mapping):
+            return "{" + ", ".join(f"{value(str(k))} = {value(x)}" for k, x in v.items()) + "}"
+        raise ValueError(f"cannot write {v!r} ({type(v).__name__}) as TOML")
+
+    def table(obj: Any, name: str | None, out: list[str]) -> None:
+        lines = []
+        for f in dataclasses.fields(obj):
+            v = getattr(obj, f.name)
+            if dataclasses.is_dataclass(v):
+                continue
+            if v is None:  # TOML has no null: a comment where None is the default, else "none" (read as None)
+                lines.append(f"# {f.name} = (unset)" if f.default is None else f'{f.name} = "none"')
+            else:
+                lines.append(f"{f.name} = {value(v)}")
+        if name is not None:
+            out.append(f"\n[{name}]")
+        out.extend(lines)
+        for f in dataclasses.fields(obj):
+            v = getattr(obj, f.name)
+            if dataclasses.is_dataclass(v):
+                table(v, f.name if name is None else f"{name}.{f.name}", tables)
+
+    table(cfg, None, head)
+    return "\n".join(head + tables).strip() + "\n"

@@ -17,6 +17,7 @@ SUBCOMMANDS = {
     "train": "paratrain.cli.train",
     "bench": "paratrain.cli.bench",
     "verify": "paratrain.cli.verify",
+    "env": "paratrain.cli.env",
 }
 
 
@@ -36,6 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
         description="Take a PyTorch training job from one device to N workers without changing its result.",
     )
+    from .. import __version__
+
+    parser.add_argument("--version", action="version", version=f"paratrain {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module in SUBCOMMANDS.values():
         importlib.import_module(module).add_parser(sub)

@@ -12,7 +12,7 @@ import argparse
 import os
 from typing import Any
 
-from ..config import TrainConfig, apply_overrides, from_dict, load_config
+from ..config import TrainConfig, apply_overrides, from_dict, load_config, to_toml
 from ..data.datasets import build_dataset
 from ..data.sampler import BatchPlan
 from ..env.detect import detect_process
@@ -64,6 +64,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="also write TensorBoard event files to <log-dir>/tensorboard (needs tensorboard)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override any config field, e.g. --set parallel.ddp.bucket_cap_mb=50")
+    p.add_argument("--print-config", action="store_true",
+                   help="print the resolved config as TOML (what --config reads back) and exit")
     add_launch_arguments(p)
     p.set_defaults(func=main)
     return p
@@ -87,6 +89,9 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
 
 def main(args: argparse.Namespace) -> int:
     cfg = build_config(args)  # validate before any process starts
+    if getattr(args, "print_config", False):
+        print(to_toml(cfg), end="")
+        return 0
     if cfg.log_dir and not os.path.isfile(cfg.log_dir):
         os.environ.setdefault("PARATRAIN_ERROR_DIR", cfg.log_dir)  # tracebacks of one-line errors go there
     launch = launch_config(args)

@@ -1,0 +1,52 @@
+"""``paratrain env``, ``--version`` and ``train --print-config`` (TOML that ``--config`` reads back)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from clitools import run_cli
+from paratrain import __version__
+from paratrain.config import TrainConfig, from_dict, load_config, to_toml
+
+
+def test_print_config_round_trips(tmp_path: Path) -> None:
+    cfg = from_dict(TrainConfig, {
+        "model": "cnn", "max_steps": 7, "log_dir": None,
+        "parallel": {"strategy": "tensor", "precision": "bf16-mixed", "global_batch": 32, "clip_grad_norm": 1.5,
+                     "tensor": {"tp_size": 2, "plan": {"fc1": "colwise", "fc2": "rowwise"}},
+                     "pipeline": {"split_points": ["fc2"]}},
+        "optim": {"lr": 0.1, "base_batch": 16},
+    })
+    path = tmp_path / "job.toml"
+    path.write_text(to_toml(cfg))
+    assert from_dict(TrainConfig, load_config(path)) == cfg
+
+
+def test_print_config_cli_is_loadable(tmp_path: Path) -> None:
+    res = run_cli(["train", "--print-config", "--strategy", "ddp", "--lr", "0.2", "--set", "parallel.ddp.comm_hook=fp16"],
+                  timeout=60)
+    assert res.returncode == 0, res.stderr
+    (tmp_path / "c.toml").write_text(res.stdout)
+    cfg = from_dict(TrainConfig, load_config(tmp_path / "c.toml"))
+    assert cfg.parallel.strategy == "ddp" and cfg.optim.lr == 0.2 and cfg.parallel.ddp.comm_hook == "fp16"
+
+
+def test_env_report_and_version() -> None:
+    res = run_cli(["env"], timeout=60, RANK="3", SLURM_PROCID="3")
+    assert res.returncode == 0, res.stderr
+    out = res.stdout
+    for needle in (f"paratrain {__version__}", "torch ", "paratrain picks: device", "gloo yes", "RANK=3",
+                   "SLURM_PROCID=3", '[parallel]', 'strategy = "single"'):
+        assert needle in out, needle
+    res = run_cli(["--version"], timeout=60)
+    assert res.returncode == 0 and res.stdout.strip() == f"paratrain {__version__}"
+
+
+@pytest.mark.parametrize("value, fragment", [(True, "true"), (0.5, "0.5"), ("a\"b", '"a\\"b"'), ([1, 2], "[1, 2]")])
+def test_toml_values(value: object, fragment: str) -> None:
+    from dataclasses import make_dataclass
+
+    cls = make_dataclass("C", [("x", object)])
+    assert to_toml(cls(value)).strip() == f"x = {fragment}"
