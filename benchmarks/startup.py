@@ -1,0 +1,99 @@
+"""Time to first step: paratrain against hand-written scripts, as whole processes.
+
+What it measures
+    Wall time from process start to process exit of a job that takes one optimizer step on the
+    digits/MLP task and reports the test accuracy:
+
+    (a) ``python benchmarks/handwritten/digits_single.py`` against
+        ``paratrain train --max-steps 1`` (one process);
+    (b) ``torchrun --nproc-per-node 2 benchmarks/handwritten/digits_ddp.py`` against
+        ``paratrain train --strategy ddp --nproc-per-node 2 --max-steps 1``.
+
+    The hand-written scripts do what a user's script does: import torch and scikit-learn, load the
+    digits, build the model (and DDP), one step, evaluate. paratrain's side also writes its logs and
+    result.json. Process CPU time (user + system of the process and its children) is printed too:
+    other jobs on the machine disturb it less than wall time.
+
+How
+    ``--runs`` pairs, the two sides alternating (ABBA) so that drift and background load hit both
+    alike, after one untimed warm-up pair (file cache). Each side runs with ``OMP_NUM_THREADS=1``
+    per worker. The ratio is median(paratrain) / median(hand-written); target ≤ 0.9.
+
+Usage::
+
+    python benchmarks/startup.py [--runs 5] [--only a|b]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+HERE = Path(__file__).resolve().parent
+
+
+def timed(cmd: list[str]) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of the process tree) of one run of ``cmd``; fails loudly."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    start = time.perf_counter()
+    res = subprocess.run(cmd, cwd=tempfile.gettempdir(), env=env, capture_output=True, text=True, timeout=300)
+    wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if res.returncode != 0:
+        sys.exit(f"{' '.join(cmd)} failed ({res.returncode}):\n{res.stderr[-2000:]}")
+    return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+
+
+def pair(name: str, hand: list[str], ours: list[str], runs: int) -> None:
+    timed(hand), timed(ours)  # warm-up: file cache, .pyc
+    results: dict[str, list[tuple[float, float]]] = {"hand-written": [], "paratrain": []}
+    for i in range(runs):
+        order = [("hand-written", hand), ("paratrain", ours)]
+        for label, cmd in (order if i % 2 == 0 else order[::-1]):
+            results[label].append(timed(cmd))
+    print(f"\n({name})")
+    print(f"  hand-written: {' '.join(hand[1:]) if hand[0] == sys.executable else ' '.join(hand)}")
+    print(f"  paratrain:    paratrain {' '.join(ours[3:])}")
+    print(f"  {'':14s} {'wall median':>12s} {'wall min':>10s} {'CPU median':>11s}")
+    for label, rs in results.items():
+        walls, cpus = [w for w, _ in rs], [c for _, c in rs]
+        print(f"  {label:14s} {statistics.median(walls):11.2f}s {min(walls):9.2f}s {statistics.median(cpus):10.2f}s")
+    med = {k: statistics.median(w for w, _ in v) for k, v in results.items()}
+    cpu = {k: statistics.median(c for _, c in v) for k, v in results.items()}
+    per_pair = [p[0] / h[0] for p, h in zip(results["paratrain"], results["hand-written"])]
+    print(f"  ratio paratrain / hand-written: wall {med['paratrain'] / med['hand-written']:.2f} "
+          f"(per pair {min(per_pair):.2f}-{max(per_pair):.2f}), CPU {cpu['paratrain'] / cpu['hand-written']:.2f}"
+          f"  (target <= 0.90)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--only", choices=("a", "b"))
+    args = ap.parse_args()
+    py = sys.executable
+    out = tempfile.mkdtemp(prefix="paratrain-startup-")
+    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} logical cores, "
+          f"load average {os.getloadavg()[0]:.1f}; python {platform.python_version()}; {args.runs} pairs, ABBA")
+    common = ["--max-steps", "1", "--no-progress", "--log-dir", out]
+    if args.only in (None, "a"):
+        pair("a: one process", [py, str(HERE / "handwritten" / "digits_single.py")],
+             [py, "-m", "paratrain", "train", *common], args.runs)
+    if args.only in (None, "b"):
+        pair("b: DDP, 2 processes", [py, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                                     str(HERE / "handwritten" / "digits_ddp.py")],
+             [py, "-m", "paratrain", "train", "--strategy", "ddp", "--nproc-per-node", "2", *common], args.runs)
+
+
+if __name__ == "__main__":
+    main()
