@@ -11,7 +11,8 @@ from paratrain.env.slurm import first_host
 LAUNCH_VARS = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
                "TORCHELASTIC_RUN_ID", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NODEID",
                "SLURM_NNODES", "SLURM_NODELIST", "SLURM_JOB_ID", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
-               "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"]
+               "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID",
+               "MPI_LOCALNRANKS", "SLURM_TASKS_PER_NODE"]
 
 
 @pytest.fixture(autouse=True)
@@ -54,6 +55,31 @@ def test_openmpi_env(monkeypatch):
         monkeypatch.setenv(k, v)
     info = detect_process()
     assert (info.rank, info.world_size, info.local_rank, info.node_rank, info.source) == (3, 4, 1, 1, "mpi")
+
+
+def test_mpich_and_intel_mpi_env(monkeypatch):
+    """Hydra (MPICH, Intel MPI): PMI_RANK/PMI_SIZE; once this was silently a world of one."""
+    for k, v in dict(PMI_RANK="1", PMI_SIZE="2", MPI_LOCALRANKID="1", MPI_LOCALNRANKS="2").items():
+        monkeypatch.setenv(k, v)
+    info = detect_process()
+    assert (info.rank, info.world_size, info.local_rank, info.local_world_size, info.source) == (1, 2, 1, 2, "mpi")
+
+
+def test_slurm_uneven_tasks_per_node(monkeypatch):
+    # 7 tasks as 2,2,2,1: the last node's only task is rank 6, local rank 0 of 1.
+    for k, v in dict(SLURM_PROCID="6", SLURM_NTASKS="7", SLURM_LOCALID="0", SLURM_NODEID="3", SLURM_NNODES="4",
+                     SLURM_NODELIST="n[1-4]", SLURM_TASKS_PER_NODE="2(x3),1", PMI_RANK="6", PMI_SIZE="7").items():
+        monkeypatch.setenv(k, v)
+    info = detect_process()
+    assert (info.rank, info.world_size, info.local_world_size, info.node_rank, info.source) == (6, 7, 1, 3, "slurm")
+
+
+def test_slurm_tasks_per_node_parsing():
+    from paratrain.env.slurm import tasks_per_node
+
+    assert tasks_per_node("2(x3),1") == [2, 2, 2, 1] and tasks_per_node("4") == [4]
+    with pytest.raises(ValueError, match="SLURM_TASKS_PER_NODE='x'"):
+        tasks_per_node("x")
 
 
 def test_torchrun_wins_over_slurm(monkeypatch):

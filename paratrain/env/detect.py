@@ -6,11 +6,13 @@ from . import mpi, slurm, torchelastic
 from .base import ProcessInfo
 
 # torchrun's variables win: torchrun inside a Slurm allocation or under mpirun sets them explicitly.
-_ENVIRONMENTS = (torchelastic.detect, slurm.detect, mpi.detect)
+# Slurm before MPI: ``srun --mpi=pmi2`` also sets PMI_RANK.
+_ENVIRONMENTS = (torchelastic.detect, slurm.detect, mpi.detect, mpi.detect_hydra)
 
 
 def detect_process() -> ProcessInfo:
-    """Rank, world size and rendezvous address from torchrun, Slurm or OpenMPI; else one process."""
+    """Rank, world size and rendezvous address from torchrun, Slurm, OpenMPI or MPICH/Intel MPI;
+    else one process."""
     for detect in _ENVIRONMENTS:
         info = detect()
         if info is not None:

@@ -19,13 +19,27 @@ def first_host(nodelist: str) -> str:
     return prefix + ranges.split(",")[0].split("-")[0]
 
 
+def tasks_per_node(spec: str) -> list[int]:
+    """``SLURM_TASKS_PER_NODE``: ``"2(x3),1"`` -> ``[2, 2, 2, 1]``."""
+    out: list[int] = []
+    for part in spec.split(","):
+        m = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
+        if not m:
+            raise ValueError(f"SLURM_TASKS_PER_NODE={spec!r} is not Slurm's N(xK),M form")
+        out += [int(m.group(1))] * int(m.group(2) or 1)
+    return out
+
+
 def detect() -> ProcessInfo | None:
     # Inside an interactive allocation (salloc) without srun there is no SLURM_PROCID: not a task.
     if "SLURM_PROCID" not in os.environ or "SLURM_NTASKS" not in os.environ:
         return None
     world = env_int("SLURM_NTASKS")
     nnodes = env_int("SLURM_NNODES", 1)
-    local_world = world // max(1, nnodes)
+    node = env_int("SLURM_NODEID", 0)
+    layout = tasks_per_node(os.environ["SLURM_TASKS_PER_NODE"]) if "SLURM_TASKS_PER_NODE" in os.environ else []
+    # Uneven layouts ("2(x3),1") give each node its own count; without one, the tasks spread evenly.
+    local_world = layout[node] if node < len(layout) else world // max(1, nnodes)
     addr = os.environ.get("MASTER_ADDR") or first_host(
         os.environ.get("SLURM_NODELIST", os.environ.get("SLURM_JOB_NODELIST", "127.0.0.1"))
     )
@@ -36,7 +50,7 @@ def detect() -> ProcessInfo | None:
         world_size=world,
         local_rank=env_int("SLURM_LOCALID", 0),
         local_world_size=local_world,
-        node_rank=env_int("SLURM_NODEID", 0),
+        node_rank=node,
         master_addr=addr,
         master_port=port,
         source="slurm",
