@@ -54,7 +54,7 @@ class ParallelConfig:
     clip_grad_norm: float | None = None
     """Clip the global gradient norm to this value."""
     loss_scale: float | None = None
-    """Static fp16 loss scale (seed 001 used 128); None means dynamic GradScaler."""
+    """Static fp16 loss scale (128 is a common first choice); None means dynamic GradScaler."""
     seed: int = 0
     """Seeds model init, data order and augmentation: the same on every rank."""
     backend: str = "auto"

@@ -225,7 +225,7 @@ def build_matrix(spec: BenchSpec, base: dict[str, Any], train_size: int) -> list
         cells += [Cell(strategy="ddp", world_size=w, backend="nccl", global_batch=batch) for w in multi]
     if spec.baseline:
         cells += [Cell(strategy=BASELINE, world_size=w, global_batch=batch, group="baseline",
-                       note="seed 000's loop: DistributedSampler + set_epoch, DDP, per-worker batch "
+                       note="a typical hand-written loop: DistributedSampler + set_epoch, DDP, per-worker batch "
                             f"{batch // w}") for w in multi]
     if spec.trap and multi:
         n = max(multi)
@@ -236,7 +236,7 @@ def build_matrix(spec: BenchSpec, base: dict[str, Any], train_size: int) -> list
             Cell(strategy="ddp", world_size=n, global_batch=batch, group="trap",
                  note=f"global batch kept at {batch} ({batch // n} per worker): paratrain's default"),
             Cell(strategy="ddp", world_size=n, global_batch=grown, group="trap",
-                 note=f"per-worker batch kept at {batch}: global x{n}, lr unchanged (seed 000's mistake)"),
+                 note=f"per-worker batch kept at {batch}: global x{n}, lr unchanged (the common mistake)"),
             Cell(strategy="ddp", world_size=n, global_batch=grown, base_batch=batch, lr_warmup_steps=warm,
                  group="trap", note=f"global x{n} with the linear scaling rule (lr x{n}) and {warm} warmup steps"),
         ]

@@ -17,8 +17,8 @@ _COLUMNS = ("configuration", "s/epoch", "samples/s", "speed-up", "effic.", "peak
 _SECTIONS = (
     ("matrix", "strategies x world sizes x precisions x comm hooks"),
     ("baseline", "hand-written plain-PyTorch DDP loop (overhead reference)"),
-    ("trap", "effective-batch trap (seed 000: DDP on 4 GPUs with 4x256 samples per step fell from 27% to 14% "
-             "test accuracy)"),
+    ("trap", "effective-batch trap: a per-worker batch kept fixed while workers are added grows the global batch "
+             "(DDP on 4 GPUs with 4x256 samples per step once fell from 27% to 14% test accuracy this way)"),
 )
 _MEMORY = {"rss": "peak resident set size over the timed steps (VmHWM, reset after warm-up)",
            "rss-lifetime": "peak resident set size of the process (getrusage)",

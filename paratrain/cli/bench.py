@@ -1,5 +1,5 @@
-"""``paratrain bench``: run a matrix of configurations on one model and data set, print seed 000's
-table (time per epoch, samples/s, speed-up, scaling efficiency, peak memory, bytes communicated,
+"""``paratrain bench``: run a matrix of configurations on one model and data set, print a
+comparison table (time per epoch, samples/s, speed-up, scaling efficiency, peak memory, bytes communicated,
 overflow skips, final loss, test accuracy), write results.json, results.csv and chart.png, and
 recommend the fastest configuration whose accuracy stays within a tolerance of single-device.
 

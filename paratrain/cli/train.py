@@ -13,17 +13,20 @@ import os
 from typing import Any
 
 from ..config import TrainConfig, apply_overrides, from_dict, load_config, to_toml
-from ..data.datasets import build_dataset
+from ..data.datasets import DATASET_NAMES, build_dataset
 from ..data.sampler import BatchPlan
 from ..env.detect import detect_process
 from ..env.process import select_backend, select_device
 from ..launch.torchrun import torchrun
+from ..models.registry import MODEL_NAMES
 from .run import add_launch_arguments, launch_config
 
 # flag -> dotted config key
 _FLAGS: dict[str, tuple[str, Any, str]] = {
-    "--model": ("model", str, "mlp, cnn, resnet8, resnet20 or torchvision:<name>"),
-    "--dataset": ("data.dataset", str, "digits (default, bundled), cifar10 or synthetic"),
+    "--model": ("model", str, f"{', '.join(MODEL_NAMES)}, torchvision:<name>, or your own factory as "
+                "file.py:function or module:function"),
+    "--dataset": ("data.dataset", str, f"{', '.join(DATASET_NAMES)} (digits ships with paratrain), or your own "
+                  "factory as file.py:function or module:function"),
     "--data-dir": ("data.data_dir", str, "folder holding cifar-10-batches-py"),
     "--strategy": ("parallel.strategy", str, "single, dp, ddp, fsdp, tensor, pipeline, devices or ps"),
     "--precision": ("parallel.precision", str, "32, tf32, fp16-mixed, bf16-mixed, bf16-true, fp16-true, O0-O3"),
@@ -52,8 +55,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser("train", help="train a built-in task on N workers", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", metavar="FILE", help="TOML or YAML config file")
+    defaults = TrainConfig()
     for flag, (key, tp, help_) in _FLAGS.items():
-        p.add_argument(flag, dest=key, type=tp, default=None, help=f"{help_} [{key}]")
+        # default=None: a flag not given leaves the config file's value; the help shows the built-in default.
+        p.add_argument(flag, dest=key, type=tp, default=None, help=f"{help_} [{key}; default {_default(defaults, key)}]")
     p.add_argument("--sync-bn", dest="parallel.sync_batchnorm", action="store_const", const=True, default=None,
                    help="synchronise BatchNorm statistics across workers")
     p.add_argument("--resume", dest="resume", action="store_const", const=True, default=None,
@@ -69,6 +74,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     add_launch_arguments(p)
     p.set_defaults(func=main)
     return p
+
+
+def _default(cfg: TrainConfig, dotted: str) -> Any:
+    node: Any = cfg
+    for part in dotted.split("."):
+        node = getattr(node, part)
+    return node
 
 
 def build_config(args: argparse.Namespace) -> TrainConfig:
