@@ -18,6 +18,7 @@ SUBCOMMANDS = {
     "bench": "paratrain.cli.bench",
     "verify": "paratrain.cli.verify",
     "env": "paratrain.cli.env",
+    "export": "paratrain.cli.export",
 }
 
 

@@ -1,0 +1,34 @@
+"""``paratrain export``: a run's trained model as ``model.safetensors`` (the model's own keys,
+unsharded, whatever the strategy) plus ``paratrain.json`` describing how it was trained.
+
+``SOURCE`` is a run folder (``runs/latest``), its ``checkpoints/`` folder (the newest good
+checkpoint is taken) or one checkpoint file. Load the result with ``paratrain.load_model(DIR)``
+or ``safetensors.torch.load_file``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("export", help="write a run's model as safetensors (any strategy, unsharded)",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("source", nargs="?", default="runs/latest",
+                   help="run folder, checkpoint folder or checkpoint file (default: runs/latest)")
+    p.add_argument("--out", default=None, metavar="DIR", help="output folder (default: SOURCE/export)")
+    p.set_defaults(func=main)
+    return p
+
+
+def main(args: argparse.Namespace) -> int:
+    import os
+
+    from ..checkpoint.export import export_checkpoint
+
+    out = args.out or os.path.join(args.source if os.path.isdir(args.source) else os.path.dirname(args.source) or ".",
+                                   "export")
+    path = export_checkpoint(args.source, out)
+    print(f"exported {path} (+ {os.path.join(os.path.dirname(path), 'paratrain.json')})")
+    return 0
