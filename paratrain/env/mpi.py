@@ -9,17 +9,17 @@ import os
 from .base import ProcessInfo, env_int
 
 
-def detect() -> ProcessInfo | None:
-    if "OMPI_COMM_WORLD_RANK" not in os.environ or "OMPI_COMM_WORLD_SIZE" not in os.environ:
+def _from_env(rank: str, size: str, local_rank: str, local_size: str) -> ProcessInfo | None:
+    if rank not in os.environ or size not in os.environ:
         return None
-    rank = env_int("OMPI_COMM_WORLD_RANK")
-    local_world = env_int("OMPI_COMM_WORLD_LOCAL_SIZE", 1)
+    r = env_int(rank)
+    local_world = env_int(local_size, 1)
     return ProcessInfo(
-        rank=rank,
-        world_size=env_int("OMPI_COMM_WORLD_SIZE"),
-        local_rank=env_int("OMPI_COMM_WORLD_LOCAL_RANK", 0),
+        rank=r,
+        world_size=env_int(size),
+        local_rank=env_int(local_rank, 0),
         local_world_size=local_world,
-        node_rank=rank // max(1, local_world),
+        node_rank=r // max(1, local_world),
         # mpirun does not choose a rendezvous address: the user exports MASTER_ADDR (rank 0's host).
         master_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"),
         master_port=env_int("MASTER_PORT", 29500),
@@ -27,20 +27,12 @@ def detect() -> ProcessInfo | None:
     )
 
 
+def detect() -> ProcessInfo | None:
+    """OpenMPI's ``mpirun``."""
+    return _from_env("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+                     "OMPI_COMM_WORLD_LOCAL_SIZE")
+
+
 def detect_hydra() -> ProcessInfo | None:
-    """MPICH's and Intel MPI's ``mpiexec`` (Hydra): ``PMI_RANK``/``PMI_SIZE``, local rank from
-    ``MPI_LOCALRANKID``/``MPI_LOCALNRANKS``."""
-    if "PMI_RANK" not in os.environ or "PMI_SIZE" not in os.environ:
-        return None
-    rank = env_int("PMI_RANK")
-    local_world = env_int("MPI_LOCALNRANKS", 1)
-    return ProcessInfo(
-        rank=rank,
-        world_size=env_int("PMI_SIZE"),
-        local_rank=env_int("MPI_LOCALRANKID", 0),
-        local_world_size=local_world,
-        node_rank=rank // max(1, local_world),
-        master_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"),
-        master_port=env_int("MASTER_PORT", 29500),
-        source="mpi",
-    )
+    """MPICH's and Intel MPI's ``mpiexec`` (Hydra)."""
+    return _from_env("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS")
