@@ -29,7 +29,8 @@ from torch.utils.data import Dataset
 from . import precision as precision_lib
 from . import strategies
 from .config import ParallelConfig
-from .data.loaders import EvalLoader, GlobalBatchLoader, to_device
+from .data.batch import map_tensors, to_device
+from .data.loaders import EvalLoader, GlobalBatchLoader
 from .data.sampler import BatchPlan
 from .env import process
 
@@ -332,11 +333,5 @@ class Parallel:
 
 
 def _to_float32(out: Any) -> Any:
-    if isinstance(out, torch.Tensor):
-        return out.float() if out.is_floating_point() and out.dtype != torch.float32 else out
-    if isinstance(out, (tuple, list)):
-        return type(out)(_to_float32(o) for o in out)
-    if isinstance(out, dict):
-        return {k: _to_float32(v) for k, v in out.items()}
-    return out
-
+    """Floating tensors of a model's output in fp32; every container keeps its type."""
+    return map_tensors(lambda t: t.float() if t.is_floating_point() and t.dtype != torch.float32 else t, out)
