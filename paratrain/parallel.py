@@ -19,6 +19,7 @@ at the step boundary, so the loop body stays the same.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import fields
 from typing import Any, Callable
 
@@ -34,31 +35,132 @@ from .data.loaders import EvalLoader, GlobalBatchLoader
 from .data.sampler import BatchPlan
 from .env import process
 
-__all__ = ["Parallel", "ParallelModule", "ParallelOptimizer"]
+__all__ = ["Parallel", "ParallelModule", "ParallelOptimizer", "ParallelScheduler"]
 
 
-class ParallelOptimizer:
+class ParallelOptimizer(torch.optim.Optimizer):
     """The user's optimizer, with ``step``/``zero_grad`` aware of accumulation and loss scaling.
 
-    Everything else (``param_groups``, ``state_dict``...) is the wrapped optimizer's; pass
-    ``.optimizer`` to LR schedulers.
+    A real :class:`torch.optim.Optimizer` (so any ``torch.optim.lr_scheduler`` accepts it) whose
+    ``param_groups``, ``state`` and ``defaults`` *are* the wrapped optimizer's: a scheduler's lr
+    lands in the optimizer that steps. ``Optimizer.__init__`` is not called: there is nothing of
+    its own to build. ``step`` is marked the way an LR scheduler marks the ``step`` it wraps, so
+    the scheduler leaves it alone, and ``_opt_called`` tells it the optimizer stepped first.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, runtime: "Parallel") -> None:
         self.optimizer = optimizer
         self._runtime = runtime
+        self._opt_called = False
 
-    def step(self, closure: Any = None) -> bool:
+    @property  # type: ignore[override]
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.optimizer.param_groups = value
+
+    @property  # type: ignore[override]
+    def state(self) -> Any:
+        return self.optimizer.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self.optimizer.state = value
+
+    @property  # type: ignore[override]
+    def defaults(self) -> dict[str, Any]:
+        return self.optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        self.optimizer.defaults = value
+
+    def step(self, closure: Any = None) -> bool:  # type: ignore[override]
+        """Step at the end of a global batch (a no-op on earlier micro-steps). True if weights changed."""
         if closure is not None:
             raise ValueError("closures are not supported by paratrain's optimizer step: compute the loss in the loop")
-        return self._runtime.step(self.optimizer)
+        self._opt_called = True
+        return self._runtime.step(self)
+
+    step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]  # torch.optim.lr_scheduler: "already counts its calls"
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self._runtime.micro_step == 0:  # never wipe gradients mid-accumulation
             self.optimizer.zero_grad(set_to_none=set_to_none)
 
+    def state_dict(self) -> Any:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: Any) -> None:
+        self.optimizer.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        self.optimizer.add_param_group(param_group)
+
+    # Hooks belong to the optimizer that really steps: they fire once per global batch.
+    def register_step_pre_hook(self, hook: Any) -> Any:
+        return self.optimizer.register_step_pre_hook(hook)
+
+    def register_step_post_hook(self, hook: Any) -> Any:
+        return self.optimizer.register_step_post_hook(hook)
+
+    def register_state_dict_pre_hook(self, hook: Any, prepend: bool = False) -> Any:
+        return self.optimizer.register_state_dict_pre_hook(hook, prepend)
+
+    def register_state_dict_post_hook(self, hook: Any, prepend: bool = False) -> Any:
+        return self.optimizer.register_state_dict_post_hook(hook, prepend)
+
+    def register_load_state_dict_pre_hook(self, hook: Any, prepend: bool = False) -> Any:
+        return self.optimizer.register_load_state_dict_pre_hook(hook, prepend)
+
+    def register_load_state_dict_post_hook(self, hook: Any, prepend: bool = False) -> Any:
+        return self.optimizer.register_load_state_dict_post_hook(hook, prepend)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return self.__dict__
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+    def __repr__(self) -> str:
+        return f"ParallelOptimizer({self.optimizer!r})"
+
     def __getattr__(self, name: str) -> Any:
+        if name == "optimizer":  # not set yet (unpickling): no recursion
+            raise AttributeError(name)
         return getattr(self.optimizer, name)
+
+
+class ParallelScheduler:
+    """The user's LR scheduler, as :meth:`Parallel.setup` returns it: ``step()`` acts once per
+    real optimizer step, so a loop that calls it after every ``optimizer.step()`` — once per
+    micro-batch under accumulation — or once per epoch gets the schedule it would get without
+    accumulation. Everything else (``get_last_lr``, ``state_dict``...) is the scheduler's.
+    """
+
+    def __init__(self, scheduler: Any, runtime: "Parallel") -> None:
+        self.scheduler = scheduler
+        self._runtime = runtime
+        self._stepped_at = runtime.global_step
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        if self._runtime.global_step <= self._stepped_at:
+            return  # no optimizer step since the last scheduler step: mid-accumulation
+        self._stepped_at = self._runtime.global_step
+        self.scheduler.step(*args, **kwargs)
+
+    def state_dict(self) -> Any:
+        return self.scheduler.state_dict()
+
+    def load_state_dict(self, state: Any) -> None:
+        self.scheduler.load_state_dict(state)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "scheduler":
+            raise AttributeError(name)
+        return getattr(self.scheduler, name)
 
 
 class ParallelModule(nn.Module):
@@ -128,6 +230,11 @@ class Parallel:
         self.global_step = 0
         self.micro_step = 0
         self._models: list[nn.Module] = []
+        self._optimizers: list[torch.optim.Optimizer] = []  # the real ones, as the strategy/precision made them
+        self._schedulers: list[Any] = []  # given to setup or register_scheduler: checkpointed by default
+        self._auto_schedulers: list[tuple[Any, torch.optim.Optimizer]] = []  # stepped by paratrain
+        self._lrs_at_start: list[float] | None = None
+        self._warned_lr_change = False
 
     # --- who am I --------------------------------------------------------------------------
     @property
@@ -152,20 +259,54 @@ class Parallel:
             print(*args, **kwargs)
 
     # --- model and optimizer ---------------------------------------------------------------
-    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Any:
-        """Place and wrap ``model`` for the strategy and precision; wrap ``optimizer`` if given.
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, scheduler: Any = None) -> Any:
+        """Place and wrap ``model`` for the strategy and precision; wrap ``optimizer`` and
+        ``scheduler`` if given.
 
-        Returns a :class:`ParallelModule` (or ``(module, optimizer)``). Parameters are kept (moved
-        in place), so an optimizer built before ``setup`` stays valid.
+        Returns a :class:`ParallelModule`, or ``(module, optimizer)``, or ``(module, optimizer,
+        scheduler)``. Parameters are kept (moved in place), so an optimizer built before ``setup``
+        stays valid; a scheduler built on it follows it when a strategy rebuilds the optimizer
+        over sharded parameters (fsdp). The returned scheduler's ``step()`` acts once per optimizer
+        step whatever the accumulation (see :class:`ParallelScheduler`).
         """
         original = model
         wrapped = self.strategy.setup_model(self.precision.setup_model(model))
         module = ParallelModule(wrapped, original, self.precision, self._before_forward, self._after_load)
         self._models.append(wrapped)
         if optimizer is None:
+            if scheduler is not None:
+                raise ValueError("setup got a scheduler but no optimizer: pass both, pt.setup(model, optimizer, scheduler)")
             return module
-        optimizer = self.precision.setup_optimizer(self.strategy.setup_optimizer(wrapped, optimizer))
-        return module, ParallelOptimizer(optimizer, self)
+        inner = self.precision.setup_optimizer(self.strategy.setup_optimizer(wrapped, optimizer))
+        self._optimizers.append(inner)
+        wrapped_optimizer = ParallelOptimizer(inner, self)
+        if scheduler is None:
+            return module, wrapped_optimizer
+        wrapped_scheduler = ParallelScheduler(self._attach(scheduler, wrapped_optimizer), self)
+        self._schedulers.append(wrapped_scheduler)
+        return module, wrapped_optimizer, wrapped_scheduler
+
+    def register_scheduler(self, scheduler: Any, optimizer: ParallelOptimizer | None = None) -> Any:
+        """Let paratrain step ``scheduler`` after every optimizer step (don't call its ``step()``
+        yourself). Built on the optimizer from :meth:`setup`, or on the one passed to it (then
+        pass the returned optimizer as ``optimizer``). It goes into checkpoints by default."""
+        if optimizer is None:
+            optimizer = getattr(scheduler, "optimizer", None)
+            if not isinstance(optimizer, ParallelOptimizer):
+                raise ValueError("register_scheduler: build the scheduler on the optimizer pt.setup returned, "
+                                 "or pass that optimizer: pt.register_scheduler(scheduler, optimizer)")
+        scheduler = self._attach(scheduler, optimizer)
+        self._auto_schedulers.append((scheduler, optimizer.optimizer))
+        self._schedulers.append(scheduler)
+        return scheduler
+
+    @staticmethod
+    def _attach(scheduler: Any, optimizer: ParallelOptimizer) -> Any:
+        """Point ``scheduler`` (and those a SequentialLR/ChainedScheduler holds) at ``optimizer``."""
+        for s in (scheduler, *getattr(scheduler, "_schedulers", ())):
+            if hasattr(s, "optimizer"):
+                s.optimizer = optimizer
+        return scheduler
 
     def _after_load(self, module: nn.Module) -> None:
         self.precision.sync_from_model()
@@ -198,6 +339,8 @@ class Parallel:
                 f"backward called {self.micro_step + 1} times without an optimizer step, but accumulation "
                 f"is {self.accumulation}: call optimizer.step() once per micro-batch"
             )
+        if self.micro_step == 0 and self.accumulation > 1:
+            self._lrs_at_start = self._current_lrs()
         if callable(loss):
             loss(self.accumulation)
         else:
@@ -219,11 +362,28 @@ class Parallel:
         if self.config.clip_grad_norm is not None:
             max_norm = self.config.clip_grad_norm
             clip = lambda: [self.strategy.clip_grad_norm(m, max_norm) for m in self._models]  # noqa: E731
+        self._check_lr_unchanged()
         stepped = self.strategy.optimizer_step(optimizer, lambda: self.precision.step(optimizer, clip))
         optimizer.zero_grad(set_to_none=True)
         self.micro_step = 0
         self.global_step += 1
+        for scheduler, owner in self._auto_schedulers:
+            if owner is optimizer:
+                scheduler.step()
         return stepped
+
+    def _current_lrs(self) -> list[float]:
+        return [float(g["lr"]) for opt in self._optimizers for g in opt.param_groups if "lr" in g]
+
+    def _check_lr_unchanged(self) -> None:
+        """Warn once when the lr moved between the micro-steps of one global batch: a scheduler
+        stepped per micro-batch instead of per optimizer step."""
+        if self._lrs_at_start is not None and not self._warned_lr_change and self._current_lrs() != self._lrs_at_start:
+            self._warned_lr_change = True
+            warnings.warn("the learning rate changed in the middle of an accumulation: a scheduler steps per "
+                          "micro-batch; pass it to pt.setup(model, optimizer, scheduler) or pt.register_scheduler",
+                          stacklevel=3)
+        self._lrs_at_start = None
 
     @property
     def skipped_steps(self) -> int:
@@ -312,17 +472,29 @@ class Parallel:
     def save_checkpoint(self, directory: str, model: nn.Module, optimizer: Any, scheduler: Any = None,
                         extra: dict[str, Any] | None = None, keep: int = 3) -> Any:
         """Atomically write model, optimizer, scaler, scheduler, step (= data position) and every
-        rank's RNG state to ``directory/step-XXXXXXXX.pt``; keep the newest ``keep``. Call on all ranks."""
+        rank's RNG state to ``directory/step-XXXXXXXX.pt``; keep the newest ``keep``. Call on all ranks.
+        ``scheduler`` defaults to the one given to :meth:`setup` or :meth:`register_scheduler`."""
         from .checkpoint import save_checkpoint
 
-        return save_checkpoint(self, directory, model, optimizer, scheduler, extra, keep)
+        return save_checkpoint(self, directory, model, optimizer, self._scheduler(scheduler), extra, keep)
 
     def load_checkpoint(self, source: str, model: nn.Module, optimizer: Any = None, scheduler: Any = None) -> Any:
         """Restore a run from a checkpoint file or the newest loadable one in a directory; the
         next ``train_loader`` iteration continues mid-epoch. Returns ``extra`` (``None`` if none found)."""
         from .checkpoint import load_checkpoint
 
-        return load_checkpoint(self, source, model, optimizer, scheduler)
+        extra = load_checkpoint(self, source, model, optimizer, self._scheduler(scheduler))
+        for s in self._schedulers:
+            if isinstance(s, ParallelScheduler):
+                s._stepped_at = self.global_step  # the restored step is the one it last stepped on
+        return extra
+
+    def _scheduler(self, scheduler: Any) -> Any:
+        if scheduler is not None or not self._schedulers:
+            return scheduler
+        if len(self._schedulers) > 1:
+            raise ValueError(f"{len(self._schedulers)} schedulers were set up: pass the one to checkpoint as scheduler=")
+        return self._schedulers[0]
 
     def close(self, wait_for_peers: bool = True) -> None:
         """Leave the process group; by default after a barrier (pass ``False`` after an error)."""
