@@ -21,19 +21,22 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import fields
+from collections.abc import Mapping
 from typing import Any, Callable
 
 import torch
 from torch import nn
 from torch.utils.data import Dataset
 
+from . import metrics as metrics_lib
 from . import precision as precision_lib
 from . import strategies
 from .config import ParallelConfig
-from .data.batch import map_tensors, to_device
+from .data.batch import batch_size, map_tensors, to_device
 from .data.loaders import EvalLoader, GlobalBatchLoader
 from .data.sampler import BatchPlan
 from .env import process
+from .metrics import batch_targets, is_classification, model_loss, predictions
 
 __all__ = ["Parallel", "ParallelModule", "ParallelOptimizer", "ParallelScheduler"]
 
@@ -349,7 +352,17 @@ class Parallel:
 
     def training_step(self, model: nn.Module, batch: Any,
                       loss_fn: Callable[..., torch.Tensor] = nn.functional.cross_entropy) -> torch.Tensor:
-        """``loss_fn(model(inputs), targets)`` and :meth:`backward`, the way the strategy runs them."""
+        """``loss_fn(model(inputs), targets)`` and :meth:`backward`, the way the strategy runs them.
+
+        A dict batch runs ``model(**batch)`` and uses the model's own loss (HuggingFace's, when the
+        batch has ``labels``), else ``loss_fn(logits, batch["labels"])``."""
+        if isinstance(batch, Mapping):
+            out = model(**batch)
+            loss = model_loss(out)
+            if loss is None:
+                loss = loss_fn(predictions(out), batch_targets(batch))
+            self.backward(loss)
+            return loss
         return self.strategy.training_step(model, batch, loss_fn, self.backward)
 
     def step(self, optimizer: torch.optim.Optimizer | ParallelOptimizer) -> bool:
@@ -419,49 +432,127 @@ class Parallel:
                           transform, **dataloader_kwargs)
 
     @torch.no_grad()
-    def evaluate(self, model: nn.Module, loader: EvalLoader,
-                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> dict[str, float]:
-        """Mean loss and accuracy over the whole evaluation set, reduced over ranks.
+    def evaluate(self, model: nn.Module, loader: EvalLoader, loss_fn: Callable[..., torch.Tensor] | None = None,
+                 *, step_fn: Callable[[nn.Module, Any], Any] | None = None,
+                 metrics: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """Loss, accuracy (classification only) and your metrics over the whole evaluation set,
+        reduced over ranks; ``count`` is the number of samples.
+
+        How a batch becomes predictions and targets:
+
+        * ``step_fn(model, batch)``, if given, returns the batch's mean loss (a scalar tensor)
+          or ``(predictions, targets)``;
+        * a dict batch is passed as ``model(**batch)``: the output's ``loss`` (HuggingFace
+          computes it when the batch has ``labels``) and ``logits`` are used, ``batch["labels"]``
+          (or ``"label"``) are the targets;
+        * ``(inputs, targets)``: ``model(inputs)``.
+
+        The loss is ``loss_fn(predictions, targets)`` if given, else the model's own, else
+        cross-entropy for classification targets (integers, with logits that have a class
+        dimension) or mean squared error for float targets of the predictions' shape. ``accuracy``
+        is reported only for classification targets. ``metrics`` maps names to functions
+        ``fn(predictions, targets)`` returning the batch's mean (averaged over samples), or to
+        objects with ``update``/``compute`` (torchmetrics ``Metric``: they sync themselves).
 
         Data-parallel strategies run the unwrapped module, so no collective happens per batch and
         uneven shards cannot hang. Strategies whose forward is itself a collective (FSDP, tensor,
         pipeline) run the same number of forwards on every rank, padding with batches that are
-        not counted. One all-reduce of (loss sum, correct, count) at the end.
+        not counted. One all-reduce of the sums at the end.
         """
         net = self.unwrap(model)
         was_training = net.training
         net.eval()
-        loss_fn = loss_fn or nn.functional.cross_entropy
-        totals = torch.zeros(3, dtype=torch.float64, device=self.device)
-        for x, y, counted in self._eval_batches(loader):
-            with self.precision.forward_context():
-                out = self.strategy.eval_forward(net, x)
-            if out is None or not counted:  # not the last pipeline stage, or a padding batch
+        metrics = dict(metrics or {})
+        stateful = {k: m for k, m in metrics.items() if hasattr(m, "update") and hasattr(m, "compute")}
+        # loss sum, samples with a loss, correct, targets classified, samples, then each metric's sum
+        totals = torch.zeros(5 + len(metrics), dtype=torch.float64, device=self.device)
+        for batch, counted in self._eval_batches(loader):
+            loss, preds, targets = self._eval_step(net, batch, loss_fn, step_fn)
+            if not counted or (loss is None and preds is None):  # padding, or not the last pipeline stage
                 continue
-            out = out.float()
-            totals[0] += loss_fn(out, y).double() * len(y)
-            totals[1] += (out.argmax(1) == y).sum()
-            totals[2] += len(y)
+            n = len(targets) if targets is not None and targets.dim() else batch_size(batch)
+            totals[4] += n
+            if loss is not None:
+                totals[0] += loss.detach().double() * n
+                totals[1] += n
+            if is_classification(preds, targets):
+                valid = targets != -100  # HuggingFace's ignore_index
+                totals[2] += ((preds.argmax(1) == targets) & valid).sum()
+                totals[3] += valid.sum()
+            for i, (name, metric) in enumerate(metrics.items()):
+                if name in stateful:
+                    metric.update(preds, targets)
+                else:
+                    totals[5 + i] += torch.as_tensor(metric(preds, targets), dtype=torch.float64).to(self.device) * n
         net.train(was_training)
         self.strategy.all_reduce_sum(totals)
-        loss_sum, correct, count = totals.tolist()
-        return {"loss": loss_sum / max(count, 1), "accuracy": correct / max(count, 1), "count": int(count)}
+        sums = totals.tolist()
+        result: dict[str, Any] = {}
+        if sums[1]:
+            result["loss"] = sums[0] / sums[1]
+        if sums[3]:
+            result["accuracy"] = sums[2] / sums[3]
+        result["count"] = int(sums[4])
+        for i, (name, metric) in enumerate(metrics.items()):
+            if name in stateful:
+                value = metric.compute()
+                result[name] = value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
+            else:
+                result[name] = sums[5 + i] / max(sums[4], 1)
+        return result
+
+    def _eval_step(self, net: nn.Module, batch: Any, loss_fn: Callable[..., torch.Tensor] | None,
+                   step_fn: Callable[[nn.Module, Any], Any] | None) -> tuple[Any, Any, Any]:
+        """(loss or None, predictions or None, targets or None) of one evaluation batch."""
+        with self.precision.forward_context():
+            if step_fn is not None:
+                out = _to_float32(step_fn(net, batch))
+                if isinstance(out, torch.Tensor):
+                    return out, None, None
+                preds, targets = out
+                return (loss_fn(preds, targets) if loss_fn is not None else _default_loss(preds, targets)), preds, targets
+            if isinstance(batch, Mapping):
+                out, targets = net(**batch), batch_targets(batch)
+            else:
+                out, targets = self.strategy.eval_forward(net, batch[0]), batch[1]
+            if out is None:  # not the last pipeline stage
+                return None, None, None
+            out = _to_float32(out)
+        preds = predictions(out)
+        loss: torch.Tensor | None
+        if loss_fn is not None:
+            loss = loss_fn(preds, targets)
+        else:
+            loss = model_loss(out)
+            if loss is None:
+                loss = _default_loss(preds, targets)
+        return loss, preds, targets
 
     def _eval_batches(self, loader: EvalLoader) -> Any:
         if not self.strategy.collective_forward:
-            yield from ((x, y, True) for x, y in loader)
+            yield from ((batch, True) for batch in loader)
             return
         n = torch.tensor([len(loader)], device=self.device)
         self.strategy.all_reduce_max(n)
         pad = None
-        for x, y in loader:
-            pad = (x[:1], y[:1], False)
-            yield x, y, True
+        for batch in loader:
+            pad = map_tensors(lambda t: t[:1] if t.dim() else t, batch)
+            yield batch, True
         if pad is None:  # an empty shard (more ranks than samples) still joins every forward
-            x0, y0 = loader.dataloader.dataset[0]
-            pad = (to_device(torch.as_tensor(x0)[None], self.device), to_device(torch.as_tensor(y0)[None], self.device), False)
+            data = loader.dataloader
+            pad = to_device(data.collate_fn([data.dataset[0]]), self.device)
         for _ in range(int(n.item()) - len(loader)):
-            yield pad
+            yield pad, False
+
+    # --- collectives for metrics -----------------------------------------------------------
+    def all_gather(self, obj: Any) -> Any:
+        """Every rank's tensor concatenated along dim 0 (sizes may differ), or every rank's
+        picklable object in a list; see :func:`paratrain.metrics.all_gather`. Collective."""
+        return metrics_lib.all_gather(obj)
+
+    def reduce(self, value: Any, op: str = "mean") -> torch.Tensor:
+        """``value`` (tensor or number) reduced over all ranks: sum, mean, max, min or product. Collective."""
+        return metrics_lib.reduce(value, op, self.device)
 
     def all_reduce_mean(self, value: torch.Tensor) -> torch.Tensor:
         """Average of ``value`` over the data-parallel ranks."""
@@ -507,3 +598,13 @@ class Parallel:
 def _to_float32(out: Any) -> Any:
     """Floating tensors of a model's output in fp32; every container keeps its type."""
     return map_tensors(lambda t: t.float() if t.is_floating_point() and t.dtype != torch.float32 else t, out)
+
+
+def _default_loss(preds: Any, targets: Any) -> torch.Tensor | None:
+    """Cross-entropy for classification targets, MSE for float targets shaped like the predictions."""
+    if is_classification(preds, targets):
+        return nn.functional.cross_entropy(preds, targets)
+    if (isinstance(preds, torch.Tensor) and isinstance(targets, torch.Tensor) and targets.is_floating_point()
+            and preds.shape == targets.shape):
+        return nn.functional.mse_loss(preds, targets)
+    return None

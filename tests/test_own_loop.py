@@ -253,3 +253,160 @@ def test_scheduler_state_resumes_exactly(pattern, tmp_path):
     assert lrs == pytest.approx(ref_lrs[5:], rel=1e-12)
     assert sched.last_epoch == 12
     assert_states_equal(got, ref, 1e-10)
+
+
+# --- dict batches, evaluate, metrics -----------------------------------------------------------
+class DictData(torch.utils.data.Dataset):
+    """HuggingFace-style samples: a dict with the inputs, the labels and a string."""
+
+    def __init__(self, n, classes=3, dtype=torch.float32, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(n, 4, generator=g, dtype=dtype)
+        self.y = (self.x @ torch.randn(4, classes, generator=g, dtype=dtype)).argmax(1)  # learnable
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return {"features": self.x[i], "labels": self.y[i], "id": f"s{i}"}
+
+
+class KwargsModel(nn.Module):
+    """Takes the batch as keyword arguments; computes its loss when given labels (like HF)."""
+
+    def __init__(self, classes=3):
+        super().__init__()
+        self.lin = nn.Linear(4, classes)
+
+    def forward(self, features, labels=None, id=None):
+        logits = self.lin(features)
+        out = OrderedDict(logits=logits)
+        if labels is not None:
+            out["loss"] = nn.functional.cross_entropy(logits.float(), labels)
+            out.move_to_end("loss", last=False)
+        return out
+
+
+def plain_eval(state, data):
+    net = KwargsModel()
+    net.load_state_dict(state)
+    with torch.no_grad():
+        logits = net.lin(data.x)
+    return nn.functional.cross_entropy(logits, data.y).item(), (logits.argmax(1) == data.y).float().mean().item()
+
+
+def test_dict_batches_train_and_evaluate():
+    pt = paratrain.Parallel(global_batch=8, accumulation=2, precision="bf16-mixed")
+    net = KwargsModel()
+    model, opt = pt.setup(net, torch.optim.SGD(net.parameters(), lr=0.5))
+    loader = pt.train_loader(DictData(32))
+    for batch in loader:
+        assert isinstance(batch, dict) and batch["features"].shape == (4, 4) and len(batch["id"]) == 4
+        opt.zero_grad()
+        out = model(**batch)
+        pt.backward(out["loss"])
+        opt.step()
+    pt.training_step(model, next(iter(loader)))  # a dict batch through training_step: the model's loss
+    opt.step()
+    eval_set = DictData(11, seed=1)
+    ref_loss, ref_acc = plain_eval(pt.unwrap(model).state_dict(), eval_set)
+    got = pt.evaluate(model, pt.eval_loader(eval_set, batch_size=4))  # the model's own loss (labels in the batch)
+    assert got["count"] == 11 and got["accuracy"] == pytest.approx(ref_acc)
+    assert got["loss"] == pytest.approx(ref_loss, rel=2e-2)  # bf16 forward: a few bf16 ulps
+
+    def step_fn(net, batch):  # the user says how a batch becomes (predictions, targets)
+        return net(batch["features"])["logits"], batch["labels"]
+
+    got = pt.evaluate(model, pt.eval_loader(eval_set, batch_size=4), step_fn=step_fn)
+    assert got["accuracy"] == pytest.approx(ref_acc) and got["loss"] == pytest.approx(ref_loss, rel=2e-2)
+    got = pt.evaluate(model, pt.eval_loader(eval_set, batch_size=4), step_fn=lambda net, b: net(**b)["loss"])
+    assert set(got) == {"loss", "count"} and got["loss"] == pytest.approx(ref_loss, rel=2e-2)
+    pt.close()
+
+
+def test_evaluate_reports_what_the_task_has():
+    """A regressor gets its MSE and no accuracy; metric functions are averaged over samples;
+    integer targets with logits get accuracy."""
+    x, y = regression_data(torch.float32)
+    pt = paratrain.Parallel(global_batch=8)
+    model = pt.setup(nn.Linear(4, 2))
+    loader = pt.eval_loader(torch.utils.data.TensorDataset(x, y), batch_size=5)
+    got = pt.evaluate(model, loader, metrics={"mae": lambda p, t: (p - t).abs().mean()})
+    with torch.no_grad():
+        pred = pt.unwrap(model)(x)
+    assert set(got) == {"loss", "count", "mae"} and got["count"] == N
+    assert got["loss"] == pytest.approx(nn.functional.mse_loss(pred, y).item(), rel=1e-5)
+    assert got["mae"] == pytest.approx((pred - y).abs().mean().item(), rel=1e-5)
+    labels = torch.randint(0, 2, (N,))
+    got = pt.evaluate(model, pt.eval_loader(torch.utils.data.TensorDataset(x, labels), batch_size=5))
+    assert got["accuracy"] == pytest.approx((pred.argmax(1) == labels).float().mean().item())
+    pt.close()
+
+
+def test_all_gather_and_reduce_in_one_process():
+    pt = paratrain.Parallel(global_batch=8)
+    assert torch.equal(pt.all_gather(torch.arange(3)), torch.arange(3))
+    assert pt.all_gather({"a": 1}) == [{"a": 1}]
+    assert pt.reduce(torch.tensor(3.0), "sum").item() == 3.0 and pt.reduce(2, "mean").item() == 2.0
+    pt.close()
+
+
+# --- the same at world size 2, under ddp and fsdp: one launch each checks everything ---------------
+def world2_worker(rank, strategy):
+    try:  # its import costs ~10 s on a busy 2-core machine: one launch checks it
+        import torchmetrics
+    except ImportError:
+        torchmetrics = None
+    torchmetrics = torchmetrics if strategy == "ddp" else None
+    pt = paratrain.Parallel(strategy=strategy, global_batch=8, accumulation=2, precision="bf16-mixed", seed=SEED)
+    report = {}
+    # outputs keep their type through DDP/FSDP
+    kinds = {}
+    for kind in ("dict", "attrdict", "dataclass", "namedtuple"):
+        out = pt.setup(AnyOutput(kind))(torch.randn(4, 4))
+        kinds[kind] = (type(out).__name__, sorted({str(t.dtype) for t in _collect(out)}))
+    report["kinds"] = kinds
+    # a scheduler built on the user's optimizer before setup (fsdp rebuilds the optimizer) steps the real one
+    net = KwargsModel()
+    opt = torch.optim.SGD(net.parameters(), lr=0.5)
+    model, opt, sched = pt.setup(net, opt, torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5))
+    for batch in pt.train_loader(DictData(32)):  # dict batches, model(**batch), out.loss
+        opt.zero_grad()
+        pt.backward(model(**batch)["loss"])
+        opt.step()
+        sched.step()
+    report["lr"] = (pt._optimizers[-1].param_groups[0]["lr"], sched.get_last_lr()[0], pt.global_step)
+    # evaluation of 5 samples on 2 ranks: shards of 2 and 3, batches of 2 (fsdp pads the short shard)
+    eval_set = DictData(5, seed=1)
+    metrics = {"acc_fn": lambda p, t: (p.argmax(1) == t).float().mean()}
+    if torchmetrics is not None:
+        metrics["tm_acc"] = torchmetrics.classification.MulticlassAccuracy(num_classes=3, average="micro")
+    report["eval"] = pt.evaluate(model, pt.eval_loader(eval_set, batch_size=2), metrics=metrics)
+    report["state"] = pt.full_state_dict(model)
+    # all_gather of uneven tensors and of objects; reduce
+    report["gather"] = pt.all_gather(torch.full((rank + 1, 2), rank)).tolist()
+    report["objects"] = pt.all_gather({"rank": rank})
+    report["reduce"] = (pt.reduce(torch.tensor(rank + 1.0), "sum").item(), pt.reduce(rank, "max").item())
+    pt.close()
+    return report
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_own_loop_at_world_size_2(strategy):
+    reports = paratrain.launch(world2_worker, nprocs=2, args=(strategy,), timeout=180)
+    for r in reports:
+        assert r["kinds"] == {"dict": ("dict", ["torch.float32", "torch.int64"]),
+                              "attrdict": ("AttrDict", ["torch.float32"]),
+                              "dataclass": ("Output", ["torch.float32"]),
+                              "namedtuple": ("Pair", ["torch.float32", "torch.int64"])}
+        assert r["lr"] == (0.5 * 0.5 ** 4, 0.5 * 0.5 ** 4, 4)  # 32 samples / 8 = 4 optimizer steps
+        assert r["gather"] == [[0, 0], [1, 1], [1, 1]]
+        assert r["objects"] == [{"rank": 0}, {"rank": 1}]
+        assert r["reduce"] == (3.0, 1)
+    ref_loss, ref_acc = plain_eval(reports[0]["state"], DictData(5, seed=1))
+    got = reports[0]["eval"]
+    assert got["count"] == 5 and got["accuracy"] == pytest.approx(ref_acc) and got["acc_fn"] == pytest.approx(ref_acc)
+    assert got["loss"] == pytest.approx(ref_loss, rel=2e-2)  # bf16 forward
+    if "tm_acc" in got:  # torchmetrics synced across ranks by itself
+        assert got["tm_acc"] == pytest.approx(ref_acc)
+    assert reports[1]["eval"] == got
