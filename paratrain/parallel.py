@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset, RandomSampler, SequentialSampler
 
 from . import metrics as metrics_lib
 from . import precision as precision_lib
@@ -37,6 +37,10 @@ from .data.loaders import EvalLoader, GlobalBatchLoader
 from .data.sampler import BatchPlan
 from .env import process
 from .metrics import batch_targets, is_classification, model_loss, predictions
+
+# What train_loader keeps of a user's DataLoader (its sampler, batch size and drop_last are paratrain's).
+_KEPT_LOADER_SETTINGS = ("collate_fn", "num_workers", "pin_memory", "worker_init_fn", "persistent_workers", "timeout",
+                         "prefetch_factor", "multiprocessing_context", "pin_memory_device", "in_order")
 
 __all__ = ["Parallel", "ParallelModule", "ParallelOptimizer", "ParallelScheduler"]
 
@@ -404,25 +408,55 @@ class Parallel:
         return self.precision.skipped_steps
 
     # --- data ------------------------------------------------------------------------------
-    def train_loader(self, dataset: Dataset, transform: Callable[..., torch.Tensor] | None = None,
-                     shuffle: bool = True, **dataloader_kwargs: Any) -> GlobalBatchLoader:
+    def train_loader(self, dataset: Dataset | DataLoader, transform: Callable[..., torch.Tensor] | None = None,
+                     shuffle: bool | None = None, **dataloader_kwargs: Any) -> GlobalBatchLoader:
         """Micro-batches of this rank, from the current global step, epoch after epoch.
 
-        ``dataloader_kwargs`` go to :class:`torch.utils.data.DataLoader` (``num_workers``,
-        ``pin_memory``, ``persistent_workers``...); batch size and sampler are paratrain's.
+        ``dataset`` is a dataset, or your own :class:`~torch.utils.data.DataLoader`: its dataset,
+        ``collate_fn``, ``num_workers``, ``pin_memory``, ``worker_init_fn``, ``persistent_workers``
+        (and prefetch/timeout/multiprocessing settings) are kept, its sampler and batch size are
+        replaced by paratrain's global-batch sampler (a ``batch_size`` other than the derived
+        micro-batch is reported in one line). ``shuffle`` defaults to True, or for a DataLoader to
+        whether its sampler was random. ``dataloader_kwargs`` go to the DataLoader and win over a
+        given loader's settings; batch size and sampler are paratrain's.
         """
-        for k in ("batch_size", "sampler", "batch_sampler", "shuffle", "drop_last"):
+        for k in ("batch_size", "sampler", "batch_sampler", "drop_last"):
             if k in dataloader_kwargs:
                 raise ValueError(f"train_loader sets {k!r} itself from the global batch: remove it")
-        if len(dataset) < self.plan.global_batch:  # type: ignore[arg-type]
+        data: Dataset = dataset  # type: ignore[assignment]
+        if isinstance(dataset, DataLoader):
+            data, kept, shuffle = self._from_dataloader(dataset, shuffle)
+            dataloader_kwargs = {**kept, **dataloader_kwargs}
+        shuffle = True if shuffle is None else shuffle
+        if len(data) < self.plan.global_batch:  # type: ignore[arg-type]
             raise ValueError(
-                f"the dataset has {len(dataset)} samples, fewer than one global batch of "  # type: ignore[arg-type]
+                f"the dataset has {len(data)} samples, fewer than one global batch of "  # type: ignore[arg-type]
                 f"{self.plan.global_batch} over {self.world_size} processes: lower the global batch"
             )
         return GlobalBatchLoader(
-            dataset, self.plan, self.strategy.data_parallel_rank, self.device, self.config.seed,
+            data, self.plan, self.strategy.data_parallel_rank, self.device, self.config.seed,
             position=lambda: self.global_step, transform=transform, shuffle=shuffle, **dataloader_kwargs,
         )
+
+    def _from_dataloader(self, loader: DataLoader, shuffle: bool | None) -> tuple[Any, dict[str, Any], bool | None]:
+        """The dataset and settings of a user's DataLoader that paratrain keeps, and its shuffle."""
+        kept: dict[str, Any] = {k: getattr(loader, k) for k in _KEPT_LOADER_SETTINGS if hasattr(loader, k)}
+        if loader.num_workers == 0:  # DataLoader refuses these without workers
+            kept.pop("prefetch_factor", None)
+            kept.pop("persistent_workers", None)
+        m = self.plan
+        if loader.batch_size is not None and loader.batch_size != m.micro_batch:
+            warnings.warn(f"train_loader: the DataLoader's batch_size {loader.batch_size} is replaced by the micro-batch "
+                          f"{m.micro_batch} (global batch {m.global_batch} = {m.micro_batch} × {m.world_size} processes "
+                          f"× {m.accumulation} accumulation steps)", stacklevel=3)
+        if shuffle is None and not isinstance(loader.dataset, IterableDataset):
+            sampler = loader.sampler if loader.batch_size is not None else loader.batch_sampler
+            if isinstance(sampler, (RandomSampler, SequentialSampler)):
+                shuffle = isinstance(sampler, RandomSampler)
+            else:
+                warnings.warn(f"train_loader: the DataLoader's {type(sampler).__name__} is replaced by paratrain's "
+                              "global-batch sampler (shuffled: pass shuffle=False for the dataset's order)", stacklevel=3)
+        return loader.dataset, kept, shuffle
 
     def eval_loader(self, dataset: Dataset, batch_size: int | None = None,
                     transform: Callable[[torch.Tensor], torch.Tensor] | None = None, **dataloader_kwargs: Any) -> EvalLoader:

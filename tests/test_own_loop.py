@@ -4,6 +4,7 @@ DataLoader, metrics — the things an Accelerate or Fabric user's loop does (iss
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections import OrderedDict, namedtuple
 
 import pytest
@@ -278,7 +279,7 @@ class KwargsModel(nn.Module):
         super().__init__()
         self.lin = nn.Linear(4, classes)
 
-    def forward(self, features, labels=None, id=None):
+    def forward(self, features, labels=None, id=None, **extra):
         logits = self.lin(features)
         out = OrderedDict(logits=logits)
         if labels is not None:
@@ -351,6 +352,44 @@ def test_all_gather_and_reduce_in_one_process():
     pt.close()
 
 
+# --- your own DataLoader ----------------------------------------------------------------------
+def tag_collate(samples):
+    """A user's collate_fn: default collation, plus which worker ran it and whether its
+    worker_init_fn ran first."""
+    batch = torch.utils.data.default_collate(samples)
+    info = torch.utils.data.get_worker_info()
+    batch["worker"] = -1 if info is None else info.id
+    batch["init"] = os.environ.get("PT_TEST_WORKER_INIT") == "1"
+    return batch
+
+
+def mark_worker(worker_id):
+    os.environ["PT_TEST_WORKER_INIT"] = "1"
+
+
+def test_own_dataloader_keeps_its_settings(recwarn):
+    pt = paratrain.Parallel(global_batch=16, seed=SEED)
+    data = DictData(40)
+    user = torch.utils.data.DataLoader(data, batch_size=16, shuffle=True, collate_fn=tag_collate, num_workers=1,
+                                       worker_init_fn=mark_worker, persistent_workers=True)
+    loader = pt.train_loader(user)
+    dl = loader.dataloader
+    assert (dl.dataset, dl.collate_fn, dl.num_workers, dl.worker_init_fn, dl.persistent_workers) == \
+        (data, tag_collate, 1, mark_worker, True)
+    perm = paratrain.data.epoch_permutation(40, SEED, 0)
+    batches = list(loader)
+    assert len(batches) == 2  # 40 // 16, the tail dropped
+    for s, batch in enumerate(batches):
+        assert batch["id"] == [f"s{i}" for i in perm[16 * s:16 * (s + 1)]]  # paratrain's order, the loader's collate
+        assert batch["worker"] == 0 and batch["init"] is True
+    assert not [w for w in recwarn if "train_loader" in str(w.message)]
+    with pytest.warns(UserWarning, match="batch_size 5 is replaced by the micro-batch 16"):
+        pt.train_loader(torch.utils.data.DataLoader(data, batch_size=5))
+    in_order = pt.train_loader(torch.utils.data.DataLoader(data, batch_size=16, shuffle=False))
+    assert torch.equal(next(iter(in_order))["features"], data.x[:16])
+    pt.close()
+
+
 # --- the same at world size 2, under ddp and fsdp: one launch each checks everything ---------------
 def world2_worker(rank, strategy):
     try:  # its import costs ~10 s on a busy 2-core machine: one launch checks it
@@ -370,11 +409,15 @@ def world2_worker(rank, strategy):
     net = KwargsModel()
     opt = torch.optim.SGD(net.parameters(), lr=0.5)
     model, opt, sched = pt.setup(net, opt, torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5))
-    for batch in pt.train_loader(DictData(32)):  # dict batches, model(**batch), out.loss
+    ids = []
+    user_loader = torch.utils.data.DataLoader(DictData(32), batch_size=2, shuffle=True, collate_fn=tag_collate)
+    for batch in pt.train_loader(user_loader):  # dict batches, model(**batch), out.loss
+        ids.append(batch["id"])
         opt.zero_grad()
         pt.backward(model(**batch)["loss"])
         opt.step()
         sched.step()
+    report["ids"] = ids
     report["lr"] = (pt._optimizers[-1].param_groups[0]["lr"], sched.get_last_lr()[0], pt.global_step)
     # evaluation of 5 samples on 2 ranks: shards of 2 and 3, batches of 2 (fsdp pads the short shard)
     eval_set = DictData(5, seed=1)
@@ -403,6 +446,9 @@ def test_own_loop_at_world_size_2(strategy):
         assert r["gather"] == [[0, 0], [1, 1], [1, 1]]
         assert r["objects"] == [{"rank": 0}, {"rank": 1}]
         assert r["reduce"] == (3.0, 1)
+    for step in range(4):  # the user's DataLoader, resampled: each optimizer step holds the global batch
+        got_ids = sorted(i for r in reports for i in r["ids"][2 * step] + r["ids"][2 * step + 1])
+        assert got_ids == sorted(f"s{i}" for i in paratrain.data.epoch_permutation(32, SEED, 0)[8 * step:8 * step + 8])
     ref_loss, ref_acc = plain_eval(reports[0]["state"], DictData(5, seed=1))
     got = reports[0]["eval"]
     assert got["count"] == 5 and got["accuracy"] == pytest.approx(ref_acc) and got["acc_fn"] == pytest.approx(ref_acc)
