@@ -19,6 +19,7 @@ at the step boundary, so the loop body stays the same.
 
 from __future__ import annotations
 
+import sys
 import warnings
 from dataclasses import fields
 from collections.abc import Mapping
@@ -178,16 +179,18 @@ class ParallelModule(nn.Module):
     """
 
     def __init__(self, wrapped: nn.Module, original: nn.Module, precision: precision_lib.Precision,
-                 before_forward: Callable[[nn.Module], None], after_load: Callable[[nn.Module], None]) -> None:
+                 before_forward: Callable[[nn.Module], None], after_load: Callable[[nn.Module], None],
+                 strategy_module: nn.Module | None = None) -> None:
         super().__init__()
-        self.module = wrapped
+        self.module = wrapped  # what forward runs: the strategy's wrapper, compiled if asked
         object.__setattr__(self, "original", original)  # not a submodule: no duplicate keys
+        object.__setattr__(self, "_strategy_module", wrapped if strategy_module is None else strategy_module)
         object.__setattr__(self, "_precision", precision)
         object.__setattr__(self, "_before_forward", before_forward)
         object.__setattr__(self, "_after_load", after_load)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        self._before_forward(self.module)
+        self._before_forward(self._strategy_module)
         if not self._precision.autocast:
             return self.module(*args, **kwargs)
         with self._precision.forward_context():
@@ -276,9 +279,15 @@ class Parallel:
         over sharded parameters (fsdp). The returned scheduler's ``step()`` acts once per optimizer
         step whatever the accumulation (see :class:`ParallelScheduler`).
         """
-        original = model
-        wrapped = self.strategy.setup_model(self.precision.setup_model(model))
-        module = ParallelModule(wrapped, original, self.precision, self._before_forward, self._after_load)
+        compiled = model if _is_compiled(model) else None
+        original = _uncompiled(model)  # its keys are the checkpoint's, compiled or not
+        wrapped = self.strategy.setup_model(self.precision.setup_model(original))
+        runner = wrapped
+        if compiled is not None:  # compiled by the user: the same compilation, around the strategy's wrapper
+            runner = type(compiled)(wrapped, compiled.dynamo_ctx)
+        elif self.config.compile:
+            runner = torch.compile(wrapped, backend=self.config.compile_backend)  # type: ignore[assignment]
+        module = ParallelModule(runner, original, self.precision, self._before_forward, self._after_load, wrapped)
         self._models.append(wrapped)
         if optimizer is None:
             if scheduler is not None:
@@ -326,9 +335,10 @@ class Parallel:
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The user's module without paratrain/DDP/DataParallel wrappers (for saving or evaluation)."""
+        model = _uncompiled(model)
         if isinstance(model, ParallelModule):
             return model.original
-        return self.strategy.unwrap(model)
+        return self.strategy.unwrap(_uncompiled(self.strategy.unwrap(model)))
 
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """The whole model's state (unsharded, every pipeline stage) as CPU tensors. Collective."""
@@ -601,14 +611,14 @@ class Parallel:
         ``scheduler`` defaults to the one given to :meth:`setup` or :meth:`register_scheduler`."""
         from .checkpoint import save_checkpoint
 
-        return save_checkpoint(self, directory, model, optimizer, self._scheduler(scheduler), extra, keep)
+        return save_checkpoint(self, directory, _uncompiled(model), optimizer, self._scheduler(scheduler), extra, keep)
 
     def load_checkpoint(self, source: str, model: nn.Module, optimizer: Any = None, scheduler: Any = None) -> Any:
         """Restore a run from a checkpoint file or the newest loadable one in a directory; the
         next ``train_loader`` iteration continues mid-epoch. Returns ``extra`` (``None`` if none found)."""
         from .checkpoint import load_checkpoint
 
-        extra = load_checkpoint(self, source, model, optimizer, self._scheduler(scheduler))
+        extra = load_checkpoint(self, source, _uncompiled(model), optimizer, self._scheduler(scheduler))
         for s in self._schedulers:
             if isinstance(s, ParallelScheduler):
                 s._stepped_at = self.global_step  # the restored step is the one it last stepped on
@@ -627,6 +637,20 @@ class Parallel:
             self.strategy.close(wait_for_peers)
         finally:
             process.destroy(wait_for_peers)
+
+
+def _is_compiled(model: Any) -> bool:
+    """Is ``model`` ``torch.compile``'s wrapper? (torch._dynamo is loaded once anything was compiled:
+    no import here, which would cost seconds in every process.)"""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    return eval_frame is not None and isinstance(model, eval_frame.OptimizedModule)
+
+
+def _uncompiled(model: Any) -> Any:
+    """``model`` without ``torch.compile``'s wrapper (whose state_dict keys start with ``_orig_mod.``)."""
+    while _is_compiled(model):
+        model = model._orig_mod
+    return model
 
 
 def _to_float32(out: Any) -> Any:

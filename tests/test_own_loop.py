@@ -390,8 +390,50 @@ def test_own_dataloader_keeps_its_settings(recwarn):
     pt.close()
 
 
+# --- compiled models -----------------------------------------------------------------------------
+def compiled_run(strategy, mode, directory, steps=3):
+    """float64 regression, ``mode``: plain, Parallel(compile=True), or torch.compile before or after
+    setup (backend "eager": compiling with inductor needs a C++ compiler and minutes on a CPU)."""
+    pt = paratrain.Parallel(strategy=strategy, global_batch=8, seed=SEED, compile=(mode == "config"),
+                            compile_backend="eager")
+    torch.manual_seed(SEED)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)).double()
+    if mode == "before":
+        model = torch.compile(model, backend="eager")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model, opt = pt.setup(model, opt)
+    if mode == "after":
+        model = torch.compile(model, backend="eager")
+    for xb, yb in pt.train_loader(torch.utils.data.TensorDataset(*regression_data())):
+        opt.zero_grad()
+        pt.backward(nn.functional.mse_loss(model(xb), yb))
+        opt.step()
+        if pt.global_step == steps:
+            break
+    pt.save_checkpoint(directory, model, opt)
+    state = pt.full_state_dict(model)
+    # the checkpoint loads into a compiled model and into an uncompiled one alike
+    for compile_it in (True, False):
+        fresh = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)).double()
+        fresh_opt = torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9)
+        fresh, fresh_opt = pt.setup(torch.compile(fresh, backend="eager") if compile_it else fresh, fresh_opt)
+        pt.load_checkpoint(directory, fresh, fresh_opt)
+        loaded = pt.full_state_dict(fresh)
+        assert all(torch.equal(loaded[k], state[k]) for k in state), (mode, compile_it)
+    return state
+
+
+def test_compiled_models_train_and_checkpoint_uncompiled_keys(tmp_path):
+    ref = compiled_run("single", "plain", tmp_path / "plain")
+    for mode in ("config", "before", "after"):
+        state = compiled_run("single", mode, tmp_path / mode)
+        assert_states_equal(state, ref, 1e-10)
+        saved = torch.load(next((tmp_path / mode).glob("step-*.pt")), weights_only=True)["model"]
+        assert sorted(saved) == sorted(ref)  # no "_orig_mod." anywhere
+
+
 # --- the same at world size 2, under ddp and fsdp: one launch each checks everything ---------------
-def world2_worker(rank, strategy):
+def world2_worker(rank, strategy, directory):
     try:  # its import costs ~10 s on a busy 2-core machine: one launch checks it
         import torchmetrics
     except ImportError:
@@ -430,13 +472,16 @@ def world2_worker(rank, strategy):
     report["gather"] = pt.all_gather(torch.full((rank + 1, 2), rank)).tolist()
     report["objects"] = pt.all_gather({"rank": rank})
     report["reduce"] = (pt.reduce(torch.tensor(rank + 1.0), "sum").item(), pt.reduce(rank, "max").item())
+    # compiled models (the process group is shared by the Parallel objects of one process)
+    report["compiled"] = {mode: compiled_run(strategy, mode, os.path.join(directory, mode))
+                          for mode in ("plain", "config", "before", "after")}
     pt.close()
     return report
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_own_loop_at_world_size_2(strategy):
-    reports = paratrain.launch(world2_worker, nprocs=2, args=(strategy,), timeout=180)
+def test_own_loop_at_world_size_2(strategy, tmp_path):
+    reports = paratrain.launch(world2_worker, nprocs=2, args=(strategy, str(tmp_path)), timeout=240)
     for r in reports:
         assert r["kinds"] == {"dict": ("dict", ["torch.float32", "torch.int64"]),
                               "attrdict": ("AttrDict", ["torch.float32"]),
@@ -456,3 +501,7 @@ def test_own_loop_at_world_size_2(strategy):
     if "tm_acc" in got:  # torchmetrics synced across ranks by itself
         assert got["tm_acc"] == pytest.approx(ref_acc)
     assert reports[1]["eval"] == got
+    ref = reports[0]["compiled"]["plain"]  # compiled or not, the same training
+    for r in reports:
+        for mode in ("config", "before", "after"):
+            assert_states_equal(r["compiled"][mode], ref, 1e-10)
