@@ -35,6 +35,7 @@ from . import strategies
 from .config import ParallelConfig
 from .data.batch import batch_size, map_tensors, to_device
 from .data.loaders import EvalLoader, GlobalBatchLoader
+from .data.stream import StreamLoader
 from .data.sampler import BatchPlan
 from .env import process
 from .metrics import batch_targets, is_classification, model_loss, predictions
@@ -419,7 +420,7 @@ class Parallel:
 
     # --- data ------------------------------------------------------------------------------
     def train_loader(self, dataset: Dataset | DataLoader, transform: Callable[..., torch.Tensor] | None = None,
-                     shuffle: bool | None = None, **dataloader_kwargs: Any) -> GlobalBatchLoader:
+                     shuffle: bool | None = None, **dataloader_kwargs: Any) -> GlobalBatchLoader | StreamLoader:
         """Micro-batches of this rank, from the current global step, epoch after epoch.
 
         ``dataset`` is a dataset, or your own :class:`~torch.utils.data.DataLoader`: its dataset,
@@ -429,6 +430,10 @@ class Parallel:
         micro-batch is reported in one line). ``shuffle`` defaults to True, or for a DataLoader to
         whether its sampler was random. ``dataloader_kwargs`` go to the DataLoader and win over a
         given loader's settings; batch size and sampler are paratrain's.
+
+        An :class:`~torch.utils.data.IterableDataset` (a stream of unknown length, or a
+        :class:`~paratrain.data.stream.ShardedStream` of files) gives the same global batches at
+        any world size and the same number of steps on every rank (see :mod:`paratrain.data.stream`).
         """
         for k in ("batch_size", "sampler", "batch_sampler", "drop_last"):
             if k in dataloader_kwargs:
@@ -437,6 +442,12 @@ class Parallel:
         if isinstance(dataset, DataLoader):
             data, kept, shuffle = self._from_dataloader(dataset, shuffle)
             dataloader_kwargs = {**kept, **dataloader_kwargs}
+        if isinstance(data, IterableDataset):
+            if transform is not None or shuffle:
+                raise ValueError("a stream (IterableDataset) is read in order, without transform: shuffle or "
+                                 "augment inside the dataset")
+            return StreamLoader(data, self.plan, self.strategy.data_parallel_rank, self.device, self._min_all,
+                                position=lambda: self.global_step, **dataloader_kwargs)
         shuffle = True if shuffle is None else shuffle
         if len(data) < self.plan.global_batch:  # type: ignore[arg-type]
             raise ValueError(
@@ -447,6 +458,12 @@ class Parallel:
             data, self.plan, self.strategy.data_parallel_rank, self.device, self.config.seed,
             position=lambda: self.global_step, transform=transform, shuffle=shuffle, **dataloader_kwargs,
         )
+
+    def _min_all(self, n: int) -> int:
+        """The smallest ``n`` over all ranks (a collective)."""
+        t = torch.tensor([-n], dtype=torch.int64, device=self.device)
+        self.strategy.all_reduce_max(t)
+        return -int(t.item())
 
     def _from_dataloader(self, loader: DataLoader, shuffle: bool | None) -> tuple[Any, dict[str, Any], bool | None]:
         """The dataset and settings of a user's DataLoader that paratrain keeps, and its shuffle."""
