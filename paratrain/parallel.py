@@ -339,7 +339,7 @@ class Parallel:
         model = _uncompiled(model)
         if isinstance(model, ParallelModule):
             return model.original
-        return self.strategy.unwrap(_uncompiled(self.strategy.unwrap(model)))
+        return _uncompiled(self.strategy.unwrap(model))
 
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """The whole model's state (unsharded, every pipeline stage) as CPU tensors. Collective."""
