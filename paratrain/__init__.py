@@ -15,12 +15,12 @@ from .env import (
 )
 from .config import DataConfig, OptimConfig, ParallelConfig, TrainConfig
 from .launch.spawn import launch
-from .parallel import Parallel, ParallelOptimizer
+from .parallel import Parallel, ParallelOptimizer, ParallelScheduler
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Parallel", "ParallelOptimizer", "ParallelConfig", "TrainConfig", "DataConfig", "OptimConfig",
+    "Parallel", "ParallelOptimizer", "ParallelScheduler", "ParallelConfig", "TrainConfig", "DataConfig", "OptimConfig",
     "launch", "init", "destroy", "barrier", "rank", "world_size", "local_rank",
     "is_main_process", "print_once", "save_on_main", "main_process_first", "seed_everything",
 ]

@@ -63,6 +63,10 @@ class ParallelConfig:
     """auto, cpu, cuda, xpu or mps."""
     timeout_s: float = 600.0
     """Collective timeout: a missing rank fails the job after this long instead of hanging."""
+    compile: bool = False
+    """torch.compile the set-up model (after DDP/FSDP wrapping). Checkpoints keep the uncompiled keys."""
+    compile_backend: str = "inductor"
+    """torch.compile's backend (inductor needs a C++ compiler on CPU; eager and aot_eager do not)."""
     ddp: DDPOptions = field(default_factory=DDPOptions)
     fsdp: FSDPOptions = field(default_factory=FSDPOptions)
     tensor: TensorOptions = field(default_factory=TensorOptions)

@@ -19,45 +19,157 @@ at the step boundary, so the loop body stays the same.
 
 from __future__ import annotations
 
+import sys
+import warnings
 from dataclasses import fields
+from collections.abc import Mapping
 from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset, RandomSampler, SequentialSampler
 
+from . import metrics as metrics_lib
 from . import precision as precision_lib
 from . import strategies
 from .config import ParallelConfig
-from .data.loaders import EvalLoader, GlobalBatchLoader, to_device
+from .data.batch import batch_size, map_tensors, to_device
+from .data.loaders import EvalLoader, GlobalBatchLoader
+from .data.stream import StreamLoader
 from .data.sampler import BatchPlan
 from .env import process
+from .metrics import batch_targets, is_classification, model_loss, predictions
 
-__all__ = ["Parallel", "ParallelModule", "ParallelOptimizer"]
+# What train_loader keeps of a user's DataLoader (its sampler, batch size and drop_last are paratrain's).
+_KEPT_LOADER_SETTINGS = ("collate_fn", "num_workers", "pin_memory", "worker_init_fn", "persistent_workers", "timeout",
+                         "prefetch_factor", "multiprocessing_context", "pin_memory_device", "in_order")
+
+__all__ = ["Parallel", "ParallelModule", "ParallelOptimizer", "ParallelScheduler"]
 
 
-class ParallelOptimizer:
+class ParallelOptimizer(torch.optim.Optimizer):
     """The user's optimizer, with ``step``/``zero_grad`` aware of accumulation and loss scaling.
 
-    Everything else (``param_groups``, ``state_dict``...) is the wrapped optimizer's; pass
-    ``.optimizer`` to LR schedulers.
+    A real :class:`torch.optim.Optimizer` (so any ``torch.optim.lr_scheduler`` accepts it) whose
+    ``param_groups``, ``state`` and ``defaults`` *are* the wrapped optimizer's: a scheduler's lr
+    lands in the optimizer that steps. ``Optimizer.__init__`` is not called: there is nothing of
+    its own to build. ``step`` is marked the way an LR scheduler marks the ``step`` it wraps, so
+    the scheduler leaves it alone, and ``_opt_called`` tells it the optimizer stepped first.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, runtime: "Parallel") -> None:
         self.optimizer = optimizer
         self._runtime = runtime
+        self._opt_called = False
 
-    def step(self, closure: Any = None) -> bool:
+    @property  # type: ignore[override]
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.optimizer.param_groups = value
+
+    @property  # type: ignore[override]
+    def state(self) -> Any:
+        return self.optimizer.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self.optimizer.state = value
+
+    @property  # type: ignore[override]
+    def defaults(self) -> dict[str, Any]:
+        return self.optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        self.optimizer.defaults = value
+
+    def step(self, closure: Any = None) -> bool:  # type: ignore[override]
+        """Step at the end of a global batch (a no-op on earlier micro-steps). True if weights changed."""
         if closure is not None:
             raise ValueError("closures are not supported by paratrain's optimizer step: compute the loss in the loop")
-        return self._runtime.step(self.optimizer)
+        self._opt_called = True
+        return self._runtime.step(self)
+
+    step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]  # torch.optim.lr_scheduler: "already counts its calls"
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self._runtime.micro_step == 0:  # never wipe gradients mid-accumulation
             self.optimizer.zero_grad(set_to_none=set_to_none)
 
+    def state_dict(self) -> Any:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: Any) -> None:
+        self.optimizer.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        self.optimizer.add_param_group(param_group)
+
+    # Hooks belong to the optimizer that really steps: they fire once per global batch.
+    def register_step_pre_hook(self, hook: Any) -> Any:
+        return self.optimizer.register_step_pre_hook(hook)
+
+    def register_step_post_hook(self, hook: Any) -> Any:
+        return self.optimizer.register_step_post_hook(hook)
+
+    def register_state_dict_pre_hook(self, hook: Any, prepend: bool = False) -> Any:
+        return self.optimizer.register_state_dict_pre_hook(hook, prepend)
+
+    def register_state_dict_post_hook(self, hook: Any, prepend: bool = False) -> Any:
+        return self.optimizer.register_state_dict_post_hook(hook, prepend)
+
+    def register_load_state_dict_pre_hook(self, hook: Any, prepend: bool = False) -> Any:
+        return self.optimizer.register_load_state_dict_pre_hook(hook, prepend)
+
+    def register_load_state_dict_post_hook(self, hook: Any, prepend: bool = False) -> Any:
+        return self.optimizer.register_load_state_dict_post_hook(hook, prepend)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return self.__dict__
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+    def __repr__(self) -> str:
+        return f"ParallelOptimizer({self.optimizer!r})"
+
     def __getattr__(self, name: str) -> Any:
+        if name == "optimizer":  # not set yet (unpickling): no recursion
+            raise AttributeError(name)
         return getattr(self.optimizer, name)
+
+
+class ParallelScheduler:
+    """The user's LR scheduler, as :meth:`Parallel.setup` returns it: ``step()`` acts once per
+    real optimizer step, so a loop that calls it after every ``optimizer.step()`` — once per
+    micro-batch under accumulation — or once per epoch gets the schedule it would get without
+    accumulation. Everything else (``get_last_lr``, ``state_dict``...) is the scheduler's.
+    """
+
+    def __init__(self, scheduler: Any, runtime: "Parallel") -> None:
+        self.scheduler = scheduler
+        self._runtime = runtime
+        self._stepped_at = runtime.global_step
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        if self._runtime.global_step <= self._stepped_at:
+            return  # no optimizer step since the last scheduler step: mid-accumulation
+        self._stepped_at = self._runtime.global_step
+        self.scheduler.step(*args, **kwargs)
+
+    def state_dict(self) -> Any:
+        return self.scheduler.state_dict()
+
+    def load_state_dict(self, state: Any) -> None:
+        self.scheduler.load_state_dict(state)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "scheduler":
+            raise AttributeError(name)
+        return getattr(self.scheduler, name)
 
 
 class ParallelModule(nn.Module):
@@ -68,16 +180,18 @@ class ParallelModule(nn.Module):
     """
 
     def __init__(self, wrapped: nn.Module, original: nn.Module, precision: precision_lib.Precision,
-                 before_forward: Callable[[nn.Module], None], after_load: Callable[[nn.Module], None]) -> None:
+                 before_forward: Callable[[nn.Module], None], after_load: Callable[[nn.Module], None],
+                 strategy_module: nn.Module | None = None) -> None:
         super().__init__()
-        self.module = wrapped
+        self.module = wrapped  # what forward runs: the strategy's wrapper, compiled if asked
         object.__setattr__(self, "original", original)  # not a submodule: no duplicate keys
+        object.__setattr__(self, "_strategy_module", wrapped if strategy_module is None else strategy_module)
         object.__setattr__(self, "_precision", precision)
         object.__setattr__(self, "_before_forward", before_forward)
         object.__setattr__(self, "_after_load", after_load)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        self._before_forward(self.module)
+        self._before_forward(self._strategy_module)
         if not self._precision.autocast:
             return self.module(*args, **kwargs)
         with self._precision.forward_context():
@@ -127,6 +241,11 @@ class Parallel:
         self.global_step = 0
         self.micro_step = 0
         self._models: list[nn.Module] = []
+        self._optimizers: list[torch.optim.Optimizer] = []  # the real ones, as the strategy/precision made them
+        self._schedulers: list[Any] = []  # given to setup or register_scheduler: checkpointed by default
+        self._auto_schedulers: list[tuple[Any, torch.optim.Optimizer]] = []  # stepped by paratrain
+        self._lrs_at_start: list[float] | None = None
+        self._warned_lr_change = False
 
     # --- who am I --------------------------------------------------------------------------
     @property
@@ -151,20 +270,60 @@ class Parallel:
             print(*args, **kwargs)
 
     # --- model and optimizer ---------------------------------------------------------------
-    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Any:
-        """Place and wrap ``model`` for the strategy and precision; wrap ``optimizer`` if given.
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, scheduler: Any = None) -> Any:
+        """Place and wrap ``model`` for the strategy and precision; wrap ``optimizer`` and
+        ``scheduler`` if given.
 
-        Returns a :class:`ParallelModule` (or ``(module, optimizer)``). Parameters are kept (moved
-        in place), so an optimizer built before ``setup`` stays valid.
+        Returns a :class:`ParallelModule`, or ``(module, optimizer)``, or ``(module, optimizer,
+        scheduler)``. Parameters are kept (moved in place), so an optimizer built before ``setup``
+        stays valid; a scheduler built on it follows it when a strategy rebuilds the optimizer
+        over sharded parameters (fsdp). The returned scheduler's ``step()`` acts once per optimizer
+        step whatever the accumulation (see :class:`ParallelScheduler`).
         """
-        original = model
-        wrapped = self.strategy.setup_model(self.precision.setup_model(model))
-        module = ParallelModule(wrapped, original, self.precision, self._before_forward, self._after_load)
+        compiled = model if _is_compiled(model) else None
+        original = _uncompiled(model)  # its keys are the checkpoint's, compiled or not
+        wrapped = self.strategy.setup_model(self.precision.setup_model(original))
+        runner = wrapped
+        if compiled is not None:  # compiled by the user: the same compilation, around the strategy's wrapper
+            runner = type(compiled)(wrapped, compiled.dynamo_ctx)
+        elif self.config.compile:
+            runner = torch.compile(wrapped, backend=self.config.compile_backend)  # type: ignore[assignment]
+        module = ParallelModule(runner, original, self.precision, self._before_forward, self._after_load, wrapped)
         self._models.append(wrapped)
         if optimizer is None:
+            if scheduler is not None:
+                raise ValueError("setup got a scheduler but no optimizer: pass both, pt.setup(model, optimizer, scheduler)")
             return module
-        optimizer = self.precision.setup_optimizer(self.strategy.setup_optimizer(wrapped, optimizer))
-        return module, ParallelOptimizer(optimizer, self)
+        inner = self.precision.setup_optimizer(self.strategy.setup_optimizer(wrapped, optimizer))
+        self._optimizers.append(inner)
+        wrapped_optimizer = ParallelOptimizer(inner, self)
+        if scheduler is None:
+            return module, wrapped_optimizer
+        wrapped_scheduler = ParallelScheduler(self._attach(scheduler, wrapped_optimizer), self)
+        self._schedulers.append(wrapped_scheduler)
+        return module, wrapped_optimizer, wrapped_scheduler
+
+    def register_scheduler(self, scheduler: Any, optimizer: ParallelOptimizer | None = None) -> Any:
+        """Let paratrain step ``scheduler`` after every optimizer step (don't call its ``step()``
+        yourself). Built on the optimizer from :meth:`setup`, or on the one passed to it (then
+        pass the returned optimizer as ``optimizer``). It goes into checkpoints by default."""
+        if optimizer is None:
+            optimizer = getattr(scheduler, "optimizer", None)
+            if not isinstance(optimizer, ParallelOptimizer):
+                raise ValueError("register_scheduler: build the scheduler on the optimizer pt.setup returned, "
+                                 "or pass that optimizer: pt.register_scheduler(scheduler, optimizer)")
+        scheduler = self._attach(scheduler, optimizer)
+        self._auto_schedulers.append((scheduler, optimizer.optimizer))
+        self._schedulers.append(scheduler)
+        return scheduler
+
+    @staticmethod
+    def _attach(scheduler: Any, optimizer: ParallelOptimizer) -> Any:
+        """Point ``scheduler`` (and those a SequentialLR/ChainedScheduler holds) at ``optimizer``."""
+        for s in (scheduler, *getattr(scheduler, "_schedulers", ())):
+            if hasattr(s, "optimizer"):
+                s.optimizer = optimizer
+        return scheduler
 
     def _after_load(self, module: nn.Module) -> None:
         self.precision.sync_from_model()
@@ -177,9 +336,10 @@ class Parallel:
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The user's module without paratrain/DDP/DataParallel wrappers (for saving or evaluation)."""
+        model = _uncompiled(model)
         if isinstance(model, ParallelModule):
             return model.original
-        return self.strategy.unwrap(model)
+        return _uncompiled(self.strategy.unwrap(model))
 
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """The whole model's state (unsharded, every pipeline stage) as CPU tensors. Collective."""
@@ -197,6 +357,8 @@ class Parallel:
                 f"backward called {self.micro_step + 1} times without an optimizer step, but accumulation "
                 f"is {self.accumulation}: call optimizer.step() once per micro-batch"
             )
+        if self.micro_step == 0 and self.accumulation > 1:
+            self._lrs_at_start = self._current_lrs()
         if callable(loss):
             loss(self.accumulation)
         else:
@@ -205,7 +367,17 @@ class Parallel:
 
     def training_step(self, model: nn.Module, batch: Any,
                       loss_fn: Callable[..., torch.Tensor] = nn.functional.cross_entropy) -> torch.Tensor:
-        """``loss_fn(model(inputs), targets)`` and :meth:`backward`, the way the strategy runs them."""
+        """``loss_fn(model(inputs), targets)`` and :meth:`backward`, the way the strategy runs them.
+
+        A dict batch runs ``model(**batch)`` and uses the model's own loss (HuggingFace's, when the
+        batch has ``labels``), else ``loss_fn(logits, batch["labels"])``."""
+        if isinstance(batch, Mapping):
+            out = model(**batch)
+            loss = model_loss(out)
+            if loss is None:
+                loss = loss_fn(predictions(out), batch_targets(batch))
+            self.backward(loss)
+            return loss
         return self.strategy.training_step(model, batch, loss_fn, self.backward)
 
     def step(self, optimizer: torch.optim.Optimizer | ParallelOptimizer) -> bool:
@@ -218,11 +390,28 @@ class Parallel:
         if self.config.clip_grad_norm is not None:
             max_norm = self.config.clip_grad_norm
             clip = lambda: [self.strategy.clip_grad_norm(m, max_norm) for m in self._models]  # noqa: E731
+        self._check_lr_unchanged()
         stepped = self.strategy.optimizer_step(optimizer, lambda: self.precision.step(optimizer, clip))
         optimizer.zero_grad(set_to_none=True)
         self.micro_step = 0
         self.global_step += 1
+        for scheduler, owner in self._auto_schedulers:
+            if owner is optimizer:
+                scheduler.step()
         return stepped
+
+    def _current_lrs(self) -> list[float]:
+        return [float(g["lr"]) for opt in self._optimizers for g in opt.param_groups if "lr" in g]
+
+    def _check_lr_unchanged(self) -> None:
+        """Warn once when the lr moved between the micro-steps of one global batch: a scheduler
+        stepped per micro-batch instead of per optimizer step."""
+        if self._lrs_at_start is not None and not self._warned_lr_change and self._current_lrs() != self._lrs_at_start:
+            self._warned_lr_change = True
+            warnings.warn("the learning rate changed in the middle of an accumulation: a scheduler steps per "
+                          "micro-batch; pass it to pt.setup(model, optimizer, scheduler) or pt.register_scheduler",
+                          stacklevel=3)
+        self._lrs_at_start = None
 
     @property
     def skipped_steps(self) -> int:
@@ -230,25 +419,71 @@ class Parallel:
         return self.precision.skipped_steps
 
     # --- data ------------------------------------------------------------------------------
-    def train_loader(self, dataset: Dataset, transform: Callable[..., torch.Tensor] | None = None,
-                     shuffle: bool = True, **dataloader_kwargs: Any) -> GlobalBatchLoader:
+    def train_loader(self, dataset: Dataset | DataLoader, transform: Callable[..., torch.Tensor] | None = None,
+                     shuffle: bool | None = None, **dataloader_kwargs: Any) -> GlobalBatchLoader | StreamLoader:
         """Micro-batches of this rank, from the current global step, epoch after epoch.
 
-        ``dataloader_kwargs`` go to :class:`torch.utils.data.DataLoader` (``num_workers``,
-        ``pin_memory``, ``persistent_workers``...); batch size and sampler are paratrain's.
+        ``dataset`` is a dataset, or your own :class:`~torch.utils.data.DataLoader`: its dataset,
+        ``collate_fn``, ``num_workers``, ``pin_memory``, ``worker_init_fn``, ``persistent_workers``
+        (and prefetch/timeout/multiprocessing settings) are kept, its sampler and batch size are
+        replaced by paratrain's global-batch sampler (a ``batch_size`` other than the derived
+        micro-batch is reported in one line). ``shuffle`` defaults to True, or for a DataLoader to
+        whether its sampler was random. ``dataloader_kwargs`` go to the DataLoader and win over a
+        given loader's settings; batch size and sampler are paratrain's.
+
+        An :class:`~torch.utils.data.IterableDataset` (a stream of unknown length, or a
+        :class:`~paratrain.data.stream.ShardedStream` of files) gives the same global batches at
+        any world size and the same number of steps on every rank (see :mod:`paratrain.data.stream`).
         """
-        for k in ("batch_size", "sampler", "batch_sampler", "shuffle", "drop_last"):
+        for k in ("batch_size", "sampler", "batch_sampler", "drop_last"):
             if k in dataloader_kwargs:
                 raise ValueError(f"train_loader sets {k!r} itself from the global batch: remove it")
-        if len(dataset) < self.plan.global_batch:  # type: ignore[arg-type]
+        data: Dataset = dataset  # type: ignore[assignment]
+        if isinstance(dataset, DataLoader):
+            data, kept, shuffle = self._from_dataloader(dataset, shuffle)
+            dataloader_kwargs = {**kept, **dataloader_kwargs}
+        if isinstance(data, IterableDataset):
+            if transform is not None or shuffle:
+                raise ValueError("a stream (IterableDataset) is read in order, without transform: shuffle or "
+                                 "augment inside the dataset")
+            return StreamLoader(data, self.plan, self.strategy.data_parallel_rank, self.device, self._min_all,
+                                position=lambda: self.global_step, **dataloader_kwargs)
+        shuffle = True if shuffle is None else shuffle
+        if len(data) < self.plan.global_batch:  # type: ignore[arg-type]
             raise ValueError(
-                f"the dataset has {len(dataset)} samples, fewer than one global batch of "  # type: ignore[arg-type]
+                f"the dataset has {len(data)} samples, fewer than one global batch of "  # type: ignore[arg-type]
                 f"{self.plan.global_batch} over {self.world_size} processes: lower the global batch"
             )
         return GlobalBatchLoader(
-            dataset, self.plan, self.strategy.data_parallel_rank, self.device, self.config.seed,
+            data, self.plan, self.strategy.data_parallel_rank, self.device, self.config.seed,
             position=lambda: self.global_step, transform=transform, shuffle=shuffle, **dataloader_kwargs,
         )
+
+    def _min_all(self, n: int) -> int:
+        """The smallest ``n`` over all ranks (a collective)."""
+        t = torch.tensor([-n], dtype=torch.int64, device=self.device)
+        self.strategy.all_reduce_max(t)
+        return -int(t.item())
+
+    def _from_dataloader(self, loader: DataLoader, shuffle: bool | None) -> tuple[Any, dict[str, Any], bool | None]:
+        """The dataset and settings of a user's DataLoader that paratrain keeps, and its shuffle."""
+        kept: dict[str, Any] = {k: getattr(loader, k) for k in _KEPT_LOADER_SETTINGS if hasattr(loader, k)}
+        if loader.num_workers == 0:  # DataLoader refuses these without workers
+            kept.pop("prefetch_factor", None)
+            kept.pop("persistent_workers", None)
+        m = self.plan
+        if loader.batch_size is not None and loader.batch_size != m.micro_batch:
+            warnings.warn(f"train_loader: the DataLoader's batch_size {loader.batch_size} is replaced by the micro-batch "
+                          f"{m.micro_batch} (global batch {m.global_batch} = {m.micro_batch} × {m.world_size} processes "
+                          f"× {m.accumulation} accumulation steps)", stacklevel=3)
+        if shuffle is None and not isinstance(loader.dataset, IterableDataset):
+            sampler = loader.sampler if loader.batch_size is not None else loader.batch_sampler
+            if isinstance(sampler, (RandomSampler, SequentialSampler)):
+                shuffle = isinstance(sampler, RandomSampler)
+            else:
+                warnings.warn(f"train_loader: the DataLoader's {type(sampler).__name__} is replaced by paratrain's "
+                              "global-batch sampler (shuffled: pass shuffle=False for the dataset's order)", stacklevel=3)
+        return loader.dataset, kept, shuffle
 
     def eval_loader(self, dataset: Dataset, batch_size: int | None = None,
                     transform: Callable[[torch.Tensor], torch.Tensor] | None = None, **dataloader_kwargs: Any) -> EvalLoader:
@@ -258,49 +493,127 @@ class Parallel:
                           transform, **dataloader_kwargs)
 
     @torch.no_grad()
-    def evaluate(self, model: nn.Module, loader: EvalLoader,
-                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> dict[str, float]:
-        """Mean loss and accuracy over the whole evaluation set, reduced over ranks.
+    def evaluate(self, model: nn.Module, loader: EvalLoader, loss_fn: Callable[..., torch.Tensor] | None = None,
+                 *, step_fn: Callable[[nn.Module, Any], Any] | None = None,
+                 metrics: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """Loss, accuracy (classification only) and your metrics over the whole evaluation set,
+        reduced over ranks; ``count`` is the number of samples.
+
+        How a batch becomes predictions and targets:
+
+        * ``step_fn(model, batch)``, if given, returns the batch's mean loss (a scalar tensor)
+          or ``(predictions, targets)``;
+        * a dict batch is passed as ``model(**batch)``: the output's ``loss`` (HuggingFace
+          computes it when the batch has ``labels``) and ``logits`` are used, ``batch["labels"]``
+          (or ``"label"``) are the targets;
+        * ``(inputs, targets)``: ``model(inputs)``.
+
+        The loss is ``loss_fn(predictions, targets)`` if given, else the model's own, else
+        cross-entropy for classification targets (integers, with logits that have a class
+        dimension) or mean squared error for float targets of the predictions' shape. ``accuracy``
+        is reported only for classification targets. ``metrics`` maps names to functions
+        ``fn(predictions, targets)`` returning the batch's mean (averaged over samples), or to
+        objects with ``update``/``compute`` (torchmetrics ``Metric``: they sync themselves).
 
         Data-parallel strategies run the unwrapped module, so no collective happens per batch and
         uneven shards cannot hang. Strategies whose forward is itself a collective (FSDP, tensor,
         pipeline) run the same number of forwards on every rank, padding with batches that are
-        not counted. One all-reduce of (loss sum, correct, count) at the end.
+        not counted. One all-reduce of the sums at the end.
         """
         net = self.unwrap(model)
         was_training = net.training
         net.eval()
-        loss_fn = loss_fn or nn.functional.cross_entropy
-        totals = torch.zeros(3, dtype=torch.float64, device=self.device)
-        for x, y, counted in self._eval_batches(loader):
-            with self.precision.forward_context():
-                out = self.strategy.eval_forward(net, x)
-            if out is None or not counted:  # not the last pipeline stage, or a padding batch
+        metrics = dict(metrics or {})
+        stateful = {k: m for k, m in metrics.items() if hasattr(m, "update") and hasattr(m, "compute")}
+        # loss sum, samples with a loss, correct, targets classified, samples, then each metric's sum
+        totals = torch.zeros(5 + len(metrics), dtype=torch.float64, device=self.device)
+        for batch, counted in self._eval_batches(loader):
+            loss, preds, targets = self._eval_step(net, batch, loss_fn, step_fn)
+            if not counted or (loss is None and preds is None):  # padding, or not the last pipeline stage
                 continue
-            out = out.float()
-            totals[0] += loss_fn(out, y).double() * len(y)
-            totals[1] += (out.argmax(1) == y).sum()
-            totals[2] += len(y)
+            n = len(targets) if targets is not None and targets.dim() else batch_size(batch)
+            totals[4] += n
+            if loss is not None:
+                totals[0] += loss.detach().double() * n
+                totals[1] += n
+            if is_classification(preds, targets):
+                valid = targets != -100  # HuggingFace's ignore_index
+                totals[2] += ((preds.argmax(1) == targets) & valid).sum()
+                totals[3] += valid.sum()
+            for i, (name, metric) in enumerate(metrics.items()):
+                if name in stateful:
+                    metric.update(preds, targets)
+                else:
+                    totals[5 + i] += torch.as_tensor(metric(preds, targets), dtype=torch.float64).to(self.device) * n
         net.train(was_training)
         self.strategy.all_reduce_sum(totals)
-        loss_sum, correct, count = totals.tolist()
-        return {"loss": loss_sum / max(count, 1), "accuracy": correct / max(count, 1), "count": int(count)}
+        sums = totals.tolist()
+        result: dict[str, Any] = {}
+        if sums[1]:
+            result["loss"] = sums[0] / sums[1]
+        if sums[3]:
+            result["accuracy"] = sums[2] / sums[3]
+        result["count"] = int(sums[4])
+        for i, (name, metric) in enumerate(metrics.items()):
+            if name in stateful:
+                value = metric.compute()
+                result[name] = value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
+            else:
+                result[name] = sums[5 + i] / max(sums[4], 1)
+        return result
+
+    def _eval_step(self, net: nn.Module, batch: Any, loss_fn: Callable[..., torch.Tensor] | None,
+                   step_fn: Callable[[nn.Module, Any], Any] | None) -> tuple[Any, Any, Any]:
+        """(loss or None, predictions or None, targets or None) of one evaluation batch."""
+        with self.precision.forward_context():
+            if step_fn is not None:
+                out = _to_float32(step_fn(net, batch))
+                if isinstance(out, torch.Tensor):
+                    return out, None, None
+                preds, targets = out
+                return (loss_fn(preds, targets) if loss_fn is not None else _default_loss(preds, targets)), preds, targets
+            if isinstance(batch, Mapping):
+                out, targets = net(**batch), batch_targets(batch)
+            else:
+                out, targets = self.strategy.eval_forward(net, batch[0]), batch[1]
+            if out is None:  # not the last pipeline stage
+                return None, None, None
+            out = _to_float32(out)
+        preds = predictions(out)
+        loss: torch.Tensor | None
+        if loss_fn is not None:
+            loss = loss_fn(preds, targets)
+        else:
+            loss = model_loss(out)
+            if loss is None:
+                loss = _default_loss(preds, targets)
+        return loss, preds, targets
 
     def _eval_batches(self, loader: EvalLoader) -> Any:
         if not self.strategy.collective_forward:
-            yield from ((x, y, True) for x, y in loader)
+            yield from ((batch, True) for batch in loader)
             return
         n = torch.tensor([len(loader)], device=self.device)
         self.strategy.all_reduce_max(n)
         pad = None
-        for x, y in loader:
-            pad = (x[:1], y[:1], False)
-            yield x, y, True
+        for batch in loader:
+            pad = map_tensors(lambda t: t[:1] if t.dim() else t, batch)
+            yield batch, True
         if pad is None:  # an empty shard (more ranks than samples) still joins every forward
-            x0, y0 = loader.dataloader.dataset[0]
-            pad = (to_device(torch.as_tensor(x0)[None], self.device), to_device(torch.as_tensor(y0)[None], self.device), False)
+            data = loader.dataloader
+            pad = to_device(data.collate_fn([data.dataset[0]]), self.device)
         for _ in range(int(n.item()) - len(loader)):
-            yield pad
+            yield pad, False
+
+    # --- collectives for metrics -----------------------------------------------------------
+    def all_gather(self, obj: Any) -> Any:
+        """Every rank's tensor concatenated along dim 0 (sizes may differ), or every rank's
+        picklable object in a list; see :func:`paratrain.metrics.all_gather`. Collective."""
+        return metrics_lib.all_gather(obj)
+
+    def reduce(self, value: Any, op: str = "mean") -> torch.Tensor:
+        """``value`` (tensor or number) reduced over all ranks: sum, mean, max, min or product. Collective."""
+        return metrics_lib.reduce(value, op, self.device)
 
     def all_reduce_mean(self, value: torch.Tensor) -> torch.Tensor:
         """Average of ``value`` over the data-parallel ranks."""
@@ -311,17 +624,29 @@ class Parallel:
     def save_checkpoint(self, directory: str, model: nn.Module, optimizer: Any, scheduler: Any = None,
                         extra: dict[str, Any] | None = None, keep: int = 3) -> Any:
         """Atomically write model, optimizer, scaler, scheduler, step (= data position) and every
-        rank's RNG state to ``directory/step-XXXXXXXX.pt``; keep the newest ``keep``. Call on all ranks."""
+        rank's RNG state to ``directory/step-XXXXXXXX.pt``; keep the newest ``keep``. Call on all ranks.
+        ``scheduler`` defaults to the one given to :meth:`setup` or :meth:`register_scheduler`."""
         from .checkpoint import save_checkpoint
 
-        return save_checkpoint(self, directory, model, optimizer, scheduler, extra, keep)
+        return save_checkpoint(self, directory, _uncompiled(model), optimizer, self._scheduler(scheduler), extra, keep)
 
     def load_checkpoint(self, source: str, model: nn.Module, optimizer: Any = None, scheduler: Any = None) -> Any:
         """Restore a run from a checkpoint file or the newest loadable one in a directory; the
         next ``train_loader`` iteration continues mid-epoch. Returns ``extra`` (``None`` if none found)."""
         from .checkpoint import load_checkpoint
 
-        return load_checkpoint(self, source, model, optimizer, scheduler)
+        extra = load_checkpoint(self, source, _uncompiled(model), optimizer, self._scheduler(scheduler))
+        for s in self._schedulers:
+            if isinstance(s, ParallelScheduler):
+                s._stepped_at = self.global_step  # the restored step is the one it last stepped on
+        return extra
+
+    def _scheduler(self, scheduler: Any) -> Any:
+        if scheduler is not None or not self._schedulers:
+            return scheduler
+        if len(self._schedulers) > 1:
+            raise ValueError(f"{len(self._schedulers)} schedulers were set up: pass the one to checkpoint as scheduler=")
+        return self._schedulers[0]
 
     def close(self, wait_for_peers: bool = True) -> None:
         """Leave the process group; by default after a barrier (pass ``False`` after an error)."""
@@ -331,12 +656,30 @@ class Parallel:
             process.destroy(wait_for_peers)
 
 
-def _to_float32(out: Any) -> Any:
-    if isinstance(out, torch.Tensor):
-        return out.float() if out.is_floating_point() and out.dtype != torch.float32 else out
-    if isinstance(out, (tuple, list)):
-        return type(out)(_to_float32(o) for o in out)
-    if isinstance(out, dict):
-        return {k: _to_float32(v) for k, v in out.items()}
-    return out
+def _is_compiled(model: Any) -> bool:
+    """Is ``model`` ``torch.compile``'s wrapper? (torch._dynamo is loaded once anything was compiled:
+    no import here, which would cost seconds in every process.)"""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    return eval_frame is not None and isinstance(model, eval_frame.OptimizedModule)
 
+
+def _uncompiled(model: Any) -> Any:
+    """``model`` without ``torch.compile``'s wrapper (whose state_dict keys start with ``_orig_mod.``)."""
+    while _is_compiled(model):
+        model = model._orig_mod
+    return model
+
+
+def _to_float32(out: Any) -> Any:
+    """Floating tensors of a model's output in fp32; every container keeps its type."""
+    return map_tensors(lambda t: t.float() if t.is_floating_point() and t.dtype != torch.float32 else t, out)
+
+
+def _default_loss(preds: Any, targets: Any) -> torch.Tensor | None:
+    """Cross-entropy for classification targets, MSE for float targets shaped like the predictions."""
+    if is_classification(preds, targets):
+        return nn.functional.cross_entropy(preds, targets)
+    if (isinstance(preds, torch.Tensor) and isinstance(targets, torch.Tensor) and targets.is_floating_point()
+            and preds.shape == targets.shape):
+        return nn.functional.mse_loss(preds, targets)
+    return None

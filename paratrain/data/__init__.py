@@ -1,9 +1,11 @@
 """Data: global-batch sampling, device loaders, built-in datasets and batched augmentation."""
 
-from .loaders import EvalLoader, GlobalBatchLoader, to_device
+from .batch import batch_size, map_tensors, to_device
+from .loaders import EvalLoader, GlobalBatchLoader
+from .stream import ShardedStream, StreamLoader
 from .sampler import BatchPlan, GlobalBatchSampler, ShardedEvalSampler, epoch_permutation
 
 __all__ = [
     "BatchPlan", "GlobalBatchSampler", "ShardedEvalSampler", "epoch_permutation",
-    "GlobalBatchLoader", "EvalLoader", "to_device",
+    "GlobalBatchLoader", "EvalLoader", "to_device", "map_tensors", "batch_size", "ShardedStream", "StreamLoader",
 ]

@@ -8,20 +8,10 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from .batch import to_device
 from .sampler import BatchPlan, GlobalBatchSampler, ShardedEvalSampler
 
 __all__ = ["to_device", "GlobalBatchLoader", "EvalLoader", "step_seed"]
-
-
-def to_device(batch: Any, device: torch.device, non_blocking: bool = False) -> Any:
-    """Move every tensor in a (nested) tuple/list/dict batch to ``device``."""
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=non_blocking)
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(to_device(b, device, non_blocking) for b in batch)
-    if isinstance(batch, dict):
-        return {k: to_device(v, device, non_blocking) for k, v in batch.items()}
-    return batch
 
 
 def step_seed(seed: int, global_step: int, micro_step: int) -> int:

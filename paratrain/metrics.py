@@ -1,0 +1,123 @@
+"""Metrics across processes: ``all_gather`` (variable-size tensors, any picklable object), ``reduce``,
+and how :meth:`Parallel.evaluate` reads a batch and a model's output.
+
+``all_gather`` is what metrics that need every prediction use (AUC, BLEU, a confusion matrix):
+each rank passes its shard's predictions, every rank gets them all, in rank order. torchmetrics
+``Metric`` objects need nothing from here: their ``compute()`` syncs over the default process
+group, which is the one paratrain starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["all_gather", "reduce", "is_classification", "predictions", "model_loss", "batch_targets"]
+
+_OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
+        "product": dist.ReduceOp.PRODUCT}
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def all_gather(obj: Any) -> Any:
+    """Every rank's ``obj``, on every rank (a collective: call it on all ranks).
+
+    * a tensor: the ranks' tensors concatenated along dim 0, in rank order; their first
+      dimension may differ (an uneven evaluation shard), the others must match. A 0-dim tensor
+      gives one value per rank.
+    * anything else (picklable): a list with each rank's object, in rank order.
+
+    In a single process: the tensor itself, or ``[obj]``.
+    """
+    if not isinstance(obj, torch.Tensor):
+        if _world() == 1:
+            return [obj]
+        out: list[Any] = [None] * _world()
+        dist.all_gather_object(out, obj)
+        return out
+    tensor = obj.detach()
+    if tensor.dim() == 0:
+        tensor = tensor[None]
+    if _world() == 1:
+        return tensor
+    is_bool = tensor.dtype == torch.bool  # gloo has no bool collectives
+    if is_bool:
+        tensor = tensor.to(torch.uint8)
+    size = torch.tensor([tensor.shape[0]], device=tensor.device)
+    sizes = [torch.zeros_like(size) for _ in range(_world())]
+    dist.all_gather(sizes, size)
+    longest = int(max(s.item() for s in sizes))
+    padded = tensor.new_zeros((longest, *tensor.shape[1:]))
+    padded[: tensor.shape[0]] = tensor
+    parts = [torch.empty_like(padded) for _ in range(_world())]
+    dist.all_gather(parts, padded.contiguous())
+    result = torch.cat([p[: int(s.item())] for p, s in zip(parts, sizes)])
+    return result.bool() if is_bool else result
+
+
+def reduce(value: Any, op: str = "mean", device: torch.device | None = None) -> torch.Tensor:
+    """``value`` (a tensor or a number) summed, averaged, maxed... over all ranks; a new tensor.
+
+    ``op``: sum, mean, max, min or product. A collective: call it on all ranks.
+    """
+    if op not in _OPS:
+        raise ValueError(f"reduce op {op!r} is unknown: use one of {', '.join(_OPS)}")
+    tensor = value.detach().clone() if isinstance(value, torch.Tensor) else torch.tensor(value, device=device)
+    if op == "mean" and not tensor.is_floating_point():
+        tensor = tensor.double()
+    if _world() > 1:
+        dist.all_reduce(tensor, op=_OPS[op])
+    return tensor / _world() if op == "mean" else tensor
+
+
+# --- reading batches and outputs (Parallel.evaluate) ----------------------------------------------
+def _get(obj: Any, key: str) -> Any:
+    if isinstance(obj, Mapping):
+        return obj.get(key)
+    if dataclasses.is_dataclass(obj):
+        return getattr(obj, key, None)
+    return None
+
+
+def model_loss(output: Any) -> torch.Tensor | None:
+    """The loss a model computed itself (HuggingFace's ``output.loss`` when labels were given)."""
+    loss = _get(output, "loss")
+    return loss if isinstance(loss, torch.Tensor) else None
+
+
+def predictions(output: Any) -> torch.Tensor | None:
+    """The predictions in a model's output: the tensor itself, ``logits``, or a tuple's first."""
+    if isinstance(output, torch.Tensor):
+        return output
+    logits = _get(output, "logits")
+    if isinstance(logits, torch.Tensor):
+        return logits
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+        return output[0]
+    return None
+
+
+def batch_targets(batch: Any) -> torch.Tensor | None:
+    """A dict batch's targets: its ``labels`` (HuggingFace) or ``label`` entry."""
+    for key in ("labels", "label"):
+        value = _get(batch, key)
+        if isinstance(value, torch.Tensor):
+            return value
+    return None
+
+
+def is_classification(preds: torch.Tensor | None, targets: torch.Tensor | None) -> bool:
+    """Integer class targets and logits with one class dimension more, at dim 1 (``(N, C)``,
+    ``(N, C, d1...)`` against ``(N, d1...)``), as ``cross_entropy`` reads them."""
+    if preds is None or targets is None or not preds.is_floating_point():
+        return False
+    if targets.is_floating_point() or targets.is_complex() or targets.dtype == torch.bool:
+        return False
+    return preds.dim() == targets.dim() + 1 and preds.shape[:1] + preds.shape[2:] == targets.shape

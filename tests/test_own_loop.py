@@ -1,0 +1,507 @@
+"""Your own loop under ``Parallel``: model outputs of any type, schedulers, dict batches, your own
+DataLoader, metrics — the things an Accelerate or Fabric user's loop does (issue 10)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections import OrderedDict, namedtuple
+
+import pytest
+import torch
+from torch import nn
+
+import paratrain
+
+Pair = namedtuple("Pair", ["logits", "hidden"])
+
+
+@dataclasses.dataclass
+class Output:
+    loss: torch.Tensor
+    logits: torch.Tensor
+    name: str = "out"
+
+
+class AttrDict(OrderedDict):
+    """What HuggingFace's ``ModelOutput`` is: an OrderedDict whose keys are also attributes."""
+
+    def __setitem__(self, key, value):
+        super().__setitem__(key, value)
+        super().__setattr__(key, value)
+
+    def __getattr__(self, key):
+        try:
+            return self[key]
+        except KeyError:
+            raise AttributeError(key) from None
+
+
+class AnyOutput(nn.Module):
+    """A linear model that returns its output in the container ``kind`` names."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x, labels=None):
+        logits = self.lin(x)
+        loss = logits.float().logsumexp(1).mean()  # any scalar that depends on the weights
+        ids = torch.arange(len(x))
+        if self.kind == "tensor":
+            return logits
+        if self.kind == "tuple":
+            return logits, ids, "tag"
+        if self.kind == "list":
+            return [logits, ids]
+        if self.kind == "dict":
+            return {"loss": loss, "logits": logits, "ids": ids, "note": "kept"}
+        if self.kind == "ordered":
+            return OrderedDict(loss=loss, logits=logits)
+        if self.kind == "attrdict":
+            out = AttrDict()
+            out["loss"], out["logits"] = loss, logits
+            return out
+        if self.kind == "dataclass":
+            return Output(loss, logits)
+        if self.kind == "namedtuple":
+            return Pair(logits, (logits, ids))
+        raise ValueError(self.kind)
+
+
+KINDS = ["tensor", "tuple", "list", "dict", "ordered", "attrdict", "dataclass", "namedtuple"]
+
+
+def _collect(obj):
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if dataclasses.is_dataclass(obj):
+        obj = [getattr(obj, f.name) for f in dataclasses.fields(obj)]
+    if isinstance(obj, dict):
+        obj = list(obj.values())
+    return [t for o in obj for t in _collect(o)] if isinstance(obj, (list, tuple)) else []
+
+
+@pytest.mark.parametrize("precision", ["32", "bf16-mixed", "fp16-mixed", "bf16-true"])
+def test_outputs_keep_their_type(precision):
+    """Every container comes back as the same type; floating tensors in fp32 under autocast;
+    integers, strings and attributes untouched; backward works through ``out.loss``."""
+    pt = paratrain.Parallel(precision=precision, global_batch=4)
+    for kind in KINDS:
+        model = AnyOutput(kind)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model, opt = pt.setup(model, opt)
+        out = model(torch.randn(4, 4))
+        assert type(out) is {"tensor": torch.Tensor, "tuple": tuple, "list": list, "dict": dict,
+                             "ordered": OrderedDict, "attrdict": AttrDict, "dataclass": Output,
+                             "namedtuple": Pair}[kind], kind
+        for t in _collect(out):
+            assert t.dtype in (torch.float32, torch.int64), (kind, t.dtype)
+        if kind == "tuple":
+            assert out[2] == "tag" and out[1].dtype == torch.int64
+        if kind == "dict":
+            assert out["note"] == "kept" and torch.equal(out["ids"], torch.arange(4))
+        if kind == "namedtuple":
+            assert isinstance(out.hidden, tuple) and out.hidden[1].dtype == torch.int64
+        if kind == "dataclass":
+            assert out.name == "out"
+        if kind in ("attrdict", "dataclass"):
+            before = model.lin.weight.detach().clone()
+            opt.zero_grad()
+            pt.backward(out.loss)
+            opt.step()
+            assert not torch.equal(before, model.lin.weight.detach()), kind
+    pt.close()
+
+
+def test_huggingface_model_output_keeps_its_type():
+    """A real ``transformers`` ``ModelOutput`` (OrderedDict + dataclass) survives bf16-mixed."""
+    modeling_outputs = pytest.importorskip("transformers.modeling_outputs")
+
+    class HF(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 3)
+
+        def forward(self, x):
+            logits = self.lin(x)
+            return modeling_outputs.SequenceClassifierOutput(loss=logits.logsumexp(1).mean(), logits=logits)
+
+    pt = paratrain.Parallel(precision="bf16-mixed", global_batch=4)
+    model = pt.setup(HF())
+    out = model(torch.randn(4, 4))
+    assert type(out) is modeling_outputs.SequenceClassifierOutput
+    assert out.logits.dtype == torch.float32 and out["logits"] is out.logits and out.loss.dtype == torch.float32
+    assert out.hidden_states is None and list(out.keys()) == ["loss", "logits"]
+    pt.backward(out.loss)
+    assert model.lin.weight.grad is not None
+    pt.close()
+
+
+# --- schedulers ---------------------------------------------------------------------------------
+N, B, SEED = 48, 8, 5  # 6 optimizer steps per epoch
+
+
+def regression_data(dtype=torch.float64):
+    """Learnable (a noisy linear map): a well-conditioned problem for exact comparisons."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(N, 4, generator=g, dtype=dtype)
+    y = x @ torch.randn(4, 2, generator=g, dtype=dtype) + 0.01 * torch.randn(N, 2, generator=g, dtype=dtype)
+    return x, y
+
+
+def make_scheduler(opt):
+    warmup = torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.25, total_iters=3)
+    decay = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    return torch.optim.lr_scheduler.SequentialLR(opt, [warmup, decay], milestones=[3])
+
+
+def reference_run(epochs):
+    """Plain PyTorch: one optimizer step and one scheduler step per global batch of B samples."""
+    x, y = regression_data()
+    torch.manual_seed(SEED)
+    model = nn.Linear(4, 2).double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sched = make_scheduler(opt)
+    lrs = []
+    for epoch in range(epochs):
+        perm = paratrain.data.epoch_permutation(N, SEED, epoch)
+        for s in range(N // B):
+            i = perm[s * B:(s + 1) * B]
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x[i]), y[i]).backward()
+            opt.step()
+            sched.step()
+            lrs.append(opt.param_groups[0]["lr"])
+    return model.state_dict(), lrs
+
+
+def paratrain_run(pattern, epochs, accumulation=2, checkpoint=None, resume=None):
+    pt = paratrain.Parallel(global_batch=B, accumulation=accumulation, seed=SEED)
+    torch.manual_seed(SEED)
+    model = nn.Linear(4, 2).double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    if pattern == "setup":  # built on the user's optimizer, handed to setup, stepped by the user
+        model, opt, sched = pt.setup(model, opt, make_scheduler(opt))
+    else:  # built on the optimizer setup returns
+        model, opt = pt.setup(model, opt)
+        sched = make_scheduler(opt)
+        if pattern == "register":
+            pt.register_scheduler(sched)
+    if resume:
+        pt.load_checkpoint(resume, model, opt)
+    loader = pt.train_loader(torch.utils.data.TensorDataset(*regression_data()))
+    lrs = []
+    while pt.global_step < epochs * (N // B):
+        for xb, yb in loader:
+            opt.zero_grad()
+            pt.backward(nn.functional.mse_loss(model(xb), yb))
+            opt.step()
+            if pattern != "register":
+                sched.step()  # after every optimizer.step(): once per micro-batch
+            if pt.micro_step == 0:
+                lrs.append(opt.param_groups[0]["lr"])
+                if checkpoint and pt.global_step == checkpoint[1]:
+                    pt.save_checkpoint(checkpoint[0], model, opt)
+    state = {k: v.clone() for k, v in pt.unwrap(model).state_dict().items()}
+    pt.close()
+    return state, lrs, sched
+
+
+def assert_states_equal(got, ref, rtol):
+    assert got.keys() == ref.keys()
+    for k in ref:
+        err = ((got[k] - ref[k]).norm() / ref[k].norm()).item()
+        assert err <= rtol, f"{k}: relative error {err:.1e}"
+
+
+def test_scheduler_accepts_setup_optimizer_without_warnings():
+    pt = paratrain.Parallel(global_batch=4)
+    model, opt = pt.setup(nn.Linear(4, 2), torch.optim.SGD(nn.Linear(4, 2).parameters(), lr=0.1))
+    assert isinstance(opt, torch.optim.Optimizer)
+    for build in (lambda o: torch.optim.lr_scheduler.StepLR(o, 2), lambda o: torch.optim.lr_scheduler.OneCycleLR(o, 1.0, 10),
+                  lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, 10), make_scheduler,
+                  lambda o: torch.optim.lr_scheduler.ReduceLROnPlateau(o)):
+        build(opt)
+    pt.close()
+
+
+@pytest.mark.parametrize("pattern", ["setup", "register"])
+def test_scheduler_steps_once_per_optimizer_step(pattern, recwarn):
+    """accumulation=2, world size 1: the scheduler follows the optimizer steps, not the micro-batches,
+    and the run equals plain PyTorch (float64: 1e-10), with no ordering warning."""
+    ref, ref_lrs = reference_run(epochs=2)
+    got, lrs, sched = paratrain_run(pattern, epochs=2)
+    assert lrs == pytest.approx(ref_lrs, rel=1e-12)
+    assert sched.last_epoch == 12
+    assert_states_equal(got, ref, 1e-10)
+    assert not [w for w in recwarn if "lr_scheduler" in str(w.message) or "learning rate" in str(w.message)]
+
+
+def test_scheduler_stepped_per_micro_batch_is_reported():
+    """A scheduler paratrain does not know about, stepped after every optimizer.step() under
+    accumulation, moves the lr mid-batch: one warning says how to fix it."""
+    with pytest.warns(UserWarning, match="changed in the middle of an accumulation"):
+        paratrain_run("user", epochs=1)
+
+
+@pytest.mark.parametrize("pattern", ["setup", "register"])
+def test_scheduler_state_resumes_exactly(pattern, tmp_path):
+    ref, ref_lrs = reference_run(epochs=2)
+    paratrain_run(pattern, epochs=1, checkpoint=(tmp_path, 5))  # saved at step 5, mid-epoch
+    got, lrs, sched = paratrain_run(pattern, epochs=2, resume=tmp_path)
+    assert lrs == pytest.approx(ref_lrs[5:], rel=1e-12)
+    assert sched.last_epoch == 12
+    assert_states_equal(got, ref, 1e-10)
+
+
+# --- dict batches, evaluate, metrics -----------------------------------------------------------
+class DictData(torch.utils.data.Dataset):
+    """HuggingFace-style samples: a dict with the inputs, the labels and a string."""
+
+    def __init__(self, n, classes=3, dtype=torch.float32, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(n, 4, generator=g, dtype=dtype)
+        self.y = (self.x @ torch.randn(4, classes, generator=g, dtype=dtype)).argmax(1)  # learnable
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return {"features": self.x[i], "labels": self.y[i], "id": f"s{i}"}
+
+
+class KwargsModel(nn.Module):
+    """Takes the batch as keyword arguments; computes its loss when given labels (like HF)."""
+
+    def __init__(self, classes=3):
+        super().__init__()
+        self.lin = nn.Linear(4, classes)
+
+    def forward(self, features, labels=None, id=None, **extra):
+        logits = self.lin(features)
+        out = OrderedDict(logits=logits)
+        if labels is not None:
+            out["loss"] = nn.functional.cross_entropy(logits.float(), labels)
+            out.move_to_end("loss", last=False)
+        return out
+
+
+def plain_eval(state, data):
+    net = KwargsModel()
+    net.load_state_dict(state)
+    with torch.no_grad():
+        logits = net.lin(data.x)
+    return nn.functional.cross_entropy(logits, data.y).item(), (logits.argmax(1) == data.y).float().mean().item()
+
+
+def test_dict_batches_train_and_evaluate():
+    pt = paratrain.Parallel(global_batch=8, accumulation=2, precision="bf16-mixed")
+    net = KwargsModel()
+    model, opt = pt.setup(net, torch.optim.SGD(net.parameters(), lr=0.5))
+    loader = pt.train_loader(DictData(32))
+    for batch in loader:
+        assert isinstance(batch, dict) and batch["features"].shape == (4, 4) and len(batch["id"]) == 4
+        opt.zero_grad()
+        out = model(**batch)
+        pt.backward(out["loss"])
+        opt.step()
+    pt.training_step(model, next(iter(loader)))  # a dict batch through training_step: the model's loss
+    opt.step()
+    eval_set = DictData(11, seed=1)
+    ref_loss, ref_acc = plain_eval(pt.unwrap(model).state_dict(), eval_set)
+    got = pt.evaluate(model, pt.eval_loader(eval_set, batch_size=4))  # the model's own loss (labels in the batch)
+    assert got["count"] == 11 and got["accuracy"] == pytest.approx(ref_acc)
+    assert got["loss"] == pytest.approx(ref_loss, rel=2e-2)  # bf16 forward: a few bf16 ulps
+
+    def step_fn(net, batch):  # the user says how a batch becomes (predictions, targets)
+        return net(batch["features"])["logits"], batch["labels"]
+
+    got = pt.evaluate(model, pt.eval_loader(eval_set, batch_size=4), step_fn=step_fn)
+    assert got["accuracy"] == pytest.approx(ref_acc) and got["loss"] == pytest.approx(ref_loss, rel=2e-2)
+    got = pt.evaluate(model, pt.eval_loader(eval_set, batch_size=4), step_fn=lambda net, b: net(**b)["loss"])
+    assert set(got) == {"loss", "count"} and got["loss"] == pytest.approx(ref_loss, rel=2e-2)
+    pt.close()
+
+
+def test_evaluate_reports_what_the_task_has():
+    """A regressor gets its MSE and no accuracy; metric functions are averaged over samples;
+    integer targets with logits get accuracy."""
+    x, y = regression_data(torch.float32)
+    pt = paratrain.Parallel(global_batch=8)
+    model = pt.setup(nn.Linear(4, 2))
+    loader = pt.eval_loader(torch.utils.data.TensorDataset(x, y), batch_size=5)
+    got = pt.evaluate(model, loader, metrics={"mae": lambda p, t: (p - t).abs().mean()})
+    with torch.no_grad():
+        pred = pt.unwrap(model)(x)
+    assert set(got) == {"loss", "count", "mae"} and got["count"] == N
+    assert got["loss"] == pytest.approx(nn.functional.mse_loss(pred, y).item(), rel=1e-5)
+    assert got["mae"] == pytest.approx((pred - y).abs().mean().item(), rel=1e-5)
+    labels = torch.randint(0, 2, (N,))
+    got = pt.evaluate(model, pt.eval_loader(torch.utils.data.TensorDataset(x, labels), batch_size=5))
+    assert got["accuracy"] == pytest.approx((pred.argmax(1) == labels).float().mean().item())
+    pt.close()
+
+
+def test_all_gather_and_reduce_in_one_process():
+    pt = paratrain.Parallel(global_batch=8)
+    assert torch.equal(pt.all_gather(torch.arange(3)), torch.arange(3))
+    assert pt.all_gather({"a": 1}) == [{"a": 1}]
+    assert pt.reduce(torch.tensor(3.0), "sum").item() == 3.0 and pt.reduce(2, "mean").item() == 2.0
+    pt.close()
+
+
+# --- your own DataLoader ----------------------------------------------------------------------
+def tag_collate(samples):
+    """A user's collate_fn: default collation, plus which worker ran it and whether its
+    worker_init_fn ran first."""
+    batch = torch.utils.data.default_collate(samples)
+    info = torch.utils.data.get_worker_info()
+    batch["worker"] = -1 if info is None else info.id
+    batch["init"] = os.environ.get("PT_TEST_WORKER_INIT") == "1"
+    return batch
+
+
+def mark_worker(worker_id):
+    os.environ["PT_TEST_WORKER_INIT"] = "1"
+
+
+def test_own_dataloader_keeps_its_settings(recwarn):
+    pt = paratrain.Parallel(global_batch=16, seed=SEED)
+    data = DictData(40)
+    user = torch.utils.data.DataLoader(data, batch_size=16, shuffle=True, collate_fn=tag_collate, num_workers=1,
+                                       worker_init_fn=mark_worker, persistent_workers=True)
+    loader = pt.train_loader(user)
+    dl = loader.dataloader
+    assert (dl.dataset, dl.collate_fn, dl.num_workers, dl.worker_init_fn, dl.persistent_workers) == \
+        (data, tag_collate, 1, mark_worker, True)
+    perm = paratrain.data.epoch_permutation(40, SEED, 0)
+    batches = list(loader)
+    assert len(batches) == 2  # 40 // 16, the tail dropped
+    for s, batch in enumerate(batches):
+        assert batch["id"] == [f"s{i}" for i in perm[16 * s:16 * (s + 1)]]  # paratrain's order, the loader's collate
+        assert batch["worker"] == 0 and batch["init"] is True
+    assert not [w for w in recwarn if "train_loader" in str(w.message)]
+    with pytest.warns(UserWarning, match="batch_size 5 is replaced by the micro-batch 16"):
+        pt.train_loader(torch.utils.data.DataLoader(data, batch_size=5))
+    in_order = pt.train_loader(torch.utils.data.DataLoader(data, batch_size=16, shuffle=False))
+    assert torch.equal(next(iter(in_order))["features"], data.x[:16])
+    pt.close()
+
+
+# --- compiled models -----------------------------------------------------------------------------
+def compiled_run(strategy, mode, directory, steps=3):
+    """float64 regression, ``mode``: plain, Parallel(compile=True), or torch.compile before or after
+    setup (backend "eager": compiling with inductor needs a C++ compiler and minutes on a CPU)."""
+    pt = paratrain.Parallel(strategy=strategy, global_batch=8, seed=SEED, compile=(mode == "config"),
+                            compile_backend="eager")
+    torch.manual_seed(SEED)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)).double()
+    if mode == "before":
+        model = torch.compile(model, backend="eager")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model, opt = pt.setup(model, opt)
+    if mode == "after":
+        model = torch.compile(model, backend="eager")
+    for xb, yb in pt.train_loader(torch.utils.data.TensorDataset(*regression_data())):
+        opt.zero_grad()
+        pt.backward(nn.functional.mse_loss(model(xb), yb))
+        opt.step()
+        if pt.global_step == steps:
+            break
+    pt.save_checkpoint(directory, model, opt)
+    state = pt.full_state_dict(model)
+    # the checkpoint loads into a compiled model and into an uncompiled one alike
+    for compile_it in (True, False):
+        fresh = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)).double()
+        fresh_opt = torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9)
+        fresh, fresh_opt = pt.setup(torch.compile(fresh, backend="eager") if compile_it else fresh, fresh_opt)
+        pt.load_checkpoint(directory, fresh, fresh_opt)
+        loaded = pt.full_state_dict(fresh)
+        assert all(torch.equal(loaded[k], state[k]) for k in state), (mode, compile_it)
+    return state
+
+
+def test_compiled_models_train_and_checkpoint_uncompiled_keys(tmp_path):
+    ref = compiled_run("single", "plain", tmp_path / "plain")
+    for mode in ("config", "before", "after"):
+        state = compiled_run("single", mode, tmp_path / mode)
+        assert_states_equal(state, ref, 1e-10)
+        saved = torch.load(next((tmp_path / mode).glob("step-*.pt")), weights_only=True)["model"]
+        assert sorted(saved) == sorted(ref)  # no "_orig_mod." anywhere
+
+
+# --- the same at world size 2, under ddp and fsdp: one launch each checks everything ---------------
+def world2_worker(rank, strategy, directory):
+    try:  # its import costs ~10 s on a busy 2-core machine: one launch checks it
+        import torchmetrics
+    except ImportError:
+        torchmetrics = None
+    torchmetrics = torchmetrics if strategy == "ddp" else None
+    pt = paratrain.Parallel(strategy=strategy, global_batch=8, accumulation=2, precision="bf16-mixed", seed=SEED)
+    report = {}
+    # outputs keep their type through DDP/FSDP
+    kinds = {}
+    for kind in ("dict", "attrdict", "dataclass", "namedtuple"):
+        out = pt.setup(AnyOutput(kind))(torch.randn(4, 4))
+        kinds[kind] = (type(out).__name__, sorted({str(t.dtype) for t in _collect(out)}))
+    report["kinds"] = kinds
+    # a scheduler built on the user's optimizer before setup (fsdp rebuilds the optimizer) steps the real one
+    net = KwargsModel()
+    opt = torch.optim.SGD(net.parameters(), lr=0.5)
+    model, opt, sched = pt.setup(net, opt, torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5))
+    ids = []
+    user_loader = torch.utils.data.DataLoader(DictData(32), batch_size=2, shuffle=True, collate_fn=tag_collate)
+    for batch in pt.train_loader(user_loader):  # dict batches, model(**batch), out.loss
+        ids.append(batch["id"])
+        opt.zero_grad()
+        pt.backward(model(**batch)["loss"])
+        opt.step()
+        sched.step()
+    report["ids"] = ids
+    report["lr"] = (pt._optimizers[-1].param_groups[0]["lr"], sched.get_last_lr()[0], pt.global_step)
+    # evaluation of 5 samples on 2 ranks: shards of 2 and 3, batches of 2 (fsdp pads the short shard)
+    eval_set = DictData(5, seed=1)
+    metrics = {"acc_fn": lambda p, t: (p.argmax(1) == t).float().mean()}
+    if torchmetrics is not None:
+        metrics["tm_acc"] = torchmetrics.classification.MulticlassAccuracy(num_classes=3, average="micro")
+    report["eval"] = pt.evaluate(model, pt.eval_loader(eval_set, batch_size=2), metrics=metrics)
+    report["state"] = pt.full_state_dict(model)
+    # all_gather of uneven tensors and of objects; reduce
+    report["gather"] = pt.all_gather(torch.full((rank + 1, 2), rank)).tolist()
+    report["objects"] = pt.all_gather({"rank": rank})
+    report["reduce"] = (pt.reduce(torch.tensor(rank + 1.0), "sum").item(), pt.reduce(rank, "max").item())
+    # compiled models (the process group is shared by the Parallel objects of one process)
+    report["compiled"] = {mode: compiled_run(strategy, mode, os.path.join(directory, mode))
+                          for mode in ("plain", "config", "before", "after")}
+    pt.close()
+    return report
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_own_loop_at_world_size_2(strategy, tmp_path):
+    reports = paratrain.launch(world2_worker, nprocs=2, args=(strategy, str(tmp_path)), timeout=240)
+    for r in reports:
+        assert r["kinds"] == {"dict": ("dict", ["torch.float32", "torch.int64"]),
+                              "attrdict": ("AttrDict", ["torch.float32"]),
+                              "dataclass": ("Output", ["torch.float32"]),
+                              "namedtuple": ("Pair", ["torch.float32", "torch.int64"])}
+        assert r["lr"] == (0.5 * 0.5 ** 4, 0.5 * 0.5 ** 4, 4)  # 32 samples / 8 = 4 optimizer steps
+        assert r["gather"] == [[0, 0], [1, 1], [1, 1]]
+        assert r["objects"] == [{"rank": 0}, {"rank": 1}]
+        assert r["reduce"] == (3.0, 1)
+    for step in range(4):  # the user's DataLoader, resampled: each optimizer step holds the global batch
+        got_ids = sorted(i for r in reports for i in r["ids"][2 * step] + r["ids"][2 * step + 1])
+        assert got_ids == sorted(f"s{i}" for i in paratrain.data.epoch_permutation(32, SEED, 0)[8 * step:8 * step + 8])
+    ref_loss, ref_acc = plain_eval(reports[0]["state"], DictData(5, seed=1))
+    got = reports[0]["eval"]
+    assert got["count"] == 5 and got["accuracy"] == pytest.approx(ref_acc) and got["acc_fn"] == pytest.approx(ref_acc)
+    assert got["loss"] == pytest.approx(ref_loss, rel=2e-2)  # bf16 forward
+    if "tm_acc" in got:  # torchmetrics synced across ranks by itself
+        assert got["tm_acc"] == pytest.approx(ref_acc)
+    assert reports[1]["eval"] == got
+    ref = reports[0]["compiled"]["plain"]  # compiled or not, the same training
+    for r in reports:
+        for mode in ("config", "before", "after"):
+            assert_states_equal(r["compiled"][mode], ref, 1e-10)

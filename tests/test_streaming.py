@@ -1,0 +1,157 @@
+"""Streaming data (``IterableDataset``): the samples of every optimizer step are the same at world
+size 1, 2 and 4; every rank runs the same number of steps whatever the stream's unknown length;
+DataLoader workers duplicate nothing; each file of a sharded stream is read by the ranks that
+need it; a resumed run continues where it stopped, in a later pass too."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, IterableDataset
+
+import paratrain
+from paratrain.data import ShardedStream
+
+B = 8
+FILE_LENGTHS = (20, 17, 25, 30)  # unknown to paratrain; the shortest ends the stream: 17 // (8 / 4) = 8 steps
+OPENED: list[str] = []  # files opened by this process
+
+
+class Counting(IterableDataset):
+    """A generator of unknown length: dict samples numbered 0..n-1."""
+
+    def __init__(self, n):
+        self.n = n
+        self.epochs = []
+
+    def set_epoch(self, epoch):
+        self.epochs.append(epoch)
+
+    def __iter__(self):
+        for i in range(self.n):
+            yield {"id": i, "x": torch.tensor([float(i)])}
+
+
+def read_file(path):
+    OPENED.append(os.path.basename(path))
+    with open(path) as f:
+        for line in f:
+            yield {"id": int(line), "x": torch.tensor([float(line)])}
+
+
+def write_files(directory):
+    paths = []
+    for k, n in enumerate(FILE_LENGTHS):
+        path = os.path.join(directory, f"shard-{k}.txt")
+        with open(path, "w") as f:
+            f.writelines(f"{1000 * k + j}\n" for j in range(n))
+        paths.append(path)
+    return paths
+
+
+def expected_files_step(s):
+    chunk = B // len(FILE_LENGTHS)
+    return sorted(1000 * k + j for k in range(len(FILE_LENGTHS)) for j in range(s * chunk, (s + 1) * chunk))
+
+
+def train(pt, data, steps=None, passes=1, **loader_kwargs):
+    """Train a tiny model on ``data``; returns this rank's sample ids per optimizer step."""
+    torch.manual_seed(0)
+    if steps is None:
+        pt.global_step = 0  # a fresh run on the same Parallel
+    model, opt = pt.setup(nn.Linear(1, 1), torch.optim.SGD(nn.Linear(1, 1).parameters(), lr=0.0))
+    loader = pt.train_loader(data, **loader_kwargs)
+    ids, current = [], []
+    for _ in range(passes):
+        for batch in loader:
+            current += batch["id"].tolist()
+            opt.zero_grad()
+            pt.backward(model(batch["x"]).mean())
+            opt.step()
+            if pt.micro_step == 0:
+                ids.append(current)
+                current = []
+            if steps is not None and pt.global_step >= steps:
+                return ids, loader
+    return ids, loader
+
+
+def stream_worker(rank, files):
+    world = paratrain.world_size()
+    pt = paratrain.Parallel(strategy="ddp", global_batch=B, accumulation=1 if world == 4 else 2)
+    report = {}
+    report["generator"], _ = train(pt, Counting(50), passes=2)  # 6 steps per pass, the tail of 2 dropped
+    report["workers"], _ = train(pt, DataLoader(Counting(50), batch_size=B // world // pt.accumulation,
+                                                num_workers=2))
+    OPENED.clear()
+    report["files"], _ = train(pt, ShardedStream(files, read_file))
+    report["opened"] = sorted(set(OPENED))
+    pt.close()
+    return report
+
+
+def union_per_step(reports, key):
+    steps = {len(r[key]) for r in reports}
+    assert len(steps) == 1, f"ranks ran different numbers of steps: {steps}"
+    merged = []
+    for s in range(steps.pop()):
+        ids = [i for r in reports for i in r[key][s]]
+        assert len(ids) == len(set(ids)) == B, f"step {s}: {sorted(ids)}"  # nothing duplicated, nothing missing
+        merged.append(sorted(ids))
+    return merged
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    return write_files(tmp_path_factory.mktemp("shards"))
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_streams_give_the_same_steps_at_any_world_size(world, files):
+    if world == 1:
+        reports = [stream_worker(0, files)]
+    else:
+        reports = paratrain.launch(stream_worker, nprocs=world, args=(files,), timeout=240)
+    generator = [list(range(8 * s, 8 * s + 8)) for s in range(6)]
+    assert union_per_step(reports, "generator") == generator * 2  # two passes, the same stream
+    assert union_per_step(reports, "workers") == generator
+    assert union_per_step(reports, "files") == [expected_files_step(s) for s in range(8)]
+    names = [f"shard-{k}.txt" for k in range(4)]
+    per_rank = {1: [names], 2: [names[:2], names[2:]], 4: [[n] for n in names]}[world]
+    assert [r["opened"] for r in reports] == per_rank  # each file read by the rank(s) that need it
+
+
+def test_stream_resumes_exactly_also_in_a_later_pass(tmp_path):
+    """Checkpoints at step 2 (first pass) and step 8 (third pass, 3 steps per pass) resume exactly."""
+    data = Counting(3 * B + 5)  # 3 steps per pass
+    pt = paratrain.Parallel(global_batch=B, accumulation=2)
+    full, _ = train(pt, data, passes=4)
+    assert full == [list(range(8 * (s % 3), 8 * (s % 3) + 8)) for s in range(12)]
+    pt.close()
+    for stop in (2, 8):
+        pt = paratrain.Parallel(global_batch=B, accumulation=2)
+        model, opt = pt.setup(nn.Linear(1, 1), torch.optim.SGD(nn.Linear(1, 1).parameters(), lr=0.0))
+        pt.global_step = stop
+        pt.save_checkpoint(str(tmp_path / str(stop)), model, opt)
+        pt.close()
+        pt = paratrain.Parallel(global_batch=B, accumulation=2)
+        model, opt = pt.setup(nn.Linear(1, 1), torch.optim.SGD(nn.Linear(1, 1).parameters(), lr=0.0))
+        pt.load_checkpoint(str(tmp_path / str(stop)), model, opt)
+        resumed, loader = train(pt, data, steps=12, passes=4)
+        assert resumed == full[stop:], stop
+        assert data.epochs[-1] == 3
+        pt.close()
+
+
+def test_stream_errors_are_one_line():
+    pt = paratrain.Parallel(global_batch=B)
+    with pytest.raises(ValueError, match="no complete global batch"):
+        train(pt, Counting(B - 1))
+    with pytest.raises(ValueError, match="read in order"):
+        pt.train_loader(Counting(50), shuffle=True)
+    with pytest.raises(TypeError, match="no length"):
+        len(pt.train_loader(Counting(50)))
+    pt.close()
