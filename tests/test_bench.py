@@ -87,9 +87,11 @@ def test_bench_small_matrix_writes_table_json_csv_and_png(tmp_path):
         if c["status"] == "ok":
             assert c["samples_per_s"] > 0 and c["seconds_per_epoch"] > 0 and c["peak_mem_mib"] > 0
             assert 0.0 <= c["test_accuracy"] <= 1.0 and c["final_loss"] > 0
-    # Same global batch: paratrain's ddp trains exactly what one process trains.
+    # Same global batch: paratrain's ddp trains exactly what one process trains. Accuracy counts
+    # argmax hits (one test sample is 1/359 = 2.8e-3): < 1e-9 means the same count, only the
+    # division may round.
     assert abs(cells["ddp x2"]["test_accuracy"] - cells["single"]["test_accuracy"]) < 1e-9
-    assert cells["single"]["speedup"] == pytest.approx(1.0)
+    assert cells["single"]["speedup"] == pytest.approx(1.0)  # its own time over itself: 1 up to float division
     # Bytes: the whole fp32 gradient once per step; the fp16 hook sends half, the hand-written loop the same.
     assert cells["ddp x2"]["comm_bytes_per_step"] == MLP_DIGITS_GRAD_BYTES
     assert cells["ddp x2 hook=fp16"]["comm_bytes_per_step"] == MLP_DIGITS_GRAD_BYTES / 2

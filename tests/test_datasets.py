@@ -49,6 +49,8 @@ def test_digits_split_is_a_partition_of_the_raw_data():
 
 def test_digits_train_is_normalised():
     x = digits(train=True).tensors[0]
+    # normalised with its own float32 mean and std: 0 and 1 up to float32 rounding of sums over
+    # 92k values (measured 9e-8 and 0), far inside these bounds
     assert abs(x.mean().item()) < 1e-4
     assert abs(x.std().item() - 1.0) < 1e-3
     xte = digits(train=False).tensors[0]

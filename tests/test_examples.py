@@ -26,4 +26,6 @@ def test_one_loop_every_strategy_trains_the_same_weights():
         assert res.returncode == 0, res.stderr[-3000:]
         assert res.stdout.count("checksum") == 1  # printed on the main process only
         (acc, checksum), (acc1, checksum1) = _result(res.stdout), _result(single.stdout)
-        assert acc == acc1 and abs(checksum - checksum1) <= 2e-4, (strategy, res.stdout, single.stdout)  # printed .4f
+        # checksums are printed with 4 decimals (each rounded by up to 5e-5): 2e-4 leaves 1e-4 for
+        # float32 rounding of the training itself
+        assert acc == acc1 and abs(checksum - checksum1) <= 2e-4, (strategy, res.stdout, single.stdout)

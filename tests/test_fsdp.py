@@ -1,5 +1,7 @@
 """fsdp (FSDP2 fully_shard) == a plain one-process PyTorch loop; sharded checkpoints reshard."""
 
+import functools
+
 import pytest
 import torch
 from torch import nn
@@ -7,44 +9,21 @@ from torch.utils.data import TensorDataset
 
 import paratrain
 from paratrain.strategies.fsdp import FSDPOptions
+from parity import FLOAT64_RTOL, Problem, assert_same_state, mlp, teacher_data
 
-N, GLOBAL_BATCH, STEPS, SEED, LR, CLIP = 96, 16, 6, 5, 0.05, 0.5
-
-
-def make_data():
-    g = torch.Generator().manual_seed(7)
-    return torch.randn(N, 12, generator=g), torch.randint(0, 4, (N,), generator=g)
-
-
-def make_model():
-    # 3 blocks with parameters (sharded one by one) + a parameter-free activation.
-    return nn.Sequential(nn.Linear(12, 16), nn.ReLU(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
-
-
-def reference(steps, accumulation=1, clip=None):
-    """Plain PyTorch, one process, the same global batches (paratrain's seeded epoch order)."""
-    x, y = make_data()
-    torch.manual_seed(SEED)
-    model = make_model()
-    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
-    micro = GLOBAL_BATCH // accumulation
-    per_epoch = N // GLOBAL_BATCH
-    for step in range(steps):
-        epoch, s = divmod(step, per_epoch)
-        perm = torch.randperm(N, generator=torch.Generator().manual_seed(SEED * 1_000_003 + epoch))
-        idx = perm[s * GLOBAL_BATCH:(s + 1) * GLOBAL_BATCH]
-        opt.zero_grad()
-        for a in range(accumulation):
-            i = idx[a * micro:(a + 1) * micro]
-            (nn.functional.cross_entropy(model(x[i]), y[i]) / accumulation).backward()
-        if clip is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
-    return {k: v.clone() for k, v in model.state_dict().items()}
+F64 = torch.float64
+# 3 blocks with parameters (sharded one by one) + parameter-free activations.
+make_model = functools.partial(mlp, 12, 16, 16, 4)
+# 6 steps. Measured on the float32 reference (tests/test_parity_conditioning.py): 1 vs 2 threads and
+# float32 vs float64 <= 3e-7 (so 1e-5, >= 10x).
+PROBLEM = Problem(make_model, functools.partial(teacher_data, 96, (12,), seed=7), global_batch=16, steps=6, seed=5,
+                  lr=0.05, momentum=0.9, rtol=1e-5)
+ACCUMULATED = PROBLEM.replace(accumulation=2, clip=0.5)  # clip 0.5: below the gradient norm, so it acts
+PROBLEMS = {"mlp": PROBLEM, "mlp, accumulation 2, clip": ACCUMULATED}
 
 
-def train(pt, model, opt, steps):
-    loader = pt.train_loader(TensorDataset(*make_data()))
+def train(pt, model, opt, steps, problem=PROBLEM):
+    loader = pt.train_loader(TensorDataset(*problem.data()))
     target = pt.global_step + steps
     while pt.global_step < target:
         for xb, yb in loader:
@@ -61,18 +40,18 @@ def full_state(model):
     return {k: v.detach().clone() for k, v in full_state_dict(model).items()}
 
 
-def fsdp_run(options, accumulation=None, clip=None):
-    pt = paratrain.Parallel(strategy="fsdp", global_batch=GLOBAL_BATCH, seed=SEED, accumulation=accumulation,
-                            clip_grad_norm=clip, fsdp=options)
-    model = make_model()
-    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+def fsdp_run(options, problem):
+    pt = paratrain.Parallel(strategy="fsdp", global_batch=problem.global_batch, seed=problem.seed,
+                            accumulation=problem.accumulation, clip_grad_norm=problem.clip, fsdp=options)
+    model = problem.model()
+    opt = problem.optimizer(model.parameters())
     model, opt = pt.setup(model, opt)
     from torch.distributed.tensor import DTensor
 
     assert all(isinstance(p, DTensor) for p in model.parameters())
     # the optimizer built before setup was rebuilt over the sharded parameters
     assert [id(p) for g in opt.param_groups for p in g["params"]] == [id(p) for p in model.parameters()]
-    train(pt, model, opt, STEPS)
+    train(pt, model, opt, problem.steps, problem)
     return {"state": full_state(model), "bytes": pt.strategy.parameter_bytes(pt.unwrap(model))}
 
 
@@ -83,23 +62,19 @@ def fsdp_worker(rank, runs):
     return out
 
 
-def assert_close_states(got, ref, rtol=1e-5):
-    assert got.keys() == ref.keys()
-    for k in ref:
-        err = ((got[k] - ref[k]).norm() / ref[k].norm().clamp_min(1e-12)).item()
-        assert err <= rtol, f"{k}: relative error {err:.2e} > {rtol}"
-
-
 def test_fsdp_matches_reference_shards_parameters_and_accumulates():
-    runs = [({"reshard_after_forward": True}, None, None),  # ZeRO-3
-            ({"reshard_after_forward": False}, None, None),  # ZeRO-2-like
-            ({}, 2, CLIP)]  # accumulation 2 + gradient clipping of DTensor gradients
+    runs = [({"reshard_after_forward": True}, PROBLEM),  # ZeRO-3
+            ({"reshard_after_forward": False}, PROBLEM),  # ZeRO-2-like
+            ({}, ACCUMULATED),  # accumulation 2 + gradient clipping of DTensor gradients
+            ({}, ACCUMULATED.replace(dtype=F64))]  # the same in float64: equal to rounding, 1e-10
     outs = paratrain.launch(fsdp_worker, nprocs=2, args=(runs,), timeout=90)
-    ref = reference(STEPS)
-    for zero3, zero2, accumulated in outs:
-        assert_close_states(zero3["state"], ref)
-        assert_close_states(zero2["state"], ref)
-        assert_close_states(accumulated["state"], reference(STEPS, accumulation=2, clip=CLIP))
+    ref, ref_accumulated = PROBLEM.reference().state, ACCUMULATED.reference().state
+    ref64 = ACCUMULATED.replace(dtype=F64).reference().state
+    for zero3, zero2, accumulated, accumulated64 in outs:
+        assert_same_state(zero3["state"], ref, PROBLEM.rtol)
+        assert_same_state(zero2["state"], ref, PROBLEM.rtol)
+        assert_same_state(accumulated["state"], ref_accumulated, ACCUMULATED.rtol)
+        assert_same_state(accumulated64["state"], ref64, FLOAT64_RTOL)
     # Each rank holds about half the parameter bytes; together exactly the whole model.
     local = [o[0]["bytes"]["local"] for o in outs]
     full = outs[0][0]["bytes"]["full"]
@@ -110,9 +85,9 @@ def ckpt_run(path, save):
     """save: 3 steps, save, 3 more steps. load: load the step-3 checkpoint, 3 more steps."""
     from paratrain.checkpoint.sharded import load_sharded, save_sharded
 
-    pt = paratrain.Parallel(strategy="fsdp", global_batch=GLOBAL_BATCH, seed=SEED)
-    model = make_model()
-    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    pt = paratrain.Parallel(strategy="fsdp", global_batch=PROBLEM.global_batch, seed=PROBLEM.seed)
+    model = PROBLEM.model()
+    opt = PROBLEM.optimizer(model.parameters())
     model, opt = pt.setup(model, opt)
     if save:
         train(pt, model, opt, 3)
@@ -139,15 +114,16 @@ def test_sharded_checkpoint_resumes_on_same_and_other_world_size(tmp_path):
     outs = paratrain.launch(ckpt_worker, nprocs=2, args=(path, (True, False)), timeout=90)
     assert (tmp_path / "ckpt" / ".metadata").is_file() and not (tmp_path / "ckpt.tmp").exists()
     run = outs[0][0]
-    assert_close_states(run["final"], reference(6))
+    assert_same_state(run["final"], PROBLEM.reference().state, PROBLEM.rtol)  # 3 + 3 = PROBLEM.steps
     # world 1: the same checkpoint into a plain, unsharded model (DCP reshards 2 -> 1).
     (single,) = paratrain.launch(ckpt_worker, nprocs=1, args=(path, (False,)), timeout=90)
     for out in [o[1] for o in outs] + single:
         assert out["step"] == 6
         for k in run["at_save"]:  # parameters restored exactly
             assert torch.equal(out["at_save"][k], run["at_save"][k]), k
-        # momentum restored too: the resumed run ends where the uninterrupted one ended
-        assert_close_states(out["final"], run["final"])
+        # momentum restored too: the resumed run ends where the uninterrupted one ended (the
+        # same world size does the same arithmetic; world 1 sums gradients in another order)
+        assert_same_state(out["final"], run["final"], PROBLEM.rtol)
 
 
 def test_fsdp_options_validate():

@@ -1,5 +1,6 @@
 """Parameter server over torch.distributed.rpc: sync == a plain one-process loop; async applies every update."""
 
+import functools
 import json
 import os
 import shutil
@@ -13,45 +14,22 @@ from torch.utils.data import TensorDataset
 import paratrain
 from paratrain.launch.spawn import LaunchError
 from paratrain.strategies.ps import PSOptions, run_parameter_server
+from parity import Problem, assert_same_state, mlp, teacher_data
 
-N, GLOBAL_BATCH, STEPS, SEED, LR = 64, 16, 7, 3, 0.05  # 4 steps/epoch: 7 steps cross an epoch boundary
-
-
-def make_data():
-    g = torch.Generator().manual_seed(123)
-    x = torch.randn(N, 10, generator=g)
-    y = (x[:, :4].argmax(1)).long()  # learnable: the largest of the first four features
-    return x, y
-
-
-def make_model():
-    return nn.Sequential(nn.Linear(10, 16), nn.ReLU(), nn.Linear(16, 4))
+make_model = functools.partial(mlp, 10, 16, 4)
+# 4 steps/epoch: 7 steps cross an epoch boundary. Measured on the float32 reference
+# (tests/test_parity_conditioning.py): 1 vs 2 threads and float32 vs float64 <= 2e-7 (so 1e-5, >= 10x).
+PROBLEM = Problem(make_model, functools.partial(teacher_data, 64, (10,), seed=123), global_batch=16, steps=7, seed=3,
+                  lr=0.05, momentum=0.9, rtol=1e-5)
+# momentum SGD, lr halved every 2 steps (StepLR on the workers), the global gradient clipped to norm 0.5
+DECAYED = PROBLEM.replace(scheduler=functools.partial(torch.optim.lr_scheduler.StepLR, step_size=2, gamma=0.5))
+DECAYED_CLIPPED = DECAYED.replace(clip=0.5)
+PROBLEMS = {"mlp": PROBLEM, "mlp, StepLR": DECAYED, "mlp, StepLR, clip": DECAYED_CLIPPED}
+GLOBAL_BATCH, SEED = PROBLEM.global_batch, PROBLEM.seed
 
 
 def make_optimizer(params):
-    return torch.optim.SGD(params, lr=LR, momentum=0.9)
-
-
-def reference(steps, clip=None, gamma=1.0):
-    """Plain PyTorch, one process, the same global batches in paratrain's documented order;
-    momentum SGD, a StepLR schedule (gamma 1: constant lr) and optional clipping."""
-    x, y = make_data()
-    torch.manual_seed(SEED)
-    model = make_model()
-    opt = make_optimizer(model.parameters())
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=gamma)
-    per_epoch = N // GLOBAL_BATCH
-    for s in range(steps):
-        epoch, i = divmod(s, per_epoch)
-        perm = torch.randperm(N, generator=torch.Generator().manual_seed(SEED * 1_000_003 + epoch))
-        idx = perm[i * GLOBAL_BATCH:(i + 1) * GLOBAL_BATCH]
-        opt.zero_grad()
-        nn.functional.cross_entropy(model(x[idx]), y[idx]).backward()
-        if clip is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
-        sched.step()
-    return {k: v.clone() for k, v in model.state_dict().items()}
+    return PROBLEM.optimizer(params)
 
 
 def loss_that_hangs_on_rank_2(out, y):
@@ -63,21 +41,18 @@ def loss_that_hangs_on_rank_2(out, y):
 def ps_worker(local_rank, mode, steps, fault=None):
     model_fn = (lambda: nn.Linear(3, 4)) if fault == "raise" and local_rank == 1 else make_model
     loss_fn = loss_that_hangs_on_rank_2 if fault == "hang" else nn.functional.cross_entropy
-    return run_parameter_server(model_fn, make_optimizer, TensorDataset(*make_data()), global_batch=GLOBAL_BATCH,
+    return run_parameter_server(model_fn, make_optimizer, TensorDataset(*PROBLEM.data()), global_batch=GLOBAL_BATCH,
                                 steps=steps, mode=mode, seed=SEED, loss_fn=loss_fn,
                                 rpc_timeout_s=4 if fault == "hang" else 30)
 
 
 def test_sync_matches_single_process_reference():
-    server, *workers = paratrain.launch(ps_worker, nprocs=3, args=("sync", STEPS), timeout=60)
-    assert server.role == "server" and server.updates == STEPS
+    steps = PROBLEM.steps
+    server, *workers = paratrain.launch(ps_worker, nprocs=3, args=("sync", steps), timeout=60)
+    assert server.role == "server" and server.updates == steps
     assert server.staleness_max == 0
-    assert [w.updates for w in workers] == [STEPS, STEPS]
-    ref = reference(STEPS)
-    assert server.state_dict.keys() == ref.keys()
-    for k in ref:
-        err = ((server.state_dict[k] - ref[k]).norm() / ref[k].norm()).item()
-        assert err <= 1e-5, f"{k}: relative error {err:.2e}"
+    assert [w.updates for w in workers] == [steps, steps]
+    assert_same_state(server.state_dict, PROBLEM.reference().state, PROBLEM.rtol)
 
 
 def test_async_applies_every_update_and_reports_staleness():
@@ -93,20 +68,20 @@ def test_async_applies_every_update_and_reports_staleness():
 
 def test_failing_worker_fails_the_job_with_its_rank():
     with pytest.raises(LaunchError, match="rank 1 failed: RuntimeError: The size of tensor"):
-        paratrain.launch(ps_worker, nprocs=3, args=("sync", STEPS, "raise"), timeout=60)
+        paratrain.launch(ps_worker, nprocs=3, args=("sync", PROBLEM.steps, "raise"), timeout=60)
 
 
 def test_hanging_worker_times_out_instead_of_hanging():
     # Worker 2 never pushes: worker 1's sync step (or the server's wait) hits rpc_timeout_s, well before launch's limit.
     with pytest.raises(LaunchError, match="rpc_timeout_s=4"):
-        paratrain.launch(ps_worker, nprocs=3, args=("sync", STEPS, "hang"), timeout=60)
+        paratrain.launch(ps_worker, nprocs=3, args=("sync", PROBLEM.steps, "hang"), timeout=60)
 
 
 def _run_here(monkeypatch, world, **kwargs):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", str(world))
-    defaults = dict(global_batch=GLOBAL_BATCH, steps=STEPS)
-    run_parameter_server(make_model, make_optimizer, TensorDataset(*make_data()), **{**defaults, **kwargs})
+    defaults = dict(global_batch=GLOBAL_BATCH, steps=PROBLEM.steps)
+    run_parameter_server(make_model, make_optimizer, TensorDataset(*PROBLEM.data()), **{**defaults, **kwargs})
 
 
 @pytest.mark.parametrize("world, kwargs, message", [
@@ -127,13 +102,6 @@ def test_options_validate():
     assert PSOptions(mode="ASYNC").mode == "async"
 
 
-def assert_close(got, ref, rtol=1e-5):
-    assert got.keys() == ref.keys()
-    for k in ref:
-        err = ((got[k] - ref[k]).norm() / ref[k].norm()).item()
-        assert err <= rtol, f"{k}: relative error {err:.2e}"
-
-
 def parallel_worker(local_rank, strategy, steps, ckpt_dir=None, resume=False, mode="sync", clip=None, gamma=1.0):
     """The user's own loop with Parallel: ps pushes at optimizer.step(); checkpoints every 2 steps."""
     pt = paratrain.Parallel(strategy=strategy, global_batch=GLOBAL_BATCH, seed=SEED, clip_grad_norm=clip,
@@ -145,7 +113,7 @@ def parallel_worker(local_rank, strategy, steps, ckpt_dir=None, resume=False, mo
     if resume:
         pt.load_checkpoint(ckpt_dir, model, opt, sched)
     resumed_at, losses = pt.global_step, []
-    loader = pt.train_loader(TensorDataset(*make_data()))
+    loader = pt.train_loader(TensorDataset(*PROBLEM.data()))
     while pt.global_step < steps:
         for xb, yb in loader:
             opt.zero_grad()
@@ -167,12 +135,13 @@ def parallel_worker(local_rank, strategy, steps, ckpt_dir=None, resume=False, mo
 def test_parallel_sync_matches_reference_with_scheduler_and_clipping():
     # ps behind Parallel: both ranks train, rank 0 also serves; lr decays on the workers' scheduler
     # and travels with each push, clipping runs on the server after the mean.
-    outs = paratrain.launch(parallel_worker, nprocs=2, args=("ps", STEPS, None, False, "sync", 0.5, 0.5), timeout=60)
-    ref = reference(STEPS, clip=0.5, gamma=0.5)
+    p = DECAYED_CLIPPED
+    outs = paratrain.launch(parallel_worker, nprocs=2, args=("ps", p.steps, None, False, "sync", p.clip, 0.5), timeout=60)
+    ref = p.reference().state
     for out in outs:  # every rank gets the server's parameters
-        assert_close(out["state"], ref)
+        assert_same_state(out["state"], ref, p.rtol)
         assert out["local_optimizer_state"] == 0  # the server's twin holds the momentum
-    assert outs[0]["report"] == {"ps_mode": "sync", "ps_updates": STEPS, "ps_staleness_mean": 0.0,
+    assert outs[0]["report"] == {"ps_mode": "sync", "ps_updates": p.steps, "ps_staleness_mean": 0.0,
                                  "ps_staleness_max": 0}
     assert outs[1]["report"] == {}
 
@@ -192,14 +161,14 @@ def test_parallel_checkpoint_resumes_on_ps_ddp_and_single(tmp_path):
     # ps, ddp and a single process all resume from step 4 and end where the reference ends.
     ckpt = tmp_path / "ckpt"
     paratrain.launch(parallel_worker, nprocs=2, args=("ps", 5, str(ckpt), False, "sync", None, 0.5), timeout=60)
-    ref = reference(STEPS, gamma=0.5)
+    ref = DECAYED.reference().state
     for strategy, world in (("ps", 2), ("ddp", 2), ("single", 1)):
         again = shutil.copytree(ckpt, tmp_path / strategy)
         outs = paratrain.launch(parallel_worker, nprocs=world,
-                                args=(strategy, STEPS, str(again), True, "sync", None, 0.5), timeout=60)
+                                args=(strategy, DECAYED.steps, str(again), True, "sync", None, 0.5), timeout=60)
         for out in outs:
             assert out["resumed_at"] == 4
-            assert_close(out["state"], ref)
+            assert_same_state(out["state"], ref, DECAYED.rtol)
 
 
 def test_fp16_is_refused_with_ps():
@@ -227,7 +196,7 @@ def weights_after_setup_worker(local_rank):
     torch.manual_seed(99)
     new = make_model().state_dict()
     model.load_state_dict(new)
-    loader = pt.train_loader(TensorDataset(*make_data()))
+    loader = pt.train_loader(TensorDataset(*PROBLEM.data()))
     xb, yb = next(iter(loader))
     pt.backward(nn.functional.cross_entropy(model(xb), yb))
     opt.step()
@@ -245,7 +214,7 @@ def server_fails_worker(local_rank):
     pt = paratrain.Parallel(strategy="ps", global_batch=GLOBAL_BATCH, seed=SEED, ps={"rpc_timeout_s": 20})
     model = make_model()
     model, opt = pt.setup(model, make_optimizer(model.parameters()))
-    loader = pt.train_loader(TensorDataset(*make_data()))
+    loader = pt.train_loader(TensorDataset(*PROBLEM.data()))
     try:
         for xb, yb in loader:
             opt.zero_grad()
