@@ -433,12 +433,19 @@ def test_compiled_models_train_and_checkpoint_uncompiled_keys(tmp_path):
 
 
 # --- the same at world size 2, under ddp and fsdp: one launch each checks everything ---------------
-def world2_worker(rank, strategy, directory):
-    try:  # its import costs ~10 s on a busy 2-core machine: one launch checks it
+def world2_worker(rank, directory):
+    """Every check, under ddp then fsdp: the Parallel objects of one process share its group."""
+    reports = {strategy: strategy_checks(rank, strategy, os.path.join(directory, strategy))
+               for strategy in ("ddp", "fsdp")}
+    paratrain.destroy(wait_for_peers=True)
+    return reports
+
+
+def strategy_checks(rank, strategy, directory):
+    try:
         import torchmetrics
     except ImportError:
         torchmetrics = None
-    torchmetrics = torchmetrics if strategy == "ddp" else None
     pt = paratrain.Parallel(strategy=strategy, global_batch=8, accumulation=2, precision="bf16-mixed", seed=SEED)
     report = {}
     # outputs keep their type through DDP/FSDP
@@ -475,13 +482,17 @@ def world2_worker(rank, strategy, directory):
     # compiled models (the process group is shared by the Parallel objects of one process)
     report["compiled"] = {mode: compiled_run(strategy, mode, os.path.join(directory, mode))
                           for mode in ("plain", "config", "before", "after")}
-    pt.close()
     return report
 
 
+@pytest.fixture(scope="module")
+def world2_reports(tmp_path_factory):
+    return paratrain.launch(world2_worker, nprocs=2, args=(str(tmp_path_factory.mktemp("world2")),), timeout=360)
+
+
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_own_loop_at_world_size_2(strategy, tmp_path):
-    reports = paratrain.launch(world2_worker, nprocs=2, args=(strategy, str(tmp_path)), timeout=240)
+def test_own_loop_at_world_size_2(strategy, world2_reports):
+    reports = [r[strategy] for r in world2_reports]
     for r in reports:
         assert r["kinds"] == {"dict": ("dict", ["torch.float32", "torch.int64"]),
                               "attrdict": ("AttrDict", ["torch.float32"]),

@@ -155,3 +155,20 @@ def test_stream_errors_are_one_line():
     with pytest.raises(TypeError, match="no length"):
         len(pt.train_loader(Counting(50)))
     pt.close()
+
+
+def test_huggingface_datasets_map_style_and_iterable():
+    """``datasets.Dataset`` (map-style) and ``datasets.IterableDataset`` built in memory. The
+    iterable one splits itself between DataLoader workers; paratrain hides the workers from it
+    (it splits the micro-batches itself), so with 2 workers no sample is lost or repeated."""
+    datasets = pytest.importorskip("datasets")
+    table = {"id": list(range(40)), "x": [[float(i)] for i in range(40)]}
+    pt = paratrain.Parallel(global_batch=B, seed=3)
+    ids, _ = train(pt, datasets.Dataset.from_dict(table).with_format("torch"))
+    perm = paratrain.data.epoch_permutation(40, 3, 0)
+    assert ids == [perm[B * s:B * (s + 1)].tolist() for s in range(5)]
+    stream = datasets.Dataset.from_dict(table).to_iterable_dataset(num_shards=4).with_format("torch")
+    for workers in (0, 2):
+        ids, _ = train(pt, DataLoader(stream, batch_size=B, num_workers=workers))
+        assert ids == [list(range(B * s, B * (s + 1))) for s in range(5)], workers
+    pt.close()

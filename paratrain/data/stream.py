@@ -35,6 +35,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from torch.utils.data._utils import worker as _worker_state
 
 from .batch import to_device
 from .sampler import BatchPlan
@@ -115,6 +116,12 @@ class RankStream(IterableDataset):
     def __iter__(self) -> Iterator[Any]:
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        if info is not None:
+            # paratrain splits the micro-batches between workers: the dataset must read as if alone.
+            # One that splits by worker itself (HuggingFace's IterableDataset does) would otherwise
+            # hand this worker a part of the stream, and samples would be lost. This process is the
+            # DataLoader's worker for this pass only (streams get no persistent workers).
+            _worker_state._worker_info = None
         readers = self._start()
         step, micro = 0, 0
         while True:
