@@ -194,6 +194,9 @@ class TrainConfig:
     """Where checkpoints go; defaults to <log_dir>/checkpoints when checkpoint_every > 0 or resume is set."""
     keep_checkpoints: int = 3
     """How many of the newest checkpoints to keep."""
+    max_nonfinite_steps: int = 3
+    """Stop the run with an error when the loss is NaN or inf for this many consecutive optimizer
+    steps (checked at every log and checkpoint step; no checkpoint is written after a NaN)."""
     resume: bool = False
     """Continue from the newest loadable checkpoint in checkpoint_dir. After torchrun restarts a
     failed worker group (--max-restarts) this happens automatically."""
@@ -213,6 +216,8 @@ class TrainConfig:
             raise ValueError(f"log_every {self.log_every} must be at least 1")
         if self.checkpoint_every < 0:
             raise ValueError(f"checkpoint_every {self.checkpoint_every} must be >= 0")
+        if self.max_nonfinite_steps < 1:
+            raise ValueError(f"max_nonfinite_steps {self.max_nonfinite_steps} must be at least 1")
         if self.keep_checkpoints < 1:
             raise ValueError(f"keep_checkpoints {self.keep_checkpoints} must be at least 1")
         if self.checkpoint_dir is None and (self.checkpoint_every or self.resume) and self.log_dir is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -80,3 +81,135 @@ def test_bad_values_fail_before_any_worker_starts(args: list[str], needle: str) 
     assert res.returncode == 2
     lines = [ln for ln in res.stderr.strip().splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("paratrain train: error:") and needle in lines[0], res.stderr
+
+
+# --- non-finite training stops ---------------------------------------------------------------
+
+def _one_error_line(res, needle: str) -> str:
+    lines = [ln for ln in res.stderr.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1 and needle in lines[0], res.stderr[-3000:]
+    return lines[0]
+
+
+def test_loss_window_stops_after_k_nonfinite_steps_in_a_row() -> None:
+    """The stop rule on its own: k non-finite losses in a row stop, fewer do not (one process)."""
+    import math
+
+    import torch
+
+    import paratrain
+    from paratrain.loop.guard import LossWindow, NonFiniteLossError
+
+    pt = paratrain.Parallel(strategy="single", global_batch=4)
+    model = torch.nn.Linear(2, 2)
+    window = LossWindow(pt, size=10, limit=3, checkpoints=True)
+    nan = math.nan
+    for loss in (1.0, nan, nan, 2.0, math.inf, nan):  # two runs of 2 and 2: not yet
+        window.add(torch.tensor(loss))
+        pt.global_step += 1
+    window.mean()
+    window.check()
+    assert not window.safe_to_save(model)  # the latest step's loss is NaN: no checkpoint of it
+    window.add(torch.tensor(nan))
+    pt.global_step += 1
+    with pytest.raises(NonFiniteLossError, match="3 optimizer steps in a row since step 5 .*after step 4"):
+        window.safe_to_save(model)  # checked before a checkpoint, not only at log lines
+    with torch.no_grad():
+        model.weight[0, 0] = math.inf
+    fresh = LossWindow(pt, size=10, limit=3)
+    with pytest.raises(NonFiniteLossError, match="weights are NaN or inf"):
+        fresh.finish(model)
+
+
+def test_diverging_run_stops_in_one_line_and_keeps_only_finite_checkpoints(tmp_path: Path) -> None:
+    """--lr 1e9 makes the loss NaN: one line, exit 2, and every checkpoint on disk is finite."""
+    import torch
+
+    from paratrain.checkpoint import list_checkpoints, load_file
+
+    res = run_cli(["train", "--strategy", "ddp", "--nproc-per-node", "2", "--lr", "1e9", "--max-steps", "40",
+                   "--checkpoint-every", "1", "--no-progress", "--log-dir", str(tmp_path)], timeout=100)
+    assert res.returncode == 2
+    line = _one_error_line(res, "--clip-grad-norm")
+    assert "NaN or inf" in line or "in a row" in line, line
+    saved = list_checkpoints(tmp_path / "checkpoints")
+    assert saved, "the steps before the NaN were checkpointed"
+    for path in saved:
+        weights = load_file(path)["model"]
+        assert all(torch.isfinite(w).all() for w in weights.values() if w.is_floating_point()), path
+    assert not (tmp_path / "result.json").exists()
+    # One process, no checkpoints: the loss rule itself, with the limit from the config.
+    res = run_cli(["train", "--lr", "1e9", "--max-steps", "40", "--set", "max_nonfinite_steps=2", "--no-progress",
+                   "--log-dir", str(tmp_path / "one")], timeout=60)
+    assert res.returncode == 2
+    _one_error_line(res, "optimizer steps in a row since step")
+    assert "max_nonfinite_steps=2" in res.stderr
+
+
+# --- results are never lost ------------------------------------------------------------------
+
+def _files(folder: Path) -> dict[str, tuple[bytes, int]]:
+    return {str(p.relative_to(folder)): (p.read_bytes(), p.stat().st_mtime_ns)
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_resume_of_a_finished_run_changes_nothing(tmp_path: Path) -> None:
+    args = ["train", "--max-steps", "4", "--checkpoint-every", "2", "--no-progress", "--log-dir", str(tmp_path)]
+    first = run_cli(args, timeout=60)
+    assert first.returncode == 0, first.stderr[-3000:]
+    before = _files(tmp_path)
+    again = run_cli([*args, "--resume"], timeout=60)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stdout.strip().splitlines() == [
+        f"paratrain: this run already finished at step 4; {tmp_path / 'result.json'} is kept as it is "
+        "(raise --epochs or --max-steps to train on)"], again.stdout
+    assert _files(tmp_path) == before  # not one byte or timestamp changed
+
+
+@pytest.mark.timeout(200)
+def test_restart_after_the_final_checkpoint_finishes_the_run(tmp_path: Path) -> None:
+    """A worker killed after the last checkpoint: the restarted group evaluates and writes a full
+    result (the train loss comes from the checkpoint), never train_loss NaN / test_accuracy null."""
+    res = run_cli(["train", "--strategy", "ddp", "--nproc-per-node", "2", "--max-steps", "8", "--checkpoint-every",
+                   "4", "--max-restarts", "1", "--no-progress", "--log-dir", str(tmp_path)], timeout=150,
+                  PARATRAIN_TEST_KILL_AT="1:8")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "resumed from step 8" in res.stdout
+    result = json.loads((tmp_path / "result.json").read_text())
+    logged = [json.loads(line) for line in (tmp_path / "train.jsonl").read_text().splitlines()]
+    assert result["resumed_from_step"] == 8 and result["steps"] == 8
+    assert result["train_loss"] == logged[-1]["loss"] and logged[-1]["step"] == 8  # the first attempt's
+    assert result["test_accuracy"] is not None and result["test_count"] == 359
+
+
+def test_summary_files_are_written_atomically(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from paratrain.loop.logging import RunLogger
+
+    logger = RunLogger(str(tmp_path))
+    logger.write_json("result.json", {"steps": 1})
+
+    def crash(src: str, dst: str) -> None:
+        raise OSError("disk gone")
+
+    monkeypatch.setattr(os, "replace", crash)
+    with pytest.raises(OSError, match="disk gone"):
+        logger.write_json("result.json", {"steps": 2})
+    assert json.loads((tmp_path / "result.json").read_text()) == {"steps": 1}  # the old one, whole
+    assert [p.name for p in tmp_path.iterdir()] == ["result.json"]  # and no temporary file left
+
+
+# --- bench checks its names before any cell runs ---------------------------------------------
+
+@pytest.mark.parametrize("args, needle", [
+    (["--strategies", "single,warp"], "strategy 'warp' is unknown"),
+    (["--precisions", "fp7"], "precision 'fp7' is unknown"),
+    (["--comm-hooks", "none,zip"], "comm hook 'zip' is unknown"),
+    (["--world-sizes", "1,0"], "world sizes [1, 0] must be positive"),
+    (["--world-sizes", "two"], "'two' is not a comma-separated list of int"),
+])
+def test_bench_rejects_bad_names_at_once(tmp_path: Path, args: list[str], needle: str) -> None:
+    start = time.monotonic()
+    res = run_cli(["bench", "--no-progress", "--out", str(tmp_path), *args], timeout=60)
+    assert res.returncode == 2 and time.monotonic() - start < 30
+    assert _one_error_line(res, needle).startswith("paratrain bench: error:")
+    assert not any(tmp_path.iterdir())  # no cell ran, nothing written

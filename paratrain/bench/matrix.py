@@ -22,9 +22,11 @@ from typing import Any
 
 import torch
 
+from .. import precision as _precision
 from .. import strategies as _strategies
 from ..config import TrainConfig, apply_overrides, from_dict
 from ..env.process import available_accelerator
+from ..strategies.ddp import COMM_HOOKS
 
 __all__ = ["Cell", "BenchSpec", "build_matrix", "quick_spec", "full_spec", "cuda_devices", "BASELINE"]
 
@@ -95,7 +97,7 @@ class BenchSpec:
     """What ``paratrain bench`` measures: the matrix dimensions and the run length."""
 
     strategies: list[str] = field(default_factory=lambda: ["single", "dp", "ddp", "fsdp", "tensor", "pipeline", "ps"])
-    """Strategies to try; those not in this paratrain's registry are listed as skipped."""
+    """Strategies to try: names from paratrain's registry (an unknown name is an error up front)."""
     world_sizes: list[int] = field(default_factory=lambda: [1, 2, 4])
     precisions: list[str] = field(default_factory=lambda: ["32", "fp16-mixed", "bf16-mixed"])
     comm_hooks: list[str] = field(default_factory=lambda: ["none", "fp16", "bf16", "powersgd"])
@@ -118,6 +120,16 @@ class BenchSpec:
     """Seconds before a cell's processes are killed and the cell is marked failed."""
 
     def __post_init__(self) -> None:
+        # Every name is checked before any cell runs: a typo fails at once, not after the matrix.
+        for name in self.strategies:
+            _strategies.resolve(name)
+        for name in self.precisions:
+            _precision.resolve(name)
+        for hook in self.comm_hooks:
+            if hook not in COMM_HOOKS:
+                raise ValueError(f"comm hook {hook!r} is unknown: use one of {', '.join(COMM_HOOKS)}")
+        if not self.strategies or not self.precisions:
+            raise ValueError("bench needs at least one strategy and one precision")
         if not self.world_sizes or any(w < 1 for w in self.world_sizes):
             raise ValueError(f"world sizes {self.world_sizes} must be positive integers")
         if self.epochs < 1:
@@ -202,16 +214,11 @@ def build_matrix(spec: BenchSpec, base: dict[str, Any], train_size: int) -> list
     batch = base_cfg.parallel.global_batch
     gpus = cuda_devices(base_cfg.parallel.accelerator)
     device = "cuda" if gpus else "cpu"
-    known = set(_strategies.STRATEGIES)
     cells: list[Cell] = []
     worlds = sorted(set(spec.world_sizes))
     multi = [w for w in worlds if w > 1]
 
-    for strategy in spec.strategies:
-        if strategy not in known:
-            reason = f"strategy {strategy!r} is not in this paratrain (known: {', '.join(sorted(known))})"
-            cells.append(Cell(strategy=strategy, world_size=max(worlds), global_batch=batch, skip=reason))
-            continue
+    for strategy in spec.strategies:  # known names: BenchSpec checked them
         # single/devices run in one process (world 1); dp is one process over N GPUs; the rest use N processes.
         one_process = _strategies.STRATEGIES[strategy].processes == "one" and strategy != "dp"
         sizes = [1] if one_process else multi
@@ -219,7 +226,7 @@ def build_matrix(spec: BenchSpec, base: dict[str, Any], train_size: int) -> list
             for precision in spec.precisions:
                 cells.append(Cell(strategy=strategy, world_size=w, precision=precision, global_batch=batch))
     for hook in spec.comm_hooks:
-        if hook != "none" and "ddp" in known:
+        if hook != "none":
             cells += [Cell(strategy="ddp", world_size=w, comm_hook=hook, global_batch=batch) for w in multi]
     if spec.nccl_cells and not gpus and "ddp" in spec.strategies:
         cells += [Cell(strategy="ddp", world_size=w, backend="nccl", global_batch=batch) for w in multi]

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
 import os
 
+from ..loop.logging import write_atomic
 from .matrix import BASELINE
 from .runner import BenchResult, CellResult, reference
 
@@ -123,17 +125,17 @@ def _overhead_lines(res: BenchResult) -> list[str]:
 def write_json(res: BenchResult, path: str) -> None:
     obj = {"meta": res.meta, "cells": [r.row() for r in res.results],
            "recommendation": None if res.recommendation is None else res.recommendation.cell.label}
-    with open(path, "w") as f:
-        json.dump(obj, f, indent=2, default=str)
+    write_atomic(path, json.dumps(obj, indent=2, default=str))
 
 
 def write_csv(res: BenchResult, path: str) -> None:
     rows = [r.row() for r in res.results]
     fields = list(rows[0]) if rows else ["label"]
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=fields)
-        writer.writeheader()
-        writer.writerows(rows)
+    out = io.StringIO(newline="")
+    writer = csv.DictWriter(out, fieldnames=fields)
+    writer.writeheader()
+    writer.writerows(rows)
+    write_atomic(path, out.getvalue())
 
 
 def write_chart(res: BenchResult, path: str) -> bool:
@@ -165,7 +167,9 @@ def write_chart(res: BenchResult, path: str) -> bool:
     fig.suptitle(f"paratrain bench: {m['model']} on {m['dataset']}, global batch {m['global_batch']}"
                  + (f" ({skipped} cell(s) not run: see the table)" if skipped else ""))
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=100)
+    write_atomic(path, png.getvalue())
     plt.close(fig)
     return True
 

@@ -93,11 +93,7 @@ def build_spec(args: argparse.Namespace) -> Any:
         changes["baseline"] = False
     if args.no_trap:
         changes["trap"] = False
-    from ..precision import resolve
-
-    for name in changes.get("precisions", []):
-        resolve(name)
-    return dataclasses.replace(spec, **changes)  # __post_init__ validates
+    return dataclasses.replace(spec, **changes)  # __post_init__ checks every name and value
 
 
 def main(args: argparse.Namespace) -> int:

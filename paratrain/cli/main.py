@@ -6,7 +6,7 @@ import argparse
 import importlib
 import os
 import sys
-from typing import Sequence
+from typing import NoReturn, Sequence
 
 from ..checkpoint.io import CheckpointError
 from ..env.process import UnavailableError
@@ -32,8 +32,15 @@ USER_ERRORS = (UsageError, ValueError, FileNotFoundError, NotADirectoryError, Is
                PermissionError, CheckpointError, UnavailableError)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with its errors in one line: the usage is one ``--help`` away."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="paratrain",
         allow_abbrev=False,
         description="Take a PyTorch training job from one device to N workers without changing its result.",

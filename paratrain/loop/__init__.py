@@ -1,7 +1,9 @@
 """The training loop (``fit``), its LR schedule and its logs."""
 
-from .fit import FitResult, fit
+from .fit import FitResult, fit, planned_steps
+from .guard import NonFiniteLossError
 from .logging import RunLogger, Throughput
 from .schedule import warmup_linear_scaling
 
-__all__ = ["fit", "FitResult", "RunLogger", "Throughput", "warmup_linear_scaling"]
+__all__ = ["fit", "FitResult", "planned_steps", "NonFiniteLossError", "RunLogger", "Throughput",
+           "warmup_linear_scaling"]

@@ -11,9 +11,10 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from ..parallel import Parallel
+from .guard import LossWindow
 from .logging import RunLogger, Throughput, progress
 
-__all__ = ["fit", "FitResult"]
+__all__ = ["fit", "FitResult", "planned_steps"]
 
 
 @dataclass
@@ -48,58 +49,80 @@ def fit(
     checkpoint_extra: dict[str, Any] | None = None,
     keep_checkpoints: int = 3,
     on_step: Callable[[Parallel], None] | None = None,
+    max_nonfinite_steps: int = 3,
 ) -> FitResult:
     """Train ``model`` (already ``pt.setup``) for ``epochs`` or ``max_steps`` optimizer steps.
 
     Continues from ``pt.global_step`` (so a resumed run picks up mid-epoch). Evaluates after
-    every epoch; logs loss, lr and throughput every ``log_every`` steps on the main process;
-    checkpoints to ``checkpoint_dir`` every ``checkpoint_every`` steps and at the end.
+    every epoch (once, if there is nothing left to train); logs loss, lr and throughput every
+    ``log_every`` steps on the main process; checkpoints to ``checkpoint_dir`` every
+    ``checkpoint_every`` steps and at the end, with the last logged loss (``extra["train_loss"]``).
+    A loss that is NaN/inf for ``max_nonfinite_steps`` steps in a row raises
+    :class:`~paratrain.loop.guard.NonFiniteLossError`, and no checkpoint is written after a NaN.
     """
     loader = pt.train_loader(train_set, transform=augment, **(loader_kwargs or {}))
     evaluator = pt.eval_loader(eval_set, transform=eval_transform) if eval_set is not None else None
     logger = logger or RunLogger(None)
-    total = min(epochs * loader.steps_per_epoch, max_steps or math.inf)
+    total = _total(loader.steps_per_epoch, epochs, max_steps)
     bar = progress(int(total - pt.global_step), pt.is_main_process and progress_bar, "train")
     meter, run, first_step = Throughput(), Throughput(), pt.global_step  # log window; whole call
-    window_start, result = first_step, FitResult(first_step, math.nan)
-    running = torch.zeros((), device=pt.device)  # summed on device: no host sync per step
-    while pt.global_step < total:
-        model.train()
-        for batch in run.timed(meter.timed(loader)):
-            loss = pt.training_step(model, batch, loss_fn)  # loss_fn(model(x), y); pt.backward(loss)
-            running += loss.detach()
-            optimizer.step()
-            if pt.micro_step:  # mid-accumulation: the global batch is not complete yet
-                continue
-            if scheduler is not None:
-                scheduler.step()
-            bar.update()
-            if checkpoint_dir and checkpoint_every and pt.global_step % checkpoint_every == 0:
-                pt.save_checkpoint(checkpoint_dir, model, optimizer, scheduler, checkpoint_extra, keep_checkpoints)
-            if on_step is not None:
-                on_step(pt)
-            if pt.global_step % log_every == 0 or pt.global_step >= total:
-                steps = pt.global_step - window_start
-                # One all-reduce per log line, on every rank alike (same step counts everywhere).
-                result.train_loss = pt.all_reduce_mean(running / (steps * pt.accumulation)).item()
-                record = {"step": pt.global_step, "loss": result.train_loss, "lr": optimizer.param_groups[0]["lr"],
-                          **meter.summary(steps * pt.plan.global_batch, steps),
-                          "loss_scale": pt.precision.loss_scale, "skipped_steps": pt.skipped_steps}
-                logger.log(record)
-                bar.set_postfix(loss=f"{result.train_loss:.4f}")
-                running.zero_()
-                meter.reset()
-                window_start = pt.global_step
-            if pt.global_step >= total:
-                break
-        if evaluator is not None:
-            with meter.paused(), run.paused():
-                result.eval = pt.evaluate(model, evaluator, loss_fn)
-                logger.log({"step": pt.global_step, **result.eval}, kind="eval")
-    bar.close()
-    done = pt.global_step - first_step  # throughput of this whole call, evaluation excluded
-    result.throughput = run.summary(done * pt.plan.global_batch, done)
-    if checkpoint_dir and not (checkpoint_every and pt.global_step % checkpoint_every == 0):
-        pt.save_checkpoint(checkpoint_dir, model, optimizer, scheduler, checkpoint_extra, keep_checkpoints)
+    result = FitResult(first_step, math.nan)
+    window = LossWindow(pt, log_every, max_nonfinite_steps, bool(checkpoint_dir))  # per-step losses on device: no host sync per step
+
+    def save() -> None:
+        if window.safe_to_save(model):
+            extra = {**(checkpoint_extra or {}), "train_loss": result.train_loss}
+            pt.save_checkpoint(checkpoint_dir, model, optimizer, scheduler, extra, keep_checkpoints)  # type: ignore[arg-type]
+
+    try:
+        while pt.global_step < total:
+            model.train()
+            for batch in run.timed(meter.timed(loader)):
+                window.add(pt.training_step(model, batch, loss_fn))  # loss_fn(model(x), y); pt.backward(loss)
+                optimizer.step()
+                if pt.micro_step:  # mid-accumulation: the global batch is not complete yet
+                    continue
+                if scheduler is not None:
+                    scheduler.step()
+                bar.update()
+                if pt.global_step % log_every == 0 or pt.global_step >= total:
+                    steps = pt.global_step - window.start
+                    result.train_loss = window.mean()  # one all-reduce per log line, on every rank alike
+                    record = {"step": pt.global_step, "loss": result.train_loss, "lr": optimizer.param_groups[0]["lr"],
+                              **meter.summary(steps * pt.plan.global_batch, steps),
+                              "loss_scale": pt.precision.loss_scale, "skipped_steps": pt.skipped_steps}
+                    logger.log(record)
+                    bar.set_postfix(loss=f"{result.train_loss:.4f}")
+                    meter.reset()
+                    window.check()  # NaN/inf for max_nonfinite_steps steps in a row: stop, after logging it
+                if checkpoint_dir and checkpoint_every and pt.global_step % checkpoint_every == 0:
+                    save()
+                if on_step is not None:
+                    on_step(pt)
+                if pt.global_step >= total:
+                    break
+            if evaluator is not None:
+                with meter.paused(), run.paused():
+                    result.eval = pt.evaluate(model, evaluator, loss_fn)
+                    logger.log({"step": pt.global_step, **result.eval}, kind="eval")
+        window.finish(model)  # the last loss and the weights are finite, or this raises
+        done = pt.global_step - first_step  # throughput of this whole call, evaluation excluded
+        result.throughput = run.summary(done * pt.plan.global_batch, done)
+        if evaluator is not None and not result.eval:  # resumed at the end: evaluate what is there
+            result.eval = pt.evaluate(model, evaluator, loss_fn)
+            logger.log({"step": pt.global_step, **result.eval}, kind="eval")
+        if checkpoint_dir and done and not (checkpoint_every and pt.global_step % checkpoint_every == 0):
+            save()
+    finally:
+        bar.close()
     result.steps, result.skipped_steps = pt.global_step, pt.skipped_steps
     return result
+
+
+def _total(steps_per_epoch: int, epochs: int, max_steps: int | None) -> int:
+    return min(epochs * steps_per_epoch, max_steps or epochs * steps_per_epoch)
+
+
+def planned_steps(pt: Parallel, train_set: Dataset, epochs: int = 1, max_steps: int | None = None) -> int:
+    """The global step at which ``fit`` with these arguments stops."""
+    return _total(pt.train_loader(train_set).steps_per_epoch, epochs, max_steps)

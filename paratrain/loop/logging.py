@@ -9,7 +9,7 @@ import os
 import time
 from typing import Any, Iterable, Iterator
 
-__all__ = ["RunLogger", "Throughput", "progress"]
+__all__ = ["RunLogger", "Throughput", "progress", "write_atomic"]
 
 
 class RunLogger:
@@ -58,11 +58,34 @@ class RunLogger:
             self._tb = None
 
     def write_json(self, name: str, obj: Any) -> None:
+        """Write ``obj`` as ``<log_dir>/<name>``, atomically: a reader or a crash sees the old file or the new one."""
         if self.enabled:
-            path = os.path.join(self.log_dir, name)  # type: ignore[arg-type]
-            with open(path + ".tmp", "w") as f:
-                json.dump(obj, f, indent=2)
-            os.replace(path + ".tmp", path)
+            write_atomic(os.path.join(self.log_dir, name), json.dumps(obj, indent=2))  # type: ignore[arg-type]
+
+
+def write_atomic(path: str | os.PathLike, text: str | bytes) -> None:
+    """Write ``text`` to a temporary file beside ``path``, fsync it, rename it over ``path`` and
+    fsync the folder: all or nothing, as checkpoints are written. A failed write removes its
+    temporary file."""
+    path = os.fspath(path)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    data = text.encode() if isinstance(text, str) else text
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+    with contextlib.suppress(OSError):  # some filesystems cannot fsync a folder
+        fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def _summary_writer(path: str) -> Any:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
 import os
 import signal
 import time
@@ -16,7 +18,7 @@ from ..data.augment import augment_for, eval_augment_for
 from ..data.datasets import build_dataset, dataset_info
 from ..models import build_model
 from ..parallel import Parallel
-from .fit import fit
+from .fit import fit, planned_steps
 from .logging import RunLogger
 from .schedule import warmup_linear_scaling
 
@@ -50,7 +52,18 @@ def run_training(cfg: TrainConfig) -> dict[str, Any]:
         train_set = build_dataset(d.dataset, True, d.data_dir, d.synthetic_size, cfg.parallel.seed)
         test_set = build_dataset(d.dataset, False, d.data_dir, d.synthetic_size, cfg.parallel.seed)
         model, optimizer, scheduler = setup_task(pt, cfg)
-        resumed = _maybe_resume(pt, cfg, model, optimizer, scheduler)
+        resumed, extra = _maybe_resume(pt, cfg, model, optimizer, scheduler)
+        if resumed is not None and resumed >= planned_steps(pt, train_set, cfg.epochs, cfg.max_steps):
+            kept = _finished_result(cfg.log_dir, resumed) if pt.is_main_process else None
+            if _rank0_says(pt, kept is not None):  # nothing to train and the result is there: leave every file as it is
+                pt.print(f"paratrain: this run already finished at step {resumed}; "
+                         f"{os.path.join(cfg.log_dir, 'result.json')} is kept as it is "  # type: ignore[arg-type]
+                         "(raise --epochs or --max-steps to train on)")
+                pt.close()
+                return kept or {}
+        if resumed is not None:
+            pt.print(f"paratrain: resumed from step {resumed} in {cfg.checkpoint_dir}"
+                     + (f" (restart {_restarts()})" if _restarts() else ""))
         logger = RunLogger(cfg.log_dir, enabled=pt.is_main_process, append=resumed is not None,
                            tensorboard=cfg.tensorboard)
         pt.print(f"paratrain: {cfg.parallel.strategy} on {pt.world_size} process(es), {pt.device}, "
@@ -64,13 +77,18 @@ def run_training(cfg: TrainConfig) -> dict[str, Any]:
                      eval_transform=_eval_transform(d.dataset), logger=logger, log_every=cfg.log_every,
                      progress_bar=cfg.progress, loader_kwargs=loader_kwargs, checkpoint_dir=cfg.checkpoint_dir,
                      checkpoint_every=cfg.checkpoint_every, checkpoint_extra={"config": dataclasses.asdict(cfg)},
-                     keep_checkpoints=cfg.keep_checkpoints, on_step=_fault_injection())
+                     keep_checkpoints=cfg.keep_checkpoints, on_step=_fault_injection(),
+                     max_nonfinite_steps=cfg.max_nonfinite_steps)
+        train_loss = result.train_loss
+        if result.steps == resumed:  # restarted after the last checkpoint: its logged loss is the run's
+            logged = (extra or {}).get("train_loss")
+            train_loss = float(logged) if isinstance(logged, (int, float)) else math.nan
         summary = {
             "config": dataclasses.asdict(cfg),
             "world_size": pt.world_size,
             "resumed_from_step": resumed,
             "steps": result.steps,
-            "train_loss": result.train_loss,
+            "train_loss": train_loss if math.isfinite(train_loss) else None,
             "test_loss": result.eval.get("loss"),
             "test_accuracy": result.eval.get("accuracy"),
             "test_count": result.eval.get("count"),
@@ -81,7 +99,7 @@ def run_training(cfg: TrainConfig) -> dict[str, Any]:
         }
         logger.write_json("result.json", summary)
         logger.close()
-        pt.print(f"finished {result.steps} steps in {summary['seconds']:.1f}s: train loss {result.train_loss:.4f}, "
+        pt.print(f"finished {result.steps} steps in {summary['seconds']:.1f}s: train loss {train_loss:.4f}, "
                  f"test accuracy {100 * (summary['test_accuracy'] or 0):.2f}% on {summary['test_count']} samples"
                  + (f", {result.skipped_steps} fp16 overflow steps skipped" if result.skipped_steps else ""))
     except BaseException:
@@ -91,31 +109,55 @@ def run_training(cfg: TrainConfig) -> dict[str, Any]:
     return summary
 
 
-def _maybe_resume(pt: Parallel, cfg: TrainConfig, model: Any, optimizer: Any, scheduler: Any) -> int | None:
-    """Load the newest good checkpoint when asked to, or automatically after torchrun restarted us.
+def _rank0_says(pt: Parallel, flag: bool) -> bool:
+    """Rank 0's ``flag`` on every rank (a collective): what only rank 0 read decides for all."""
+    value = torch.tensor([float(flag and pt.is_main_process)], device=pt.device)
+    return bool(pt.strategy.all_reduce_max(value).item())
+
+
+def _finished_result(log_dir: str | None, step: int) -> dict[str, Any] | None:
+    """The complete result.json of a run that ended at ``step``, or None (missing, damaged, another step)."""
+    if log_dir is None:
+        return None
+    try:
+        with open(os.path.join(log_dir, "result.json")) as f:
+            result = json.load(f)
+    except (OSError, ValueError):
+        return None
+    complete = isinstance(result, dict) and result.get("steps") == step and result.get("test_accuracy") is not None
+    return result if complete else None
+
+
+def _maybe_resume(pt: Parallel, cfg: TrainConfig, model: Any, optimizer: Any,
+                  scheduler: Any) -> tuple[int | None, dict[str, Any] | None]:
+    """Load the newest good checkpoint when asked to, or automatically after torchrun restarted us;
+    returns the step resumed from (None: starting at step 0) and the checkpoint's ``extra``.
 
     Checkpoints that are all bad are an error (CheckpointError), never a silent start from
     scratch. No checkpoint at all is an error for ``--resume``; after a restart it means the
     group failed before its first checkpoint, and training starts over from step 0."""
-    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    restarted = _restarts() > 0
     if not (cfg.resume or restarted) or cfg.checkpoint_dir is None:
-        return None
-    if not os.path.isdir(cfg.checkpoint_dir) or pt.load_checkpoint(cfg.checkpoint_dir, model, optimizer,
-                                                                    scheduler) is None:
+        return None, None
+    extra = pt.load_checkpoint(cfg.checkpoint_dir, model, optimizer, scheduler) if os.path.isdir(cfg.checkpoint_dir) else None
+    if extra is None:
         if not restarted:
             raise CheckpointError(f"--resume: no checkpoint in {cfg.checkpoint_dir!r}; run without --resume to "
                                   "start from step 0")
         pt.print(f"paratrain: no checkpoint in {cfg.checkpoint_dir} yet, starting from step 0")
-        return None
-    pt.print(f"paratrain: resumed from step {pt.global_step} in {cfg.checkpoint_dir}"
-             + (f" (restart {os.environ['TORCHELASTIC_RESTART_COUNT']})" if restarted else ""))
-    return pt.global_step
+        return None, None
+    return pt.global_step, extra
+
+
+def _restarts() -> int:
+    """How often torchrun has restarted this worker group (0: first attempt)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
 def _fault_injection() -> Any:
     """Test hook: ``PARATRAIN_TEST_KILL_AT=rank:step`` SIGKILLs that rank at that step, first attempt only."""
     spec = os.environ.get("PARATRAIN_TEST_KILL_AT")
-    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+    if not spec or _restarts():
         return None
     rank, step = (int(v) for v in spec.split(":"))
 
