@@ -146,16 +146,19 @@ def test_micro_batches_train_like_a_plain_loop(micro_batches):
     plain = make_model64()
     train64(plain)
     states = {}
-    for k in (1, micro_batches):
+    # micro_batches=1 (the parts one after another), k pipelined forward and backward, and k with
+    # the backward left to the autograd engine (what CUDA parts get)
+    for k, pipelined_backward in ((1, True), (micro_batches, True), (micro_batches, False)):
         model = make_model64()
         split = strategy(devices=["cpu"] * 3, split_points=["1", "3"], micro_batches=k).setup_model(model)
+        split.pipelined_backward = pipelined_backward
         assert split.micro_batches == k
         train64(split)
-        states[k] = model.state_dict()
+        states[(k, pipelined_backward)] = model.state_dict()
     for key, ref in plain.state_dict().items():
         for k, state in states.items():
             err = ((state[key] - ref).norm() / ref.norm()).item()
-            assert err <= 1e-10, f"micro_batches={k} {key}: relative error {err:.2e}"
+            assert err <= 1e-10, f"micro_batches, pipelined backward = {k}, {key}: relative error {err:.2e}"
 
 
 def test_micro_batches_input_gradient_eval_and_single_backward():

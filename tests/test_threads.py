@@ -250,3 +250,28 @@ def test_configure_threads(monkeypatch, capsys):
     finally:
         torch.set_num_threads(before)
         threads._reset_pool()
+
+
+@pytest.mark.parametrize("script, argv, expect", [
+    ("examples/fork_seed.py", [], ["seed:       tensor(100) tensor(400)", "paratrain:  tensor(100) tensor(400)",
+                                   "torch.jit.fork from Python ran in the caller: True",
+                                   "paratrain.fork ran in another thread:        True"]),
+    ("examples/fork_towers.py", ["--steps", "3", "--tokens", "64", "--hidden", "64", "--d", "32", "--experts", "3"],
+     ["sequential: loss", "fork_map  : loss", "largest weight difference between the two runs"]),
+])
+def test_examples_run(script, argv, expect, monkeypatch, capsys):
+    import os
+    import runpy
+
+    threads_before = torch.get_num_threads()
+    monkeypatch.setattr("sys.argv", [script, *argv])
+    try:
+        runpy.run_path(os.path.join(os.path.dirname(__file__), "..", script), run_name="__main__")
+    finally:
+        torch.set_num_threads(threads_before)
+    out = capsys.readouterr().out
+    for line in expect:
+        assert line in out, out
+    if "fork_towers" in script:  # same weights whether the experts ran at once or one after another
+        diff = float(out.rsplit("runs: ", 1)[1].split()[0])
+        assert diff < 1e-5, out

@@ -87,6 +87,9 @@ class DeviceSplit(nn.Module):
     ``micro_batches > 1`` the batch is cut into that many chunks, pipelined over the parts."""
 
     original: nn.Module
+    pipelined_backward: bool = True
+    """With micro-batches on CPU parts: pipeline backward too. False: pipeline forward only and leave
+    backward to the autograd engine (what CUDA parts get); ``benchmarks/threads.py`` compares them."""
 
     def __init__(self, parts: Sequence[nn.Module], devices: list[torch.device], output_device: torch.device,
                  original: nn.Module, micro_batches: int = 1) -> None:
@@ -109,7 +112,8 @@ class DeviceSplit(nn.Module):
                 x = part(x.to(device))
             return x.to(self.output_device)
         params = [[p for p in part.parameters() if p.requires_grad] for part in self.parts]
-        if torch.is_grad_enabled() and (x.requires_grad or any(params)) and all(d.type == "cpu" for d in self.devices):
+        if (self.pipelined_backward and torch.is_grad_enabled() and (x.requires_grad or any(params))
+                and all(d.type == "cpu" for d in self.devices)):
             return _PipelinedParts.apply(self, chunks, params, x, *[p for ps in params for p in ps])
         outs = _pipeline_forward(self, x.tensor_split(chunks))
         return torch.cat([o.to(self.output_device) for o in outs])
