@@ -16,6 +16,7 @@ from .env import (
 from .config import DataConfig, OptimConfig, ParallelConfig, TrainConfig
 from .launch.spawn import launch
 from .parallel import Parallel, ParallelOptimizer, ParallelScheduler
+from .threads import configure_threads, fork, fork_map, wait
 
 __version__ = "0.1.0"
 
@@ -23,4 +24,5 @@ __all__ = [
     "Parallel", "ParallelOptimizer", "ParallelScheduler", "ParallelConfig", "TrainConfig", "DataConfig", "OptimConfig",
     "launch", "init", "destroy", "barrier", "rank", "world_size", "local_rank",
     "is_main_process", "print_once", "save_on_main", "main_process_first", "seed_everything",
+    "fork", "wait", "fork_map", "configure_threads",
 ]

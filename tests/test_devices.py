@@ -92,3 +92,89 @@ def test_bad_options():
     with pytest.raises(ValueError, match="runs in one process, but 2 were asked for"):
         DevicesStrategy(Dist(ProcessInfo(rank=0, world_size=2), torch.device("cpu"), "gloo"))
     assert ParallelConfig(strategy="devices", devices={"devices": ["cpu", "cpu"]}).devices.devices == ["cpu", "cpu"]
+
+
+# --- micro-batch pipelining (GPipe in one process) ---------------------------------------------
+
+from paratrain.strategies.devices import _clock  # noqa: E402
+
+
+def make_model64():
+    torch.manual_seed(SEED)
+    # In-place ReLUs at the cuts: a part's first layer gets a tensor it may overwrite, as unpipelined.
+    return nn.Sequential(nn.Linear(12, 16), nn.ReLU(inplace=True), nn.Linear(16, 16), nn.ReLU(inplace=True),
+                         nn.Linear(16, 4)).double()
+
+
+def train64(model, steps=6):
+    """A plain PyTorch loop in float64 (the reference when ``model`` is the plain model)."""
+    x, y = make_data()
+    x = x.double()
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    perm = torch.randperm(N, generator=torch.Generator().manual_seed(SEED))
+    for s in range(steps):
+        i = perm[s * GLOBAL_BATCH:(s + 1) * GLOBAL_BATCH]
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x[i]), y[i]).backward()
+        opt.step()
+
+
+def test_clock_ticks_are_gpipes():
+    assert _clock(2, 4) == [[(0, 0)], [(0, 1), (1, 0)], [(0, 2), (1, 1)], [(0, 3), (1, 2)], [(1, 3)]]
+    assert _clock(2, 3, reverse=True) == [[(1, 0)], [(1, 1), (0, 0)], [(1, 2), (0, 1)], [(0, 2)]]
+    assert sum(len(t) for t in _clock(3, 5)) == 15 and len(_clock(3, 5)) == 7
+
+
+@pytest.mark.parametrize("micro_batches", [4, 3, 32])  # even chunks, uneven (6, 5, 5), more than the batch
+def test_micro_batches_train_like_a_plain_loop(micro_batches):
+    plain = make_model64()
+    train64(plain)
+    states = {}
+    # micro_batches=1 (the parts one after another), k pipelined forward and backward, and k with
+    # the backward left to the autograd engine (what CUDA parts get)
+    for k, pipelined_backward in ((1, True), (micro_batches, True), (micro_batches, False)):
+        model = make_model64()
+        split = strategy(devices=["cpu"] * 3, split_points=["1", "3"], micro_batches=k).setup_model(model)
+        split.pipelined_backward = pipelined_backward
+        assert split.micro_batches == k
+        train64(split)
+        states[(k, pipelined_backward)] = model.state_dict()
+    for key, ref in plain.state_dict().items():
+        for k, state in states.items():
+            err = ((state[key] - ref).norm() / ref.norm()).item()
+            assert err <= 1e-10, f"micro_batches, pipelined backward = {k}, {key}: relative error {err:.2e}"
+
+
+def test_micro_batches_input_gradient_eval_and_single_backward():
+    model = make_model64()
+    split = strategy(micro_batches=4).setup_model(model)
+    x = torch.randn(10, 12, dtype=torch.float64, requires_grad=True)
+    out = split(x)
+    assert type(out.grad_fn).__name__ == "_PipelinedPartsBackward"  # CPU parts: the pipelined backward
+    out.pow(2).sum().backward(retain_graph=True)
+    grads = [p.grad.clone() for p in split.parameters()]
+    x_ref = x.detach().clone().requires_grad_()
+    model.zero_grad()
+    model(x_ref).pow(2).sum().backward()
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-12, atol=1e-14)
+    for g, p in zip(grads, split.parameters()):
+        torch.testing.assert_close(g, p.grad, rtol=1e-12, atol=1e-14)
+    with pytest.raises(RuntimeError, match="backward through one pipelined forward runs once"):
+        out.sum().backward()
+    with torch.no_grad():  # evaluation: pipelined forward, no autograd function
+        torch.testing.assert_close(split(x), model(x), rtol=1e-12, atol=1e-14)
+    frozen = strategy(micro_batches=4).setup_model(make_model64().requires_grad_(False))
+    assert frozen(x.detach()).grad_fn is None  # nothing to differentiate: a plain pipelined forward
+
+
+def test_micro_batches_options_and_warnings():
+    for bad in (0, -2, "4", True):
+        with pytest.raises(ValueError, match="micro_batches .* must be an integer of at least 1"):
+            DevicesOptions(micro_batches=bad)
+    assert ParallelConfig(strategy="devices", devices={"micro_batches": "4"}).devices.micro_batches == 4  # --set
+    bn = nn.Sequential(nn.Linear(12, 8), nn.BatchNorm1d(8), nn.Dropout(0.1), nn.Linear(8, 4))
+    with pytest.warns(UserWarning) as caught:
+        strategy(micro_batches=2).setup_model(bn)
+    said = " | ".join(str(w.message) for w in caught)
+    assert "BatchNorm normalises each micro-batch on its own" in said and "dropout masks depend on" not in said
+    assert "draw their dropout masks from one generator in several threads" in said

@@ -1,0 +1,403 @@
+"""Threads inside one process: what overlaps, measured.
+
+What it measures
+    (a) Independent branches, one intra-op thread per branch (``torch.set_num_threads(1)``, 2
+        inter-op threads), forward pass and training step (zero_grad + forward + backward):
+
+        * the seed's example, ``compute(x) = x * x`` forked twice, on a scalar (the seed's own
+          shapes: what a fork costs) and on 1024x1024 matrices with ``x @ x`` (a heavier variant);
+        * a two-tower model (two 3-layer MLPs, 512 -> 1024 -> 1024 -> 256, batch 128, a linear
+          head on both outputs).
+
+        Variants: ``sequential`` (one branch after the other), ``eager jit.fork``
+        (``torch.jit.fork`` called from Python: torch runs the function before returning, so
+        ~1.0x is expected), ``scripted sequential`` and ``scripted jit.fork`` (the model under
+        ``torch.jit.script``, with the forks inside TorchScript: the inter-op pool), ``fork_map``
+        (paratrain, Python threads) and ``fork_map scripted`` (paratrain on scripted branches: its
+        TorchScript launcher). Speed-ups are against ``sequential``, or against ``scripted
+        sequential`` for the scripted variants (TorchScript changes the step time by itself).
+    (b) ``devices`` on two CPU parts (an 8-layer MLP of width 1024, batch 256, cut in the middle),
+        per training step: ``micro_batches=1`` (the parts one after another) against
+        ``micro_batches=4`` pipelined (forward and backward), pipelined forward with the autograd
+        engine's backward (``pipelined_backward=False``: what shows that one backward call runs
+        the CPU nodes one at a time), and the 4 chunks run one after another (what chunking alone
+        costs). Forward-only times (``torch.no_grad``) too.
+    (c) The same shapes with intra-op threading instead: one branch (or the whole split) at a
+        time with 2 intra-op threads, so that inter-op (branches) and intra-op (kernels) can be
+        compared for each shape.
+
+How
+    Each group's variants run in blocks of ``--reps`` calls, interleaved A B C ... then ... C B A
+    (ABBA) for ``--runs`` runs, after 3 untimed warm-up calls each (TorchScript's profiling
+    runs). A block's time is the median of its calls; a variant's time is the median over runs;
+    the speed-up is the median of the per-run paired ratios, with their range. ``cores busy`` is
+    the process CPU time over wall time during the variant's blocks: near 2 when two branches ran
+    at once on 2 cores, near 1 when they did not, lower when other jobs took the cores. The load
+    average is printed before and after: on a shared machine, read the speed-ups alongside it.
+
+Usage::
+
+    python benchmarks/threads.py [--runs 6] [--reps 5] [--only a|b|c]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import platform
+import statistics
+import sys
+import time
+import warnings
+from typing import Callable
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+import torch  # noqa: E402
+from torch import Tensor, nn  # noqa: E402
+
+import paratrain  # noqa: E402
+import paratrain.strategies.devices as devices_mod  # noqa: E402
+from paratrain.env.base import ProcessInfo  # noqa: E402
+from paratrain.env.process import Dist  # noqa: E402
+from paratrain.strategies.devices import DevicesOptions, DevicesStrategy  # noqa: E402
+
+warnings.simplefilter("ignore", DeprecationWarning)  # torch 2.13 deprecates torch.jit.script/fork/wait
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), platform.machine())
+    except OSError:
+        return platform.machine()
+
+
+def load() -> str:
+    return "/".join(f"{v:.2f}" for v in os.getloadavg())
+
+
+# --- measurement -------------------------------------------------------------------------------
+
+def block(fn: Callable[[], object], reps: int) -> tuple[float, float, float]:
+    """(median seconds per call, wall seconds, CPU seconds) over ``reps`` calls."""
+    times = []
+    w0, c0 = time.perf_counter(), time.process_time()
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), time.perf_counter() - w0, time.process_time() - c0
+
+
+def abba(title: str, variants: dict[str, Callable[[], object]], baselines: dict[str, str], runs: int, reps: int,
+         setups: dict[str, Callable[[], None]] | None = None) -> dict[str, float]:
+    """Time ``variants`` interleaved ABBA; print one line each; return the median seconds per call."""
+    setups = setups or {}
+    names = list(variants)
+    for name in names:
+        setups.get(name, lambda: None)()
+        for _ in range(3):
+            variants[name]()
+    per_run: dict[str, list[float]] = {n: [] for n in names}
+    wall = dict.fromkeys(names, 0.0)
+    cpu = dict.fromkeys(names, 0.0)
+    for r in range(runs):
+        for name in names if r % 2 == 0 else names[::-1]:
+            setups.get(name, lambda: None)()
+            med, w, c = block(variants[name], reps)
+            per_run[name].append(med)
+            wall[name] += w
+            cpu[name] += c
+    print(f"\n{title}")
+    print(f"  {'variant':34s} {'ms/call':>9s} {'speed-up':>9s} {'(range)':>13s} {'vs':>22s} {'cores busy':>10s}")
+    out = {}
+    for name in names:
+        t = statistics.median(per_run[name])
+        out[name] = t
+        base = baselines.get(name)
+        if base is None or base == name:
+            sp, rng, vs = "1.00x", "", ""
+        else:
+            ratios = [b / v for b, v in zip(per_run[base], per_run[name])]
+            sp = f"{statistics.median(ratios):.2f}x"
+            rng = f"({min(ratios):.2f}-{max(ratios):.2f})"
+            vs = base
+        print(f"  {name:34s} {t * 1e3:9.2f} {sp:>9s} {rng:>13s} {vs:>22s} {cpu[name] / wall[name]:10.2f}")
+    return out
+
+
+def with_threads(n: int) -> Callable[[], None]:
+    return lambda: torch.set_num_threads(n)
+
+
+# --- (a) independent branches ------------------------------------------------------------------
+
+@torch.jit.script
+def compute(x: Tensor) -> Tensor:  # the seed's function
+    return x * x
+
+
+@torch.jit.script
+def compute_heavy(x: Tensor) -> Tensor:  # a heavier variant: a matmul instead of an elementwise product
+    return x @ x
+
+
+def compute_eager(x: Tensor) -> Tensor:
+    return x * x
+
+
+def compute_heavy_eager(x: Tensor) -> Tensor:
+    return x @ x
+
+
+def seed_variants(scripted: torch.jit.ScriptFunction, eager: Callable[[Tensor], Tensor], a: Tensor, b: Tensor,
+                  ) -> dict[str, Callable[[], object]]:
+    def both_scripted(x: Tensor, y: Tensor) -> Tensor:
+        f1 = torch.jit.fork(scripted, x)
+        f2 = torch.jit.fork(scripted, y)
+        return torch.jit.wait(f1) + torch.jit.wait(f2)
+
+    def seq_scripted(x: Tensor, y: Tensor) -> Tensor:
+        return scripted(x) + scripted(y)
+
+    both_s, seq_s = torch.jit.script(both_scripted), torch.jit.script(seq_scripted)
+    return {
+        "sequential": lambda: eager(a) + eager(b),
+        "eager jit.fork": lambda: torch.jit.wait(torch.jit.fork(eager, a)) + torch.jit.wait(torch.jit.fork(eager, b)),
+        "paratrain.fork (threads)": lambda: paratrain.wait(paratrain.fork(eager, a)) + eager(b),
+        "fork_map (threads)": lambda: sum(paratrain.fork_map(eager, [a, b])),
+        "scripted sequential": lambda: seq_s(a, b),
+        "scripted jit.fork": lambda: both_s(a, b),
+        "fork_map scripted (jit launcher)": lambda: sum(paratrain.fork_map(scripted, [a, b])),
+    }
+
+
+SEED_BASE = {"eager jit.fork": "sequential", "paratrain.fork (threads)": "sequential",
+             "fork_map (threads)": "sequential", "scripted jit.fork": "scripted sequential",
+             "fork_map scripted (jit launcher)": "scripted sequential"}
+
+
+def tower() -> nn.Module:
+    return nn.Sequential(nn.Linear(512, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 256))
+
+
+class TwoTower(nn.Module):
+    """Two towers on the same input (or one input each), a linear head on both outputs."""
+
+    def __init__(self, mode: str = "sequential") -> None:
+        super().__init__()
+        self.a, self.b = tower(), tower()
+        self.head = nn.Linear(512, 10)
+        self.mode = mode
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.mode == "eager jit.fork":
+            fut = torch.jit.fork(self.a, x)
+            hb = self.b(x)
+            ha = torch.jit.wait(fut)
+        elif self.mode == "fork_map":
+            ha, hb = paratrain.fork_map([self.a, self.b], [x, x])
+        else:
+            ha, hb = self.a(x), self.b(x)
+        return self.head(torch.cat([ha, hb], dim=1))
+
+
+class ScriptedTwoTower(nn.Module):
+    """The TorchScript way: the fork is inside the scripted forward."""
+
+    def __init__(self, src: TwoTower, fork: bool) -> None:
+        super().__init__()
+        self.a, self.b, self.head = src.a, src.b, src.head
+        self.fork = fork
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.fork:
+            fut = torch.jit.fork(self.a, x)
+            hb = self.b(x)
+            ha = torch.jit.wait(fut)
+        else:
+            ha, hb = self.a(x), self.b(x)
+        return self.head(torch.cat([ha, hb], dim=1))
+
+
+class ForkMapScriptedTowers(nn.Module):
+    def __init__(self, src: TwoTower) -> None:
+        super().__init__()
+        self.a, self.b = torch.jit.script(src.a), torch.jit.script(src.b)
+        self.head = src.head
+
+    def forward(self, x: Tensor) -> Tensor:
+        ha, hb = paratrain.fork_map([self.a, self.b], [x, x])
+        return self.head(torch.cat([ha, hb], dim=1))
+
+
+def tower_models() -> dict[str, nn.Module]:
+    torch.manual_seed(0)
+    base = TwoTower()
+    models: dict[str, nn.Module] = {}
+    for mode in ("sequential", "eager jit.fork", "fork_map"):
+        m = TwoTower(mode)
+        m.load_state_dict(base.state_dict())
+        models[mode] = m
+    models["scripted sequential"] = torch.jit.script(ScriptedTwoTower(models["sequential"], fork=False))
+    models["scripted jit.fork"] = torch.jit.script(ScriptedTwoTower(models["sequential"], fork=True))
+    models["fork_map scripted (jit launcher)"] = ForkMapScriptedTowers(models["sequential"])
+    return models
+
+
+def train_step(model: nn.Module, x: Tensor, y: Tensor) -> Callable[[], object]:
+    def step() -> None:
+        model.zero_grad(set_to_none=True)
+        nn.functional.cross_entropy(model(x), y).backward()
+    return step
+
+
+def no_grad(fn: Callable[[Tensor], Tensor], x: Tensor) -> Callable[[], object]:
+    def call() -> object:
+        with torch.no_grad():
+            return fn(x)
+    return call
+
+
+TOWER_BASE = {"eager jit.fork": "sequential", "fork_map": "sequential", "scripted jit.fork": "scripted sequential",
+              "fork_map scripted (jit launcher)": "scripted sequential"}
+
+
+def part_a(runs: int, reps: int) -> None:
+    print("\n(a) independent branches, 1 intra-op thread per branch")
+    s1, s2 = torch.tensor(10.0), torch.tensor(20.0)
+    abba("seed: compute(x) = x * x on two scalars, forked twice", seed_variants(compute, compute_eager, s1, s2),
+         SEED_BASE, runs, max(reps, 200))
+    g = torch.Generator().manual_seed(0)
+    m1, m2 = torch.randn(1024, 1024, generator=g) / 32, torch.randn(1024, 1024, generator=g) / 32
+    abba("seed, heavier: compute(x) = x @ x on two 1024x1024 matrices",
+         seed_variants(compute_heavy, compute_heavy_eager, m1, m2), SEED_BASE, runs, reps)
+    models = tower_models()
+    x = torch.randn(128, 512, generator=g)
+    y = torch.randint(0, 10, (128,), generator=g)
+    abba("two towers, forward (no_grad), batch 128", {n: no_grad(m, x) for n, m in models.items()},
+         TOWER_BASE, runs, reps)
+    abba("two towers, training step (forward + backward), batch 128",
+         {n: train_step(m, x, y) for n, m in models.items()}, TOWER_BASE, runs, reps)
+
+
+# --- (b) devices, pipelined ---------------------------------------------------------------------
+
+def mlp8() -> nn.Sequential:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(8):
+        layers += [nn.Linear(1024, 1024), nn.ReLU()]
+    layers.append(nn.Linear(1024, 10))
+    return nn.Sequential(*layers)
+
+
+def split(micro_batches: int, pipelined_backward: bool = True, sequential_chunks: bool = False) -> nn.Module:
+    strategy = DevicesStrategy(Dist(ProcessInfo(), torch.device("cpu"), None),
+                               options=DevicesOptions(devices=["cpu", "cpu"], split_points=["8"],
+                                                      micro_batches=micro_batches))
+    model = strategy.setup_model(mlp8())
+    model.pipelined_backward = pipelined_backward
+    if sequential_chunks:
+        model.forward = _sequential_chunks(model)  # type: ignore[method-assign]
+    return model
+
+
+def _sequential_chunks(model: nn.Module) -> Callable[[Tensor], Tensor]:
+    """The same chunked, pipelined schedule with the ticks' tasks run one after another."""
+    forward = model.forward
+
+    def run(x: Tensor) -> Tensor:
+        saved = devices_mod.fork_map
+        devices_mod.fork_map = functools.partial(paratrain.fork_map, backend="sequential")
+        try:
+            return forward(x)
+        finally:
+            devices_mod.fork_map = saved
+    return run
+
+
+def devices_models() -> dict[str, nn.Module]:
+    return {
+        "micro_batches=1": split(1),
+        "micro_batches=4 pipelined": split(4),
+        "k=4, engine backward": split(4, pipelined_backward=False),
+        "k=4, chunks one at a time": split(4, sequential_chunks=True),
+    }
+
+
+DEVICES_BASE = {n: "micro_batches=1" for n in devices_models()}
+
+
+def part_b(runs: int, reps: int) -> None:
+    print("\n(b) devices on two CPU parts (8 x Linear(1024, 1024), cut in the middle), batch 256, "
+          "1 intra-op thread per part")
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(256, 1024, generator=g)
+    y = torch.randint(0, 10, (256,), generator=g)
+    models = devices_models()
+    abba("devices, training step (forward + backward)", {n: train_step(m, x, y) for n, m in models.items()},
+         DEVICES_BASE, runs, reps)
+    fwd = {n: no_grad(m, x) for n, m in models.items() if n in ("micro_batches=1", "micro_batches=4 pipelined",
+                                                                 "k=4, chunks one at a time")}
+    abba("devices, forward only (no_grad)", fwd, DEVICES_BASE, runs, reps)
+
+
+# --- (c) intra-op threads instead ---------------------------------------------------------------
+
+def part_c(runs: int, reps: int) -> None:
+    print("\n(c) the same shapes with intra-op threads: one branch at a time, 2 threads per kernel")
+    g = torch.Generator().manual_seed(0)
+    m1, m2 = torch.randn(1024, 1024, generator=g) / 32, torch.randn(1024, 1024, generator=g) / 32
+    heavy = {"sequential, 1 thread": lambda: m1 @ m1 + m2 @ m2,
+             "sequential, 2 intra-op threads": lambda: m1 @ m1 + m2 @ m2,
+             "fork_map, 1 thread per branch": lambda: sum(paratrain.fork_map(compute_heavy_eager, [m1, m2]))}
+    setups = {"sequential, 1 thread": with_threads(1), "sequential, 2 intra-op threads": with_threads(2),
+              "fork_map, 1 thread per branch": with_threads(1)}
+    base = {n: "sequential, 1 thread" for n in heavy}
+    abba("seed, heavier: x @ x on two 1024x1024 matrices", heavy, base, runs, reps, dict(setups))
+    models = tower_models()
+    x = torch.randn(128, 512, generator=g)
+    y = torch.randint(0, 10, (128,), generator=g)
+    seq, fm = models["sequential"], models["fork_map"]
+    abba("two towers, training step", {"sequential, 1 thread": train_step(seq, x, y),
+                                       "sequential, 2 intra-op threads": train_step(seq, x, y),
+                                       "fork_map, 1 thread per branch": train_step(fm, x, y)},
+         base, runs, reps, dict(setups))
+    xb = torch.randn(256, 1024, generator=g)
+    yb = torch.randint(0, 10, (256,), generator=g)
+    one, piped = split(1), split(4)
+    abba("devices (two CPU parts), training step, batch 256",
+         {"sequential, 1 thread": train_step(one, xb, yb), "sequential, 2 intra-op threads": train_step(one, xb, yb),
+          "fork_map, 1 thread per branch": train_step(piped, xb, yb)},
+         base, runs, reps, dict(setups))
+    print("  (fork_map here = micro_batches=4 pipelined)")
+    torch.set_num_threads(1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--runs", type=int, default=6, help="ABBA runs per group (default 6; at least 5)")
+    p.add_argument("--reps", type=int, default=5, help="calls per block (default 5)")
+    p.add_argument("--only", choices=["a", "b", "c"], help="one part only")
+    args = p.parse_args(argv)
+    settings = paratrain.configure_threads(1, branches=2, verbose=False)
+    print(f"hardware: {cpu_model()}, {settings.cores} usable cores; torch {torch.__version__}; "
+          f"python {platform.python_version()}")
+    print(f"threads: {torch.get_num_threads()} intra-op, {torch.get_num_interop_threads()} inter-op "
+          f"(paratrain.configure_threads(1, branches=2)); {args.runs} ABBA runs x {args.reps} calls per variant")
+    print(f"load average (1/5/15 min) before: {load()}   -- a shared machine: other jobs take cores too")
+    t0 = time.perf_counter()
+    for name, part in (("a", part_a), ("b", part_b), ("c", part_c)):
+        if args.only in (None, name):
+            part(args.runs, args.reps)
+    print(f"\nload average after: {load()}; {time.perf_counter() - t0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
