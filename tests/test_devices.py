@@ -98,6 +98,12 @@ def test_bad_options():
 
 from paratrain.strategies.devices import _clock  # noqa: E402
 
+N, GLOBAL_BATCH, SEED, LR = 96, 16, 4, 0.05  # the float64 micro-batch cases: 6 steps of PROBLEM's data
+
+
+def make_data():
+    return teacher_data(N, (12,), seed=321)
+
 
 def make_model64():
     torch.manual_seed(SEED)
