@@ -142,7 +142,9 @@ class DataConfig:
         if self.dataset == "cifar10" and self.data_dir is None:
             raise ValueError("dataset cifar10 needs --data-dir: the folder holding cifar-10-batches-py")
         if self.dataset == "cifar10" and not os.path.isdir(self.data_dir):  # type: ignore[arg-type]
-            raise FileNotFoundError(f"data_dir {self.data_dir!r} does not exist: point --data-dir at the folder holding cifar-10-batches-py")
+            what = "is a file, not a folder" if os.path.exists(self.data_dir) else "does not exist"  # type: ignore[arg-type]
+            raise FileNotFoundError(f"data_dir {self.data_dir!r} {what}: point --data-dir at the folder holding "
+                                    "cifar-10-batches-py")
 
 
 @dataclass(kw_only=True)
@@ -230,6 +232,9 @@ class TrainConfig:
 
 def _coerce(value: Any, tp: Any, where: str) -> Any:
     """Convert ``value`` (possibly a command-line string) to the annotated type ``tp``."""
+    if tp in (str, int, float, bool) and isinstance(value, (Mapping, list)):  # `[model]` table, --set model.x=1
+        raise ValueError(f"{where} is a single value, not a "
+                         f"{'section' if isinstance(value, Mapping) else 'list'} ({value!r})")
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
@@ -267,10 +272,14 @@ def from_dict(cls: type, data: Mapping[str, Any], where: str = "config") -> Any:
     kwargs = {}
     for key, value in data.items():
         tp = hints[key]
-        if isinstance(tp, type) and dataclasses.is_dataclass(tp) and isinstance(value, Mapping):
-            kwargs[key] = from_dict(tp, value, f"{where}.{key}")
+        name = f"{where}.{key}".removeprefix("config.")  # as --set spells it: parallel.seed
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+            if not isinstance(value, Mapping):  # [parallel] given as `parallel = 5`, or --set parallel=x
+                raise ValueError(f"{name} is a section of settings, not a value ({value!r}): set its keys, "
+                                 f"e.g. --set {name}.<key>=<value>")
+            kwargs[key] = from_dict(tp, value, name)
         else:
-            kwargs[key] = _coerce(value, tp, f"{where}.{key}")
+            kwargs[key] = _coerce(value, tp, name)
     return cls(**kwargs)
 
 
@@ -287,7 +296,10 @@ def load_config(path: str | os.PathLike | None) -> dict[str, Any]:
         except ImportError:
             raise ValueError(f"reading {path!r} needs PyYAML: pip install pyyaml, or use a .toml file") from None
         with open(path) as f:
-            data = yaml.safe_load(f) or {}
+            try:
+                data = yaml.safe_load(f) or {}
+            except yaml.YAMLError as e:
+                raise ValueError(f"config file {path!r} is not valid YAML: {' '.join(str(e).split())}") from None
     else:
         if sys.version_info >= (3, 11):
             import tomllib

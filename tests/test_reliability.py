@@ -213,3 +213,81 @@ def test_bench_rejects_bad_names_at_once(tmp_path: Path, args: list[str], needle
     assert res.returncode == 2 and time.monotonic() - start < 30
     assert _one_error_line(res, needle).startswith("paratrain bench: error:")
     assert not any(tmp_path.iterdir())  # no cell ran, nothing written
+
+
+# --- bad inputs of issue 14: one line each (in this process: they fail before any worker) -------
+
+def _cifar_dir(root: Path, content: bytes | None = None, crafted: bool = False) -> Path:
+    import pickle
+
+    folder = root / "cifar-10-batches-py"
+    folder.mkdir(parents=True)
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        if crafted:
+            class Evil:
+                def __reduce__(self):
+                    return (os.system, (f"touch {root / 'PWNED'}",))
+            content = pickle.dumps({b"data": Evil(), b"labels": [0]})
+        (folder / name).write_bytes(content)  # type: ignore[arg-type]
+    return root
+
+
+@pytest.fixture(scope="module")
+def finished_mlp_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from paratrain.cli.main import main
+
+    folder = tmp_path_factory.mktemp("mlp-run")
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("PARATRAIN_ERROR_DIR", str(folder))  # main sets it for its run: not for the whole session
+        assert main(["train", "--max-steps", "2", "--checkpoint-every", "1", "--no-progress", "--log-dir",
+                     str(folder)]) == 0
+    return folder
+
+
+@pytest.mark.parametrize("case", [
+    "malformed yaml", "section as a value", "--set of a whole section", "--set of a subsection",
+    "cifar garbage", "cifar truncated", "cifar crafted pickle", "checkpoint dir is a file", "log dir is a file",
+    "log dir under a file", "resume with another model", "resume with another optimizer",
+])
+def test_bad_input_of_issue_14_is_one_line(case: str, tmp_path: Path, finished_mlp_run: Path,
+                                           capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    import pickle
+
+    from paratrain.cli.main import main
+
+    monkeypatch.setenv("PARATRAIN_ERROR_DIR", str(tmp_path / "errors"))  # main would set it for the run
+    (tmp_path / "afile").write_text("x")
+    batch = pickle.dumps({b"data": b"\0" * 3072, b"labels": [0]})
+    args, needle = {
+        "malformed yaml": (["--config", str(_write(tmp_path / "c.yaml", "model: [cnn\n"))], "is not valid YAML"),
+        "section as a value": (["--config", str(_write(tmp_path / "c.toml", "parallel = 5\n"))],
+                               "parallel is a section of settings, not a value"),
+        "--set of a whole section": (["--set", "parallel=3"], "parallel is a section of settings"),
+        "--set of a subsection": (["--set", "parallel.ddp=none"], "parallel.ddp is a section of settings"),
+        "cifar garbage": (["--dataset", "cifar10", "--data-dir", str(_cifar_dir(tmp_path / "g", b"\x06garbage"))],
+                          "is not a readable CIFAR-10 batch"),
+        "cifar truncated": (["--dataset", "cifar10", "--data-dir", str(_cifar_dir(tmp_path / "t", batch[:100]))],
+                            "pickle data was truncated"),
+        "cifar crafted pickle": (["--dataset", "cifar10", "--data-dir", str(_cifar_dir(tmp_path / "e", crafted=True))],
+                                 "refused global"),
+        "checkpoint dir is a file": (["--checkpoint-dir", str(tmp_path / "afile"), "--checkpoint-every", "1"],
+                                     "--checkpoint-dir"),
+        "log dir is a file": (["--log-dir", str(tmp_path / "afile")], "is a file"),
+        "log dir under a file": (["--log-dir", str(tmp_path / "afile" / "run")], "is a file"),
+        "resume with another model": (["--model", "cnn", "--resume", "--log-dir", str(finished_mlp_run)],
+                                      "were written with --model mlp, this run has --model cnn"),
+        "resume with another optimizer": (["--optimizer", "adamw", "--resume", "--max-steps", "4", "--log-dir",
+                                           str(finished_mlp_run)], "were written with --optimizer sgd"),
+    }[case]
+    if "--log-dir" not in args:
+        args = [*args, "--log-dir", str(tmp_path / "run")]
+    assert main(["train", "--no-progress", "--max-steps", "2", *args]) == 2
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("paratrain train: error:") and needle in lines[0], err
+    assert "Traceback" not in err and not (tmp_path / "e" / "PWNED").exists()
+
+
+def _write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path

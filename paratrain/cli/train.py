@@ -114,6 +114,7 @@ def main(args: argparse.Namespace) -> int:
         return 0
     world = launch.nproc_per_node * launch.min_nodes
     cfg.parallel.strategy_class.check_world(world)
+    _check_paths(cfg)
     _check_machine(cfg)
     BatchPlan.derive(cfg.parallel.global_batch, cfg.parallel.data_parallel_size(world), cfg.parallel.accumulation,
                      cfg.parallel.micro_batch)
@@ -124,6 +125,21 @@ def main(args: argparse.Namespace) -> int:
         run_training(cfg)
         return 0
     return torchrun(launch, ["paratrain", *args.argv], module=True, command="train")
+
+
+def _check_paths(cfg: TrainConfig) -> None:
+    """Fail before starting workers when the log or checkpoint folder cannot be a writable folder."""
+    for flag, path in (("--log-dir", cfg.log_dir), ("--checkpoint-dir", cfg.checkpoint_dir)):
+        if path is None:
+            continue
+        probe = os.path.abspath(path)
+        while not os.path.exists(probe):  # the nearest part of the path that exists
+            probe = os.path.dirname(probe)
+        if not os.path.isdir(probe):
+            raise ValueError(f"{flag} {path!r} cannot be a folder: {probe!r} is a file; choose another {flag}")
+        if not os.access(probe, os.W_OK | os.X_OK):
+            raise ValueError(f"{flag} {path!r} cannot be written: no write permission on {probe!r}; "
+                             f"choose another {flag}")
 
 
 def _check_machine(cfg: TrainConfig) -> None:

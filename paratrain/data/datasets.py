@@ -149,7 +149,10 @@ class _ArrayOnlyUnpickler(pickle.Unpickler):
 def _load_cifar_batch(path: str) -> tuple[np.ndarray, np.ndarray]:
     """Read one CIFAR-10 python batch file into ``(uint8 (N, 3, 32, 32), int64 (N,))`` safely."""
     with open(path, "rb") as f:
-        batch = _ArrayOnlyUnpickler(f, encoding="bytes").load()
+        try:
+            batch = _ArrayOnlyUnpickler(f, encoding="bytes").load()
+        except Exception as e:  # garbage, truncated or crafted bytes: say which file, in one line
+            raise ValueError(f"{path} is not a readable CIFAR-10 batch: {type(e).__name__}: {e}") from None
     if not isinstance(batch, dict) or b"data" not in batch or b"labels" not in batch:
         raise ValueError(f"{path} is not a CIFAR-10 batch: expected a dict with b'data' and b'labels'")
     data = np.asarray(batch[b"data"], dtype=np.uint8)

@@ -11,8 +11,9 @@ import time
 from typing import Any
 
 import torch
+from torch.distributed import DistError
 
-from ..checkpoint import CheckpointError
+from ..checkpoint import CheckpointError, load_latest
 from ..config import TrainConfig
 from ..data.augment import augment_for, eval_augment_for
 from ..data.datasets import build_dataset, dataset_info
@@ -139,7 +140,22 @@ def _maybe_resume(pt: Parallel, cfg: TrainConfig, model: Any, optimizer: Any,
     restarted = _restarts() > 0
     if not (cfg.resume or restarted) or cfg.checkpoint_dir is None:
         return None, None
-    extra = pt.load_checkpoint(cfg.checkpoint_dir, model, optimizer, scheduler) if os.path.isdir(cfg.checkpoint_dir) else None
+    try:
+        extra = pt.load_checkpoint(cfg.checkpoint_dir, model, optimizer, scheduler) if os.path.isdir(cfg.checkpoint_dir) else None
+    except DistError:
+        raise
+    except (RuntimeError, KeyError, TypeError, IndexError, ValueError) as e:  # state that does not fit this model
+        if isinstance(e, CheckpointError):
+            raise
+        found = load_latest(cfg.checkpoint_dir)
+        why = _other_run(cfg, found[1].get("extra") if found else None)
+        if why is None and isinstance(e, ValueError):
+            raise  # already says what differs (the global batch)
+        raise CheckpointError(why or f"--resume: the checkpoint in {cfg.checkpoint_dir!r} does not fit this run's model "
+                                     f"or optimizer ({' '.join(str(e).split())[:300]})") from e
+    why = _other_run(cfg, extra)
+    if why is not None:
+        raise CheckpointError(why)
     if extra is None:
         if not restarted:
             raise CheckpointError(f"--resume: no checkpoint in {cfg.checkpoint_dir!r}; run without --resume to "
@@ -147,6 +163,20 @@ def _maybe_resume(pt: Parallel, cfg: TrainConfig, model: Any, optimizer: Any,
         pt.print(f"paratrain: no checkpoint in {cfg.checkpoint_dir} yet, starting from step 0")
         return None, None
     return pt.global_step, extra
+
+
+def _other_run(cfg: TrainConfig, extra: dict[str, Any] | None) -> str | None:
+    """Why the checkpoint whose ``extra`` this is belongs to another kind of run, or None."""
+    saved = (extra or {}).get("config")
+    if not isinstance(saved, dict):
+        return None
+    for flag, now, was in (("--model", cfg.model, saved.get("model")),
+                           ("--optimizer", cfg.optim.name, (saved.get("optim") or {}).get("name")),
+                           ("--dataset", cfg.data.dataset, (saved.get("data") or {}).get("dataset"))):
+        if was is not None and was != now:
+            return (f"--resume: the checkpoints in {cfg.checkpoint_dir!r} were written with {flag} {was}, this run "
+                    f"has {flag} {now}: resume with {flag} {was}, or train into another --checkpoint-dir")
+    return None
 
 
 def _restarts() -> int:
