@@ -289,7 +289,8 @@ def load_config(path: str | os.PathLike | None) -> dict[str, Any]:
         return {}
     path = os.fspath(path)
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"config file {path!r} does not exist")
+        what = "is a folder, not a file" if os.path.isdir(path) else "does not exist"
+        raise FileNotFoundError(f"config file {path!r} {what}")
     if path.endswith((".yaml", ".yml")):
         try:
             import yaml
