@@ -38,6 +38,50 @@ def _alive(pid: int) -> bool:
         return False
 
 
+_LOOPBACK = ("0100007F", "00000000000000000000000001000000")  # 127.0.0.1 and ::1 as /proc/net/tcp{,6} spell them
+
+
+def _listening(pids: list[int]) -> list[tuple[str, int]]:
+    """(address as /proc/net/tcp spells it, port) of every listening TCP socket of ``pids``."""
+    inodes = set()
+    for pid in pids:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if link.startswith("socket:["):
+                inodes.add(link[8:-1])
+    out = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for row in Path(table).read_text().splitlines()[1:]:
+            fields = row.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                addr, port = fields[1].split(":")
+                out.append((addr, int(port, 16)))
+    return out
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="needs /proc (Linux)")
+def test_stores_for_one_node_listen_on_loopback_only() -> None:
+    """rank 0's store (through init's master_listen_fd) and an RPC rendezvous (store_init_method)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from paratrain.env.process import loopback_store, store_init_method
+    from paratrain.launch.spawn import free_port
+
+    store = loopback_store("localhost", free_port(), 0, 1, timedelta(seconds=30))
+    store.set("k", "v")
+    rpc_store, _, _ = next(dist.rendezvous(store_init_method("127.0.0.1", free_port()), rank=0, world_size=1))
+    ports = {store.port, rpc_store.port}
+    found = [(addr, port) for addr, port in _listening([os.getpid()]) if port in ports]
+    assert sorted(found) == sorted(("0100007F", port) for port in ports)
+    assert loopback_store("10.1.2.3", 1, 0, 2, timedelta(seconds=1)) is None  # several nodes: torch's env://
+    assert store_init_method("10.1.2.3", 7) == "tcp://10.1.2.3:7"
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="needs /proc (Linux)")
 def test_workers_stop_when_their_agent_is_killed(tmp_path: Path) -> None:
     """SIGKILL the torchrun agent (as an OOM kill would): its workers must not train on."""
@@ -50,6 +94,10 @@ def test_workers_stop_when_their_agent_is_killed(tmp_path: Path) -> None:
             time.sleep(0.2)  # training has started once the first checkpoint is there
         workers = _children(proc.pid)
         assert len(workers) == 2, f"expected 2 workers under the agent, found {workers}"
+        # A one-node job listens on loopback only: the agent (its rendezvous is a FileStore) not at
+        # all, rank 0's process-group store and gloo on 127.0.0.1.
+        listening = _listening([proc.pid, *workers])
+        assert listening and all(addr in _LOOPBACK for addr, _ in listening), listening
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=10)
         deadline = time.monotonic() + 15

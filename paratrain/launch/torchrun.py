@@ -4,10 +4,11 @@ Nothing here re-implements the elastic agent or the rendezvous: :func:`torchrun`
 argument list ``torchrun`` would get and runs it with ``torch.distributed.run`` in this process.
 What it adds:
 
-* safe single-node defaults: a c10d rendezvous on ``127.0.0.1:<free port>`` with a fresh id and
-  ``--local-addr 127.0.0.1`` (so ``MASTER_ADDR`` and gloo's sockets are loopback too). Caveat:
-  PyTorch's ``TCPStore`` server (the agent's rendezvous store, rank 0's store) listens on the
-  wildcard address whatever host it is given; torch 2.13 offers no bind address for it;
+* safe single-node defaults: nothing listens beyond this machine. torchrun's c10d rendezvous
+  keeps its state in a ``FileStore`` in a private temporary folder (its ``store_type=file``
+  option) instead of a ``TCPStore``, which would listen on every interface; workers get
+  ``--local-addr 127.0.0.1``, so ``MASTER_ADDR`` is loopback, rank 0's process-group store binds
+  127.0.0.1 (:func:`paratrain.env.process.loopback_store`) and gloo's sockets use ``lo``;
 * environment defaults (``setdefault``, a user's own value wins): ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``
   (the rendezvous TCP store shared with the workers is flaky across restarts) and, when the
   rendezvous address is loopback, ``GLOO_SOCKET_IFNAME=lo``;
@@ -19,13 +20,16 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from ..env.process import is_loopback
 from .spawn import free_port
 
 __all__ = ["LaunchConfig", "torchrun"]
@@ -53,10 +57,6 @@ def _endpoint_host(endpoint: str) -> str:
     if endpoint.startswith("["):
         return endpoint[1:endpoint.find("]")]
     return endpoint.rsplit(":", 1)[0] if endpoint.count(":") == 1 else endpoint
-
-
-def _is_loopback(host: str) -> bool:
-    return host == "localhost" or host.startswith("127.") or host == "::1"
 
 
 @dataclass
@@ -128,8 +128,10 @@ class LaunchConfig:
         return self.master_addr or "127.0.0.1"
 
 
-def _torchrun_argv(cfg: LaunchConfig, program: list[str], module: bool, supported: set[str]) -> list[str]:
-    """The ``torchrun`` command line (without ``torchrun`` itself) for ``cfg``."""
+def _torchrun_argv(cfg: LaunchConfig, program: list[str], module: bool, supported: set[str],
+                   store_dir: str | None = None) -> list[str]:
+    """The ``torchrun`` command line (without ``torchrun`` itself) for ``cfg``; a single-node
+    default rendezvous keeps its store in a file in ``store_dir`` (a TCP store on loopback without)."""
     argv = [
         f"--nnodes={cfg.nnodes}",
         f"--nproc-per-node={cfg.nproc_per_node}",
@@ -141,12 +143,14 @@ def _torchrun_argv(cfg: LaunchConfig, program: list[str], module: bool, supporte
         cfg.master_addr or cfg.master_port or cfg.rdzv_endpoint
     )
     if single_default:
-        port = free_port("127.0.0.1")
-        if backend == "static":  # asked for explicitly: static on loopback
-            argv += ["--master-addr=127.0.0.1", f"--master-port={port}"]
+        if backend == "static":  # asked for explicitly: static on loopback (its agent's TCPStore binds every interface)
+            argv += ["--master-addr=127.0.0.1", f"--master-port={free_port('127.0.0.1')}"]
         else:
             backend, rdzv_id = "c10d", rdzv_id or f"paratrain-{uuid.uuid4().hex}"
-            argv.append(f"--rdzv-endpoint=127.0.0.1:{port}")
+            if store_dir is not None:
+                argv += [f"--rdzv-endpoint={os.path.join(store_dir, 'rendezvous')}", "--rdzv-conf=store_type=file"]
+            else:
+                argv.append(f"--rdzv-endpoint=127.0.0.1:{free_port('127.0.0.1')}")
     elif cfg.rdzv_endpoint:
         backend = backend or "c10d"
         argv.append(f"--rdzv-endpoint={cfg.rdzv_endpoint}")
@@ -160,7 +164,7 @@ def _torchrun_argv(cfg: LaunchConfig, program: list[str], module: bool, supporte
     if rdzv_id:
         argv.append(f"--rdzv-id={rdzv_id}")
     host = cfg.rendezvous_host
-    local_addr = cfg.local_addr or (("127.0.0.1" if host == "localhost" else host) if _is_loopback(host) else None)
+    local_addr = cfg.local_addr or (("127.0.0.1" if host == "localhost" else host) if is_loopback(host) else None)
     if local_addr and "--local-addr" in supported:  # older torch has no --local-addr
         argv.append(f"--local-addr={local_addr}")
     if cfg.monitor_interval is not None:
@@ -245,7 +249,8 @@ def torchrun(cfg: LaunchConfig, program: list[str], module: bool = False, comman
     parser.allow_abbrev = False
     # Only the launcher's part goes through torchrun's parser: the program's own arguments
     # (``--nproc 7``, ``--help``...) are set afterwards, untouched.
-    argv = _torchrun_argv(cfg, program[:1], module, set(parser._option_string_actions))
+    store_dir = tempfile.mkdtemp(prefix="paratrain-rdzv-")  # private (0700): the rendezvous' FileStore
+    argv = _torchrun_argv(cfg, program[:1], module, set(parser._option_string_actions), store_dir)
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     _set_threads(cfg.nproc_per_node)
     if not os.environ.get("PARATRAIN_LAUNCH_LOGS"):
@@ -253,8 +258,11 @@ def torchrun(cfg: LaunchConfig, program: list[str], module: bool = False, comman
         # below says; PARATRAIN_LAUNCH_LOGS=1 keeps them.
         logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
         logging.getLogger("torch.distributed.run").setLevel(logging.ERROR)
-    if _is_loopback(cfg.rendezvous_host):
+    if is_loopback(cfg.rendezvous_host):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    if "--rdzv-conf=store_type=file" not in argv:  # the agent's rendezvous is torch's TCPStore server
+        print(f"paratrain: note: the rendezvous store at {cfg.rendezvous_host} listens on all interfaces and accepts "
+              "any client (torch's TCPStore): run multi-node jobs on a trusted network", file=sys.stderr, flush=True)
     try:
         args = parser.parse_args(argv)
         args.training_script_args = list(program[1:])
@@ -270,4 +278,6 @@ def torchrun(cfg: LaunchConfig, program: list[str], module: bool = False, comman
     except SignalException as e:
         print(f"{prefix} stopped by {e.sigval.name}; workers were terminated", file=sys.stderr, flush=True)
         return 128 + int(e.sigval)
+    finally:
+        shutil.rmtree(store_dir, ignore_errors=True)
     return 0
