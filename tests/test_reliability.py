@@ -263,6 +263,31 @@ def test_bench_rejects_bad_names_at_once(tmp_path: Path, args: list[str], needle
     assert not any(tmp_path.iterdir())  # no cell ran, nothing written
 
 
+# --- hangs: who did not arrive, and how soon the job ends --------------------------------------
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="needs /proc (Linux)")
+@pytest.mark.parametrize("fault", ["HANG", "STOP"])  # rank 1 sleeps before a collective / is frozen (SIGSTOP)
+def test_a_rank_that_does_not_arrive_is_named_and_ends_the_job_within_timeout_plus_15s(
+        tmp_path: Path, fault: str) -> None:
+    timeout_s = 5
+    proc = start_cli(["train", "--strategy", "ddp", "--nproc-per-node", "2", "--max-steps", "400", "--no-progress",
+                      "--log-dir", str(tmp_path), "--set", f"parallel.timeout_s={timeout_s}"],
+                     **{f"PARATRAIN_TEST_{fault}_AT": "1:3"})
+    try:
+        header = proc.stdout.readline()  # rank 0's layout line: training starts, the fault fires at step 3
+        started = time.monotonic()
+        _, err = proc.communicate(timeout=timeout_s + 60)
+        ended = time.monotonic() - started
+    finally:
+        killpg(proc)
+    assert header.startswith("paratrain: ddp on 2 process(es)"), header
+    lines = [ln for ln in err.strip().splitlines() if ln.strip() and not ln.startswith("paratrain: OMP_NUM_THREADS")]
+    assert proc.returncode == 2 and len(lines) == 1, err[-3000:]
+    assert lines[0].startswith("paratrain train: error: rank 1 did not arrive at a collective"), lines[0]
+    assert "rank 0 waited for it" in lines[0]
+    assert ended <= timeout_s + 15, f"the job took {ended:.1f}s to end after the fault (timeout_s={timeout_s})"
+
+
 # --- bad inputs of issue 14: one line each (in this process: they fail before any worker) -------
 
 def _cifar_dir(root: Path, content: bytes | None = None, crafted: bool = False) -> Path:

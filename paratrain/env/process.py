@@ -14,6 +14,7 @@ import random
 import signal
 import socket
 import sys
+import threading
 import time
 import urllib.parse
 from dataclasses import dataclass
@@ -28,7 +29,7 @@ from .base import ProcessInfo
 from .detect import detect_process
 
 __all__ = [
-    "Dist", "UnavailableError", "init", "is_loopback", "loopback_store", "store_init_method", "die_with_launcher", "destroy", "preload_dynamo", "available_accelerator", "select_device", "select_backend", "rank", "world_size",
+    "Dist", "UnavailableError", "CollectiveTimeoutError", "explain_timeout", "init", "is_loopback", "loopback_store", "store_init_method", "die_with_launcher", "destroy", "preload_dynamo", "available_accelerator", "select_device", "select_backend", "rank", "world_size",
     "local_rank", "is_main_process", "barrier", "print_once", "save_on_main",
     "main_process_first", "seed_everything",
 ]
@@ -38,6 +39,10 @@ _BACKENDS = ("gloo", "nccl", "mpi", "xccl", "hccl")
 
 class UnavailableError(RuntimeError):
     """A device or backend that was asked for is not on this machine (a one-line user error)."""
+
+
+class CollectiveTimeoutError(RuntimeError):
+    """A collective ran past ``timeout_s``: names the rank(s) that did not arrive, in one line."""
 
 
 @dataclass(frozen=True)
@@ -258,6 +263,59 @@ def _loopback_rendezvous(url: str, timeout: timedelta = timedelta(minutes=10), *
     rank, world_size = int(query["rank"]), int(query["world_size"])
     yield _store_on(parsed.hostname or "127.0.0.1", int(parsed.port or 0), rank, world_size, timeout), rank, world_size
     raise RuntimeError(f"{_LOOPBACK_SCHEME}:// rendezvous cannot be repeated")
+
+
+def explain_timeout(error: BaseException, timeout_s: float, step: int | None = None) -> CollectiveTimeoutError | None:
+    """If ``error`` is a collective that timed out, a :class:`CollectiveTimeoutError` that names
+    the rank(s) that did not arrive (else None). Call it on every rank that got the error.
+
+    gloo's timeout says only that this rank waited. So every rank that timed out writes "I was
+    waiting" into the job's store (``MASTER_ADDR:MASTER_PORT``), waits a grace period for the
+    others to time out too, and reads who wrote: the ranks that did not are the ones that never
+    arrived (a hang, a frozen process). When the store itself does not answer, the rank that
+    serves it (rank 0) is the one that is frozen or gone. NCCL aborts the process on its own
+    timeout (its watchdog) before Python sees an error; this covers gloo (CPU).
+    """
+    if not (_initialized() and isinstance(error, RuntimeError) and "Timed out" in str(error)):
+        return None
+    me, world = rank(), world_size()
+    grace = min(5.0, max(2.0, timeout_s / 5))  # the others entered the same collective a little later
+    at = f" at step {step}" if step is not None else ""
+    waited: list[int] = []
+
+    def ask_store() -> None:
+        try:
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), None, False,
+                                  timedelta(seconds=grace + 2), wait_for_workers=False)
+            prefix = f"paratrain/waited/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+            store.set(f"{prefix}{me}", str(step))
+            time.sleep(grace)
+            waited.extend(r for r in range(world) if store.check([f"{prefix}{r}"]))
+        except Exception:  # refused, timed out, gone: `waited` stays empty
+            pass
+
+    # In a thread with a deadline: TCPStore's connection check waits without a timeout on a
+    # frozen server, and this process must end (the agent then stops the others).
+    asking = threading.Thread(target=ask_store, name="paratrain-who-waited", daemon=True)
+    asking.start()
+    asking.join(grace + 5)
+    answered = [] if asking.is_alive() else list(waited)
+    if not answered:  # the store did not answer (not even with this rank's own key)
+        return CollectiveTimeoutError(
+            f"rank {me} waited {timeout_s:g} s (timeout_s) in a collective{at}, and the job's store on rank 0 does not "
+            "answer either: rank 0 is frozen or gone")
+    missing = [r for r in range(world) if r not in answered]
+    if not missing:
+        return CollectiveTimeoutError(
+            f"every rank waited {timeout_s:g} s (timeout_s) in a collective{at}: they wait in different collectives "
+            "(code that runs a collective on some ranks only?)")
+    return CollectiveTimeoutError(
+        f"{_ranks(missing)} did not arrive at a collective{at} for {timeout_s:g} s (timeout_s): hung or frozen; "
+        f"{_ranks(answered)} waited for {'them' if len(missing) > 1 else 'it'}")
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
 
 
 def destroy(wait_for_peers: bool = False) -> None:

@@ -13,11 +13,14 @@ What it adds:
   (the rendezvous TCP store shared with the workers is flaky across restarts) and, when the
   rendezvous address is loopback, ``GLOO_SOCKET_IFNAME=lo``;
 * one line on stderr instead of a traceback when a worker or the rendezvous fails, and the
-  failing worker's exit code as the return value.
+  failing worker's exit code as the return value (a collective timeout names the rank that did
+  not arrive, see :func:`paratrain.env.process.explain_timeout`);
+* a frozen worker is woken once torchrun has asked it to terminate (:class:`_WakeStopped`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -25,6 +28,7 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -202,6 +206,11 @@ def _failure_line(err: Any, prefix: str = _PREFIX) -> tuple[str, int]:
         if isinstance(message, dict):  # {"message": "Type: msg", "extraInfo": {...}}
             message = message.get("message", "")
         root = _one_line(message)
+        kind, sep, text = root.partition(": ")
+        if sep and kind == "CollectiveTimeoutError":  # it names the rank that did not arrive: that is the news
+            return f"{prefix} {text}", rc
+        if sep and code == 2 and kind.isidentifier():  # a paratrain one-line error: its text, as in one process
+            root = text
     return f"{prefix} worker {who} failed ({how})" + (f": {root}" if root else ""), rc
 
 
@@ -216,6 +225,55 @@ def _set_threads(nproc_per_node: int) -> None:
     if nproc_per_node > 1:
         print(f"paratrain: OMP_NUM_THREADS={threads} per worker ({cores} cores / {nproc_per_node} workers on this "
               "node; set OMP_NUM_THREADS to choose)", file=sys.stderr, flush=True)
+
+
+class _WakeStopped:
+    """While torchrun runs, wake (SIGCONT) any worker that is stopped with a SIGTERM pending.
+
+    A frozen worker (SIGSTOP, a stopped debugger) cannot act on the SIGTERM that the agent sends
+    when the group fails, and torch 2.13's agent then waits a fixed 30 s before SIGKILL (its
+    ``--shutdown-timeout`` does not reach that path). A worker is woken only once it was asked to
+    terminate, so a job paused on purpose (``kill -STOP``) stays paused. Linux only (``/proc``).
+    """
+
+    def __init__(self, interval_s: float = 0.5) -> None:
+        self.interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="paratrain-wake-stopped", daemon=True)
+
+    def __enter__(self) -> "_WakeStopped":
+        if os.path.isdir(f"/proc/{os.getpid()}/task"):
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            for pid in _children():
+                if _stopped_with_sigterm_pending(pid):
+                    with contextlib.suppress(OSError):
+                        os.kill(pid, signal.SIGCONT)
+
+
+def _children() -> list[int]:
+    pids = []
+    for task in os.listdir(f"/proc/{os.getpid()}/task"):
+        with contextlib.suppress(OSError, ValueError):
+            with open(f"/proc/{os.getpid()}/task/{task}/children") as f:
+                pids += [int(p) for p in f.read().split()]
+    return pids
+
+
+def _stopped_with_sigterm_pending(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            status = dict(line.split(":", 1) for line in f if ":" in line)
+    except OSError:
+        return False
+    pending = int(status.get("ShdPnd", "0").strip(), 16) | int(status.get("SigPnd", "0").strip(), 16)
+    return status.get("State", "").strip().startswith("T") and bool(pending & (1 << (signal.SIGTERM - 1)))
 
 
 def check_resolvable(host: str) -> None:
@@ -266,7 +324,8 @@ def torchrun(cfg: LaunchConfig, program: list[str], module: bool = False, comman
     try:
         args = parser.parse_args(argv)
         args.training_script_args = list(program[1:])
-        trun.run(args)
+        with _WakeStopped():
+            trun.run(args)
     except ChildFailedError as e:
         line, rc = _failure_line(e, prefix)
         print(line, file=sys.stderr, flush=True)
