@@ -154,6 +154,8 @@ def fake_group(monkeypatch):
     monkeypatch.setattr(dist, "init_process_group", init_process_group)
     monkeypatch.setattr(dist, "get_backend", lambda group=None: calls[-1]["backend"])
     monkeypatch.setattr(process, "preload_dynamo", lambda: None)  # not needed without a real group
+    # The loopback TCPStore would wait for the other (simulated) rank: record what it would serve.
+    monkeypatch.setattr(process, "loopback_store", lambda host, port, rank, world, timeout: ("store", host, port))
     return calls
 
 
@@ -281,7 +283,7 @@ def test_init_world_of_two_uses_nccl_bound_to_the_device(two_gpus, fake_group, r
     assert two_gpus.set_device == [cuda(rank)]
     (kwargs,) = fake_group
     assert kwargs["backend"] == "nccl" and kwargs["device_id"] == cuda(rank)
-    assert kwargs["rank"] == rank and kwargs["world_size"] == 2 and kwargs["init_method"] == "env://"
+    assert kwargs["rank"] == rank and kwargs["world_size"] == 2 and kwargs["store"] == ("store", "127.0.0.1", 29999)
     assert kwargs["timeout"].total_seconds() == 42
     assert d.device == cuda(rank) and d.backend == "nccl" and d.rank == rank
     assert "GLOO_SOCKET_IFNAME" not in os.environ  # a gloo-only setting

@@ -38,6 +38,50 @@ def _alive(pid: int) -> bool:
         return False
 
 
+_LOOPBACK = ("0100007F", "00000000000000000000000001000000")  # 127.0.0.1 and ::1 as /proc/net/tcp{,6} spell them
+
+
+def _listening(pids: list[int]) -> list[tuple[str, int]]:
+    """(address as /proc/net/tcp spells it, port) of every listening TCP socket of ``pids``."""
+    inodes = set()
+    for pid in pids:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if link.startswith("socket:["):
+                inodes.add(link[8:-1])
+    out = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for row in Path(table).read_text().splitlines()[1:]:
+            fields = row.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                addr, port = fields[1].split(":")
+                out.append((addr, int(port, 16)))
+    return out
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="needs /proc (Linux)")
+def test_stores_for_one_node_listen_on_loopback_only() -> None:
+    """rank 0's store (through init's master_listen_fd) and an RPC rendezvous (store_init_method)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from paratrain.env.process import loopback_store, store_init_method
+    from paratrain.launch.spawn import free_port
+
+    store = loopback_store("localhost", free_port(), 0, 1, timedelta(seconds=30))
+    store.set("k", "v")
+    rpc_store, _, _ = next(dist.rendezvous(store_init_method("127.0.0.1", free_port()), rank=0, world_size=1))
+    ports = {store.port, rpc_store.port}
+    found = [(addr, port) for addr, port in _listening([os.getpid()]) if port in ports]
+    assert sorted(found) == sorted(("0100007F", port) for port in ports)
+    assert loopback_store("10.1.2.3", 1, 0, 2, timedelta(seconds=1)) is None  # several nodes: torch's env://
+    assert store_init_method("10.1.2.3", 7) == "tcp://10.1.2.3:7"
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="needs /proc (Linux)")
 def test_workers_stop_when_their_agent_is_killed(tmp_path: Path) -> None:
     """SIGKILL the torchrun agent (as an OOM kill would): its workers must not train on."""
@@ -50,6 +94,10 @@ def test_workers_stop_when_their_agent_is_killed(tmp_path: Path) -> None:
             time.sleep(0.2)  # training has started once the first checkpoint is there
         workers = _children(proc.pid)
         assert len(workers) == 2, f"expected 2 workers under the agent, found {workers}"
+        # A one-node job listens on loopback only: the agent (its rendezvous is a FileStore) not at
+        # all, rank 0's process-group store and gloo on 127.0.0.1.
+        listening = _listening([proc.pid, *workers])
+        assert listening and all(addr in _LOOPBACK for addr, _ in listening), listening
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=10)
         deadline = time.monotonic() + 15
@@ -128,22 +176,17 @@ def test_diverging_run_stops_in_one_line_and_keeps_only_finite_checkpoints(tmp_p
     from paratrain.checkpoint import list_checkpoints, load_file
 
     res = run_cli(["train", "--strategy", "ddp", "--nproc-per-node", "2", "--lr", "1e9", "--max-steps", "40",
-                   "--checkpoint-every", "1", "--no-progress", "--log-dir", str(tmp_path)], timeout=100)
+                   "--checkpoint-every", "1", "--set", "max_nonfinite_steps=2", "--no-progress", "--log-dir",
+                   str(tmp_path)], timeout=100)
     assert res.returncode == 2
     line = _one_error_line(res, "--clip-grad-norm")
-    assert "NaN or inf" in line or "in a row" in line, line
+    assert "weights are NaN or inf" in line or "in a row since step" in line, line
     saved = list_checkpoints(tmp_path / "checkpoints")
     assert saved, "the steps before the NaN were checkpointed"
     for path in saved:
         weights = load_file(path)["model"]
         assert all(torch.isfinite(w).all() for w in weights.values() if w.is_floating_point()), path
     assert not (tmp_path / "result.json").exists()
-    # One process, no checkpoints: the loss rule itself, with the limit from the config.
-    res = run_cli(["train", "--lr", "1e9", "--max-steps", "40", "--set", "max_nonfinite_steps=2", "--no-progress",
-                   "--log-dir", str(tmp_path / "one")], timeout=60)
-    assert res.returncode == 2
-    _one_error_line(res, "optimizer steps in a row since step")
-    assert "max_nonfinite_steps=2" in res.stderr
 
 
 # --- results are never lost ------------------------------------------------------------------
@@ -153,17 +196,27 @@ def _files(folder: Path) -> dict[str, tuple[bytes, int]]:
             for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
-def test_resume_of_a_finished_run_changes_nothing(tmp_path: Path) -> None:
-    args = ["train", "--max-steps", "4", "--checkpoint-every", "2", "--no-progress", "--log-dir", str(tmp_path)]
-    first = run_cli(args, timeout=60)
-    assert first.returncode == 0, first.stderr[-3000:]
-    before = _files(tmp_path)
-    again = run_cli([*args, "--resume"], timeout=60)
+@pytest.fixture(scope="module")
+def finished_mlp_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from paratrain.cli.main import main
+
+    folder = tmp_path_factory.mktemp("mlp-run")
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("PARATRAIN_ERROR_DIR", str(folder))  # main sets it for its run: not for the whole session
+        assert main(["train", "--max-steps", "2", "--checkpoint-every", "1", "--no-progress", "--log-dir",
+                     str(folder)]) == 0
+    return folder
+
+
+def test_resume_of_a_finished_run_changes_nothing(finished_mlp_run: Path) -> None:
+    before = _files(finished_mlp_run)
+    again = run_cli(["train", "--max-steps", "2", "--checkpoint-every", "1", "--no-progress", "--log-dir",
+                     str(finished_mlp_run), "--resume"], timeout=60)
     assert again.returncode == 0, again.stderr[-3000:]
     assert again.stdout.strip().splitlines() == [
-        f"paratrain: this run already finished at step 4; {tmp_path / 'result.json'} is kept as it is "
+        f"paratrain: this run already finished at step 2; {finished_mlp_run / 'result.json'} is kept as it is "
         "(raise --epochs or --max-steps to train on)"], again.stdout
-    assert _files(tmp_path) == before  # not one byte or timestamp changed
+    assert _files(finished_mlp_run) == before  # not one byte or timestamp changed
 
 
 @pytest.mark.timeout(200)
@@ -200,19 +253,50 @@ def test_summary_files_are_written_atomically(tmp_path: Path, monkeypatch: pytes
 
 # --- bench checks its names before any cell runs ---------------------------------------------
 
-@pytest.mark.parametrize("args, needle", [
-    (["--strategies", "single,warp"], "strategy 'warp' is unknown"),
-    (["--precisions", "fp7"], "precision 'fp7' is unknown"),
-    (["--comm-hooks", "none,zip"], "comm hook 'zip' is unknown"),
-    (["--world-sizes", "1,0"], "world sizes [1, 0] must be positive"),
-    (["--world-sizes", "two"], "'two' is not a comma-separated list of int"),
-])
-def test_bench_rejects_bad_names_at_once(tmp_path: Path, args: list[str], needle: str) -> None:
+def test_bench_rejects_bad_names_at_once(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from paratrain.cli.main import main
+
     start = time.monotonic()
-    res = run_cli(["bench", "--no-progress", "--out", str(tmp_path), *args], timeout=60)
+    res = run_cli(["bench", "--no-progress", "--out", str(tmp_path), "--strategies", "single,warp"], timeout=60)
     assert res.returncode == 2 and time.monotonic() - start < 30
-    assert _one_error_line(res, needle).startswith("paratrain bench: error:")
+    assert _one_error_line(res, "strategy 'warp' is unknown").startswith("paratrain bench: error:")
     assert not any(tmp_path.iterdir())  # no cell ran, nothing written
+    for args, needle in ((["--precisions", "fp7"], "precision 'fp7' is unknown"),
+                         (["--comm-hooks", "none,zip"], "comm hook 'zip' is unknown"),
+                         (["--world-sizes", "1,0"], "world sizes [1, 0] must be positive"),
+                         (["--world-sizes", "two"], "'two' is not a comma-separated list of int")):
+        try:
+            code = main(["bench", "--no-progress", "--out", str(tmp_path), *args])
+        except SystemExit as e:  # argparse's own errors
+            code = e.code
+        err = capsys.readouterr().err
+        assert code == 2 and [ln for ln in err.splitlines() if ln] == [err.strip()] and needle in err, err
+    assert not any(tmp_path.iterdir())
+
+
+# --- hangs: who did not arrive, and how soon the job ends --------------------------------------
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="needs /proc (Linux)")
+@pytest.mark.parametrize("fault", ["HANG", "STOP"])  # rank 1 sleeps before a collective / is frozen (SIGSTOP)
+def test_a_rank_that_does_not_arrive_is_named_and_ends_the_job_within_timeout_plus_15s(
+        tmp_path: Path, fault: str) -> None:
+    timeout_s = 5
+    proc = start_cli(["train", "--strategy", "ddp", "--nproc-per-node", "2", "--max-steps", "400", "--no-progress",
+                      "--log-dir", str(tmp_path), "--set", f"parallel.timeout_s={timeout_s}"],
+                     **{f"PARATRAIN_TEST_{fault}_AT": "1:3"})
+    try:
+        header = proc.stdout.readline()  # rank 0's layout line: training starts, the fault fires at step 3
+        started = time.monotonic()
+        _, err = proc.communicate(timeout=timeout_s + 60)
+        ended = time.monotonic() - started
+    finally:
+        killpg(proc)
+    assert header.startswith("paratrain: ddp on 2 process(es)"), header
+    lines = [ln for ln in err.strip().splitlines() if ln.strip() and not ln.startswith("paratrain: OMP_NUM_THREADS")]
+    assert proc.returncode == 2 and len(lines) == 1, err[-3000:]
+    assert lines[0].startswith("paratrain train: error: rank 1 did not arrive at a collective"), lines[0]
+    assert "rank 0 waited for it" in lines[0]
+    assert ended <= timeout_s + 15, f"the job took {ended:.1f}s to end after the fault (timeout_s={timeout_s})"
 
 
 # --- bad inputs of issue 14: one line each (in this process: they fail before any worker) -------
@@ -230,18 +314,6 @@ def _cifar_dir(root: Path, content: bytes | None = None, crafted: bool = False) 
             content = pickle.dumps({b"data": Evil(), b"labels": [0]})
         (folder / name).write_bytes(content)  # type: ignore[arg-type]
     return root
-
-
-@pytest.fixture(scope="module")
-def finished_mlp_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from paratrain.cli.main import main
-
-    folder = tmp_path_factory.mktemp("mlp-run")
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("PARATRAIN_ERROR_DIR", str(folder))  # main sets it for its run: not for the whole session
-        assert main(["train", "--max-steps", "2", "--checkpoint-every", "1", "--no-progress", "--log-dir",
-                     str(folder)]) == 0
-    return folder
 
 
 @pytest.mark.parametrize("case", [

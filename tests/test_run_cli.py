@@ -103,7 +103,9 @@ def test_config_rejects_bad_values(kwargs: dict, bad: str) -> None:
 def test_argv_single_node_binds_loopback() -> None:
     argv = _torchrun_argv(LaunchConfig(nproc_per_node=2), ["t.py", "--lr", "1"], False, {"--local-addr"})
     assert "--rdzv-backend=c10d" in argv and "--local-addr=127.0.0.1" in argv
-    assert any(a.startswith("--rdzv-endpoint=127.0.0.1:") for a in argv)
+    assert any(a.startswith("--rdzv-endpoint=127.0.0.1:") for a in argv)  # without a folder for a FileStore
+    in_file = _torchrun_argv(LaunchConfig(nproc_per_node=2), ["t.py"], False, {"--local-addr"}, store_dir="/d")
+    assert "--rdzv-endpoint=/d/rendezvous" in in_file and "--rdzv-conf=store_type=file" in in_file
     assert any(a.startswith("--rdzv-id=paratrain-") for a in argv)
     assert argv[-3:] == ["t.py", "--lr", "1"]
     multi = _torchrun_argv(LaunchConfig(nnodes="2", master_addr="10.0.0.1", master_port=29500), ["t.py"], True, set())

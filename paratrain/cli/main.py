@@ -9,7 +9,7 @@ import sys
 from typing import NoReturn, Sequence
 
 from ..checkpoint.io import CheckpointError
-from ..env.process import UnavailableError
+from ..env.process import CollectiveTimeoutError, UnavailableError
 
 # subcommand name -> module under paratrain.cli providing add_parser(subparsers) and main(args) -> int
 SUBCOMMANDS = {
@@ -29,7 +29,7 @@ class UsageError(Exception):
 # What a user can fix from one line: a bad value, a missing or unusable file, a damaged checkpoint.
 # Anything else is a bug and keeps its traceback.
 USER_ERRORS = (UsageError, ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, FileExistsError,
-               PermissionError, CheckpointError, UnavailableError)
+               PermissionError, CheckpointError, UnavailableError, CollectiveTimeoutError)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -90,6 +90,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
             ErrorHandler().record_exception(type(e)(line))
+            # Exit now: Python's teardown with torch loaded takes seconds, and until this process is
+            # gone the agent cannot stop the others (a hung peer, the rest of the group).
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(2)
         else:
             print(f"paratrain {args.command}: error: {line}", file=sys.stderr)
         return 2
@@ -97,7 +102,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _one_line(e: BaseException) -> str:
     text = " ".join(str(e).split())  # a KeyError's quotes, a multi-line message: one line
-    return text if isinstance(e, (UsageError, ValueError, CheckpointError, UnavailableError)) else f"{type(e).__name__}: {text}"
+    return text if isinstance(e, (UsageError, ValueError, CheckpointError, UnavailableError,
+                                  CollectiveTimeoutError)) else f"{type(e).__name__}: {text}"
 
 
 def _save_traceback(command: str) -> str | None:

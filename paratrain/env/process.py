@@ -12,8 +12,11 @@ import importlib
 import os
 import random
 import signal
+import socket
 import sys
+import threading
 import time
+import urllib.parse
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Iterator
@@ -26,7 +29,7 @@ from .base import ProcessInfo
 from .detect import detect_process
 
 __all__ = [
-    "Dist", "UnavailableError", "init", "die_with_launcher", "destroy", "preload_dynamo", "available_accelerator", "select_device", "select_backend", "rank", "world_size",
+    "Dist", "UnavailableError", "CollectiveTimeoutError", "explain_timeout", "init", "is_loopback", "loopback_store", "store_init_method", "die_with_launcher", "destroy", "preload_dynamo", "available_accelerator", "select_device", "select_backend", "rank", "world_size",
     "local_rank", "is_main_process", "barrier", "print_once", "save_on_main",
     "main_process_first", "seed_everything",
 ]
@@ -36,6 +39,10 @@ _BACKENDS = ("gloo", "nccl", "mpi", "xccl", "hccl")
 
 class UnavailableError(RuntimeError):
     """A device or backend that was asked for is not on this machine (a one-line user error)."""
+
+
+class CollectiveTimeoutError(RuntimeError):
+    """A collective ran past ``timeout_s``: names the rank(s) that did not arrive, in one line."""
 
 
 @dataclass(frozen=True)
@@ -179,20 +186,136 @@ def init(
         preload_dynamo()
         os.environ.setdefault("MASTER_ADDR", info.master_addr)
         os.environ.setdefault("MASTER_PORT", str(info.master_port))
-        if os.environ["MASTER_ADDR"] in ("127.0.0.1", "localhost") and chosen == "gloo":
+        if is_loopback(os.environ["MASTER_ADDR"]) and chosen == "gloo":
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         kwargs: dict[str, Any] = {}
         if device.type == "cuda":
             kwargs["device_id"] = device  # lets NCCL bind eagerly and fail fast on a bad rank
+        timeout = timedelta(seconds=timeout_s)
+        store = loopback_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), info.rank,
+                               info.world_size, timeout)
         dist.init_process_group(
             backend=chosen,
-            init_method="env://",
             rank=info.rank,
             world_size=info.world_size,
-            timeout=timedelta(seconds=timeout_s),
+            timeout=timeout,
+            **({"store": store} if store is not None else {"init_method": "env://"}),
             **kwargs,
         )
     return Dist(info, device, dist.get_backend())
+
+
+def is_loopback(host: str) -> bool:
+    """Is ``host`` this machine's loopback address (``localhost``, ``127.x.y.z``, ``::1``)?"""
+    return host == "localhost" or host.startswith("127.") or host == "::1"
+
+
+def loopback_store(host: str, port: int, rank: int, world_size: int, timeout: timedelta) -> Any:
+    """The process group's ``TCPStore``, listening on the loopback address only, when ``host`` is
+    loopback (a one-node job); ``None`` otherwise (torch's ``env://`` store then serves it).
+
+    torch's ``TCPStore`` server binds the wildcard address whatever host it is given, so any
+    machine that can reach this one could read and write the job's keys. Its documented
+    ``master_listen_fd`` argument takes a socket bound beforehand: rank 0 binds one to ``host``
+    and hands it over; the other ranks are clients, as with ``env://``.
+    """
+    if not is_loopback(host) or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True):
+        return None  # several nodes, or torchrun's agent serves the store (its own bind)
+    return _store_on(host, port, rank, world_size, timeout)
+
+
+def _store_on(host: str, port: int, rank: int, world_size: int, timeout: timedelta) -> Any:
+    """A ``TCPStore`` whose server (rank 0) listens on ``host`` only; clients elsewhere."""
+    addr = "::1" if host == "::1" else ("127.0.0.1" if host == "localhost" else host)
+    if rank != 0:
+        return dist.TCPStore(addr, port, world_size, False, timeout)
+    sock = socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as TCPStore's own server does
+        sock.bind((addr, port))
+        sock.listen(socket.SOMAXCONN)
+    except OSError as e:
+        sock.close()
+        raise UnavailableError(f"rank 0 cannot listen on {addr}:{port} ({e.strerror or e}): choose another "
+                               "MASTER_PORT") from None
+    return dist.TCPStore(addr, port, world_size, True, timeout, multi_tenant=True, master_listen_fd=sock.detach())
+
+
+_LOOPBACK_SCHEME = "paratrain-loopback"
+
+
+def store_init_method(host: str, port: int) -> str:
+    """An ``init_method`` URL for ``rpc.init_rpc`` and the like: ``tcp://host:port``, whose store
+    listens on every interface, unless ``host`` is loopback; then a rendezvous registered here
+    (``torch.distributed.register_rendezvous_handler``) whose store listens on ``host`` only."""
+    if not is_loopback(host):
+        return f"tcp://{host}:{port}"
+    try:
+        dist.register_rendezvous_handler(_LOOPBACK_SCHEME, _loopback_rendezvous)
+    except RuntimeError:
+        pass  # registered by an earlier call
+    return f"{_LOOPBACK_SCHEME}://{host}:{port}"
+
+
+def _loopback_rendezvous(url: str, timeout: timedelta = timedelta(minutes=10), **kwargs: Any) -> Iterator[Any]:
+    parsed = urllib.parse.urlparse(url)
+    query = dict(urllib.parse.parse_qsl(parsed.query))
+    rank, world_size = int(query["rank"]), int(query["world_size"])
+    yield _store_on(parsed.hostname or "127.0.0.1", int(parsed.port or 0), rank, world_size, timeout), rank, world_size
+    raise RuntimeError(f"{_LOOPBACK_SCHEME}:// rendezvous cannot be repeated")
+
+
+def explain_timeout(error: BaseException, timeout_s: float, step: int | None = None) -> CollectiveTimeoutError | None:
+    """If ``error`` is a collective that timed out, a :class:`CollectiveTimeoutError` that names
+    the rank(s) that did not arrive (else None). Call it on every rank that got the error.
+
+    gloo's timeout says only that this rank waited. So every rank that timed out writes "I was
+    waiting" into the job's store (``MASTER_ADDR:MASTER_PORT``), waits a grace period for the
+    others to time out too, and reads who wrote: the ranks that did not are the ones that never
+    arrived (a hang, a frozen process). When the store itself does not answer, the rank that
+    serves it (rank 0) is the one that is frozen or gone. NCCL aborts the process on its own
+    timeout (its watchdog) before Python sees an error; this covers gloo (CPU).
+    """
+    if not (_initialized() and isinstance(error, RuntimeError) and "Timed out" in str(error)):
+        return None
+    me, world = rank(), world_size()
+    grace = min(5.0, max(2.0, timeout_s / 5))  # the others entered the same collective a little later
+    at = f" at step {step}" if step is not None else ""
+    waited: list[int] = []
+
+    def ask_store() -> None:
+        try:
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), None, False,
+                                  timedelta(seconds=grace + 2), wait_for_workers=False)
+            prefix = f"paratrain/waited/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+            store.set(f"{prefix}{me}", str(step))
+            time.sleep(grace)
+            waited.extend(r for r in range(world) if store.check([f"{prefix}{r}"]))
+        except Exception:  # refused, timed out, gone: `waited` stays empty
+            pass
+
+    # In a thread with a deadline: TCPStore's connection check waits without a timeout on a
+    # frozen server, and this process must end (the agent then stops the others).
+    asking = threading.Thread(target=ask_store, name="paratrain-who-waited", daemon=True)
+    asking.start()
+    asking.join(grace + 5)
+    answered = [] if asking.is_alive() else list(waited)
+    if not answered:  # the store did not answer (not even with this rank's own key)
+        return CollectiveTimeoutError(
+            f"rank {me} waited {timeout_s:g} s (timeout_s) in a collective{at}, and the job's store on rank 0 does not "
+            "answer either: rank 0 is frozen or gone")
+    missing = [r for r in range(world) if r not in answered]
+    if not missing:
+        return CollectiveTimeoutError(
+            f"every rank waited {timeout_s:g} s (timeout_s) in a collective{at}: they wait in different collectives "
+            "(code that runs a collective on some ranks only?)")
+    return CollectiveTimeoutError(
+        f"{_ranks(missing)} did not arrive at a collective{at} for {timeout_s:g} s (timeout_s): hung or frozen; "
+        f"{_ranks(answered)} waited for {'them' if len(missing) > 1 else 'it'}")
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
 
 
 def destroy(wait_for_peers: bool = False) -> None:

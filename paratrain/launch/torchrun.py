@@ -4,28 +4,36 @@ Nothing here re-implements the elastic agent or the rendezvous: :func:`torchrun`
 argument list ``torchrun`` would get and runs it with ``torch.distributed.run`` in this process.
 What it adds:
 
-* safe single-node defaults: a c10d rendezvous on ``127.0.0.1:<free port>`` with a fresh id and
-  ``--local-addr 127.0.0.1`` (so ``MASTER_ADDR`` and gloo's sockets are loopback too). Caveat:
-  PyTorch's ``TCPStore`` server (the agent's rendezvous store, rank 0's store) listens on the
-  wildcard address whatever host it is given; torch 2.13 offers no bind address for it;
+* safe single-node defaults: nothing listens beyond this machine. torchrun's c10d rendezvous
+  keeps its state in a ``FileStore`` in a private temporary folder (its ``store_type=file``
+  option) instead of a ``TCPStore``, which would listen on every interface; workers get
+  ``--local-addr 127.0.0.1``, so ``MASTER_ADDR`` is loopback, rank 0's process-group store binds
+  127.0.0.1 (:func:`paratrain.env.process.loopback_store`) and gloo's sockets use ``lo``;
 * environment defaults (``setdefault``, a user's own value wins): ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``
   (the rendezvous TCP store shared with the workers is flaky across restarts) and, when the
   rendezvous address is loopback, ``GLOO_SOCKET_IFNAME=lo``;
 * one line on stderr instead of a traceback when a worker or the rendezvous fails, and the
-  failing worker's exit code as the return value.
+  failing worker's exit code as the return value (a collective timeout names the rank that did
+  not arrive, see :func:`paratrain.env.process.explain_timeout`);
+* a frozen worker is woken once torchrun has asked it to terminate (:class:`_WakeStopped`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import shutil
 import signal
 import socket
 import sys
+import tempfile
+import threading
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from ..env.process import is_loopback
 from .spawn import free_port
 
 __all__ = ["LaunchConfig", "torchrun"]
@@ -53,10 +61,6 @@ def _endpoint_host(endpoint: str) -> str:
     if endpoint.startswith("["):
         return endpoint[1:endpoint.find("]")]
     return endpoint.rsplit(":", 1)[0] if endpoint.count(":") == 1 else endpoint
-
-
-def _is_loopback(host: str) -> bool:
-    return host == "localhost" or host.startswith("127.") or host == "::1"
 
 
 @dataclass
@@ -128,8 +132,10 @@ class LaunchConfig:
         return self.master_addr or "127.0.0.1"
 
 
-def _torchrun_argv(cfg: LaunchConfig, program: list[str], module: bool, supported: set[str]) -> list[str]:
-    """The ``torchrun`` command line (without ``torchrun`` itself) for ``cfg``."""
+def _torchrun_argv(cfg: LaunchConfig, program: list[str], module: bool, supported: set[str],
+                   store_dir: str | None = None) -> list[str]:
+    """The ``torchrun`` command line (without ``torchrun`` itself) for ``cfg``; a single-node
+    default rendezvous keeps its store in a file in ``store_dir`` (a TCP store on loopback without)."""
     argv = [
         f"--nnodes={cfg.nnodes}",
         f"--nproc-per-node={cfg.nproc_per_node}",
@@ -141,12 +147,14 @@ def _torchrun_argv(cfg: LaunchConfig, program: list[str], module: bool, supporte
         cfg.master_addr or cfg.master_port or cfg.rdzv_endpoint
     )
     if single_default:
-        port = free_port("127.0.0.1")
-        if backend == "static":  # asked for explicitly: static on loopback
-            argv += ["--master-addr=127.0.0.1", f"--master-port={port}"]
+        if backend == "static":  # asked for explicitly: static on loopback (its agent's TCPStore binds every interface)
+            argv += ["--master-addr=127.0.0.1", f"--master-port={free_port('127.0.0.1')}"]
         else:
             backend, rdzv_id = "c10d", rdzv_id or f"paratrain-{uuid.uuid4().hex}"
-            argv.append(f"--rdzv-endpoint=127.0.0.1:{port}")
+            if store_dir is not None:
+                argv += [f"--rdzv-endpoint={os.path.join(store_dir, 'rendezvous')}", "--rdzv-conf=store_type=file"]
+            else:
+                argv.append(f"--rdzv-endpoint=127.0.0.1:{free_port('127.0.0.1')}")
     elif cfg.rdzv_endpoint:
         backend = backend or "c10d"
         argv.append(f"--rdzv-endpoint={cfg.rdzv_endpoint}")
@@ -160,7 +168,7 @@ def _torchrun_argv(cfg: LaunchConfig, program: list[str], module: bool, supporte
     if rdzv_id:
         argv.append(f"--rdzv-id={rdzv_id}")
     host = cfg.rendezvous_host
-    local_addr = cfg.local_addr or (("127.0.0.1" if host == "localhost" else host) if _is_loopback(host) else None)
+    local_addr = cfg.local_addr or (("127.0.0.1" if host == "localhost" else host) if is_loopback(host) else None)
     if local_addr and "--local-addr" in supported:  # older torch has no --local-addr
         argv.append(f"--local-addr={local_addr}")
     if cfg.monitor_interval is not None:
@@ -198,6 +206,11 @@ def _failure_line(err: Any, prefix: str = _PREFIX) -> tuple[str, int]:
         if isinstance(message, dict):  # {"message": "Type: msg", "extraInfo": {...}}
             message = message.get("message", "")
         root = _one_line(message)
+        kind, sep, text = root.partition(": ")
+        if sep and kind == "CollectiveTimeoutError":  # it names the rank that did not arrive: that is the news
+            return f"{prefix} {text}", rc
+        if sep and code == 2 and kind.isidentifier():  # a paratrain one-line error: its text, as in one process
+            root = text
     return f"{prefix} worker {who} failed ({how})" + (f": {root}" if root else ""), rc
 
 
@@ -212,6 +225,55 @@ def _set_threads(nproc_per_node: int) -> None:
     if nproc_per_node > 1:
         print(f"paratrain: OMP_NUM_THREADS={threads} per worker ({cores} cores / {nproc_per_node} workers on this "
               "node; set OMP_NUM_THREADS to choose)", file=sys.stderr, flush=True)
+
+
+class _WakeStopped:
+    """While torchrun runs, wake (SIGCONT) any worker that is stopped with a SIGTERM pending.
+
+    A frozen worker (SIGSTOP, a stopped debugger) cannot act on the SIGTERM that the agent sends
+    when the group fails, and torch 2.13's agent then waits a fixed 30 s before SIGKILL (its
+    ``--shutdown-timeout`` does not reach that path). A worker is woken only once it was asked to
+    terminate, so a job paused on purpose (``kill -STOP``) stays paused. Linux only (``/proc``).
+    """
+
+    def __init__(self, interval_s: float = 0.5) -> None:
+        self.interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="paratrain-wake-stopped", daemon=True)
+
+    def __enter__(self) -> "_WakeStopped":
+        if os.path.isdir(f"/proc/{os.getpid()}/task"):
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            for pid in _children():
+                if _stopped_with_sigterm_pending(pid):
+                    with contextlib.suppress(OSError):
+                        os.kill(pid, signal.SIGCONT)
+
+
+def _children() -> list[int]:
+    pids = []
+    for task in os.listdir(f"/proc/{os.getpid()}/task"):
+        with contextlib.suppress(OSError, ValueError):
+            with open(f"/proc/{os.getpid()}/task/{task}/children") as f:
+                pids += [int(p) for p in f.read().split()]
+    return pids
+
+
+def _stopped_with_sigterm_pending(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            status = dict(line.split(":", 1) for line in f if ":" in line)
+    except OSError:
+        return False
+    pending = int(status.get("ShdPnd", "0").strip(), 16) | int(status.get("SigPnd", "0").strip(), 16)
+    return status.get("State", "").strip().startswith("T") and bool(pending & (1 << (signal.SIGTERM - 1)))
 
 
 def check_resolvable(host: str) -> None:
@@ -245,7 +307,8 @@ def torchrun(cfg: LaunchConfig, program: list[str], module: bool = False, comman
     parser.allow_abbrev = False
     # Only the launcher's part goes through torchrun's parser: the program's own arguments
     # (``--nproc 7``, ``--help``...) are set afterwards, untouched.
-    argv = _torchrun_argv(cfg, program[:1], module, set(parser._option_string_actions))
+    store_dir = tempfile.mkdtemp(prefix="paratrain-rdzv-")  # private (0700): the rendezvous' FileStore
+    argv = _torchrun_argv(cfg, program[:1], module, set(parser._option_string_actions), store_dir)
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     _set_threads(cfg.nproc_per_node)
     if not os.environ.get("PARATRAIN_LAUNCH_LOGS"):
@@ -253,12 +316,16 @@ def torchrun(cfg: LaunchConfig, program: list[str], module: bool = False, comman
         # below says; PARATRAIN_LAUNCH_LOGS=1 keeps them.
         logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
         logging.getLogger("torch.distributed.run").setLevel(logging.ERROR)
-    if _is_loopback(cfg.rendezvous_host):
+    if is_loopback(cfg.rendezvous_host):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    if "--rdzv-conf=store_type=file" not in argv:  # the agent's rendezvous is torch's TCPStore server
+        print(f"paratrain: note: the rendezvous store at {cfg.rendezvous_host} listens on all interfaces and accepts "
+              "any client (torch's TCPStore): run multi-node jobs on a trusted network", file=sys.stderr, flush=True)
     try:
         args = parser.parse_args(argv)
         args.training_script_args = list(program[1:])
-        trun.run(args)
+        with _WakeStopped():
+            trun.run(args)
     except ChildFailedError as e:
         line, rc = _failure_line(e, prefix)
         print(line, file=sys.stderr, flush=True)
@@ -270,4 +337,6 @@ def torchrun(cfg: LaunchConfig, program: list[str], module: bool = False, comman
     except SignalException as e:
         print(f"{prefix} stopped by {e.sigval.name}; workers were terminated", file=sys.stderr, flush=True)
         return 128 + int(e.sigval)
+    finally:
+        shutil.rmtree(store_dir, ignore_errors=True)
     return 0

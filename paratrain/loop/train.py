@@ -17,6 +17,7 @@ from ..checkpoint import CheckpointError, load_latest
 from ..config import TrainConfig
 from ..data.augment import augment_for, eval_augment_for
 from ..data.datasets import build_dataset, dataset_info
+from ..env.process import explain_timeout
 from ..models import build_model
 from ..parallel import Parallel
 from .fit import fit, planned_steps
@@ -103,8 +104,11 @@ def run_training(cfg: TrainConfig) -> dict[str, Any]:
         pt.print(f"finished {result.steps} steps in {summary['seconds']:.1f}s: train loss {train_loss:.4f}, "
                  f"test accuracy {100 * (summary['test_accuracy'] or 0):.2f}% on {summary['test_count']} samples"
                  + (f", {result.skipped_steps} fp16 overflow steps skipped" if result.skipped_steps else ""))
-    except BaseException:
+    except BaseException as e:
+        why = explain_timeout(e, cfg.parallel.timeout_s, pt.global_step + 1)  # who did not arrive
         pt.close(wait_for_peers=False)  # peers may be gone: no barrier
+        if why is not None:
+            raise why from e
         raise
     pt.close()
     return summary
@@ -185,17 +189,23 @@ def _restarts() -> int:
 
 
 def _fault_injection() -> Any:
-    """Test hook: ``PARATRAIN_TEST_KILL_AT=rank:step`` SIGKILLs that rank at that step, first attempt only."""
-    spec = os.environ.get("PARATRAIN_TEST_KILL_AT")
-    if not spec or _restarts():
+    """Test hooks, first attempt only: ``PARATRAIN_TEST_KILL_AT=rank:step`` SIGKILLs that rank at
+    that step, ``PARATRAIN_TEST_HANG_AT`` makes it sleep (it stops arriving at collectives) and
+    ``PARATRAIN_TEST_STOP_AT`` SIGSTOPs it (a frozen process)."""
+    faults = {"KILL": lambda: os.kill(os.getpid(), signal.SIGKILL), "HANG": lambda: time.sleep(3600),
+              "STOP": lambda: os.kill(os.getpid(), signal.SIGSTOP)}
+    chosen = [(act, os.environ[f"PARATRAIN_TEST_{name}_AT"]) for name, act in faults.items()
+              if os.environ.get(f"PARATRAIN_TEST_{name}_AT")]
+    if not chosen or _restarts():
         return None
+    act, spec = chosen[0]
     rank, step = (int(v) for v in spec.split(":"))
 
-    def maybe_die(pt: Parallel) -> None:
+    def maybe_fail(pt: Parallel) -> None:
         if pt.rank == rank and pt.global_step == step:
-            os.kill(os.getpid(), signal.SIGKILL)
+            act()
 
-    return maybe_die
+    return maybe_fail
 
 
 def _eval_transform(dataset: str) -> Any:

@@ -53,7 +53,7 @@ from torch.utils.data import Dataset
 from ..data.loaders import GlobalBatchLoader
 from ..data.sampler import BatchPlan
 from ..env.detect import detect_process
-from ..env.process import seed_everything, select_device
+from ..env.process import seed_everything, select_device, store_init_method
 from .server import SERVER, PSOptions, ServerState, abort, call_server, fetch, finish, push_async, push_sync, set_server
 
 __all__ = ["PSResult", "run_parameter_server"]
@@ -121,11 +121,15 @@ def run_parameter_server(
     if n < global_batch:
         raise ValueError(f"the dataset has {n} samples, fewer than one global batch of {global_batch}")
 
-    # env:// so the rendezvous also works under torchrun, whose agent already serves MASTER_PORT.
+    # env:// where torchrun's agent already serves MASTER_PORT; on one node a store that listens on
+    # loopback only (env:// would listen on every interface).
     os.environ.setdefault("MASTER_ADDR", info.master_addr)
     os.environ.setdefault("MASTER_PORT", str(info.master_port))
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
     backend_options = rpc.TensorPipeRpcBackendOptions(
-        init_method="env://", rpc_timeout=opts.rpc_timeout_s,
+        init_method="env://" if agent_store else store_init_method(os.environ["MASTER_ADDR"],
+                                                                    int(os.environ["MASTER_PORT"])),
+        rpc_timeout=opts.rpc_timeout_s,
         # shm/ibv need resources containers often lack; uv (TCP) works everywhere.
         _transports=["uv"],
     )

@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.distributed.rpc as rpc
 from torch import nn
 
-from ..env.process import Dist
+from ..env.process import Dist, store_init_method
 from .base import Strategy
 from ..ps.dedicated import PSResult, run_parameter_server
 from ..ps.server import (MODES, SERVER, PSOptions, ServerState, abort, call_server, get_server, push_async, push_sync,
@@ -91,7 +91,7 @@ class ParameterServerStrategy(Strategy):
             dist.broadcast_object_list(where, src=0)
         opts: PSOptions = self.options
         backend_options = rpc.TensorPipeRpcBackendOptions(
-            init_method=f"tcp://{host}:{where[0]}", rpc_timeout=opts.rpc_timeout_s, _transports=["uv"])
+            init_method=store_init_method(host, where[0]), rpc_timeout=opts.rpc_timeout_s, _transports=["uv"])
         name = SERVER if self.dist.rank == 0 else f"worker{self.dist.rank}"
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="You are using a Backend .* as a ProcessGroup")
