@@ -12,7 +12,7 @@ from torch import nn
 import paratrain
 from paratrain.nn import SyncBatchNorm, convert_sync_batchnorm, has_unsynced_batchnorm
 from paratrain.nn import syncbn as syncbn_module
-from parity import FLOAT64_RTOL
+from parity import FLOAT64_RTOL, relative_error
 
 F64 = torch.float64
 STEPS = 3
@@ -88,10 +88,10 @@ def launched():
 
 # float32: the synced statistics are summed in another order than one BatchNorm's (per-rank
 # var_mean, combined in float64), a ~1e-7 relative difference that these forward/backward passes
-# do not amplify (nothing is trained). Measured: outputs, input gradients and running stats
-# <= 5e-7 absolute on values up to 5; weight/bias gradients summed over ranks <= 8e-6 on values
-# up to 70 (1e-7 relative); the reference with 1 vs 2 threads <= 5e-7. 1e-5 is >= 10x each.
-# float64: measured <= 3e-15 and <= 3e-14 (summed gradients); atol covers elements near 0.
+# do not amplify (nothing is trained). Measured: outputs, input gradients and running stats use
+# <= 2.5% of this tolerance (<= 5e-7 absolute on values up to 5); the reference with 1 vs 2
+# threads <= 5% (tests/test_parity_conditioning.py).
+# float64: measured <= 3e-15 absolute, 0.1% of the tolerance; atol covers elements near 0.
 TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-5), F64: dict(rtol=FLOAT64_RTOL, atol=1e-12)}
 
 
@@ -112,8 +112,11 @@ def test_sync_matches_single_process_batchnorm(launched, world, index):
         _close(got["running_mean"], ref["running_mean"])
         _close(got["running_var"], ref["running_var"])
         assert got["num_batches_tracked"] == STEPS
-    _close(sum(r["wgrad"] for r in ranks), ref["wgrad"])
-    _close(sum(r["bgrad"] for r in ranks), ref["bgrad"])
+    # A weight/bias gradient sums out * w over the whole batch (400 terms up to ~10 each, for values
+    # down to 2.5): its rounding is relative to the vector, not to one cancelled element. Measured
+    # <= 1.9e-7 (float32) and 1.1e-15 (float64) relative to the norm.
+    for g in ("wgrad", "bgrad"):
+        assert relative_error(sum(r[g] for r in ranks), ref[g]) <= TOLERANCE[dtype]["rtol"], g
 
 
 def test_sync_bf16_input_returns_bf16(launched):
