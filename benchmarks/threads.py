@@ -16,12 +16,13 @@ What it measures
         (paratrain, Python threads) and ``fork_map scripted`` (paratrain on scripted branches: its
         TorchScript launcher). Speed-ups are against ``sequential``, or against ``scripted
         sequential`` for the scripted variants (TorchScript changes the step time by itself).
-    (b) ``devices`` on two CPU parts (an 8-layer MLP of width 1024, batch 256, cut in the middle),
-        per training step: ``micro_batches=1`` (the parts one after another) against
-        ``micro_batches=4`` pipelined (forward and backward), pipelined forward with the autograd
-        engine's backward (``pipelined_backward=False``: what shows that one backward call runs
-        the CPU nodes one at a time), and the 4 chunks run one after another (what chunking alone
-        costs). Forward-only times (``torch.no_grad``) too.
+    (b) ``devices`` on two CPU parts (an MLP of 4 Linear(1024, 1024) layers and a head, cut in the
+        middle), per training step, at batch 1024 and 256: ``micro_batches=1`` (the parts one
+        after another) against ``micro_batches=4`` pipelined (forward and backward), pipelined
+        forward with the autograd engine's backward (``pipelined_backward=False``: what shows that
+        one backward call runs the CPU nodes one at a time), and the 4 chunks run one after
+        another (what chunking alone costs: a matmul over 64 rows runs at a lower rate than over
+        256). Forward-only times (``torch.no_grad``) too.
     (c) The same shapes with intra-op threading instead: one branch (or the whole split) at a
         time with 2 intra-op threads, so that inter-op (branches) and intra-op (kernels) can be
         compared for each shape.
@@ -32,8 +33,11 @@ How
     runs). A block's time is the median of its calls; a variant's time is the median over runs;
     the speed-up is the median of the per-run paired ratios, with their range. ``cores busy`` is
     the process CPU time over wall time during the variant's blocks: near 2 when two branches ran
-    at once on 2 cores, near 1 when they did not, lower when other jobs took the cores. The load
-    average is printed before and after: on a shared machine, read the speed-ups alongside it.
+    at once on 2 cores, near 1 when they did not, lower when other jobs took the cores (then no
+    variant can beat sequential: the speed-ups say nothing about overlap). ``CPU ms/call`` is the
+    process CPU time per call, all threads: the work a variant does, which contention disturbs
+    less than wall time (what forking or chunking adds shows there). The load average is printed
+    before and after: on a shared machine, read the speed-ups alongside it and ``cores busy``.
 
 Usage::
 
@@ -113,7 +117,8 @@ def abba(title: str, variants: dict[str, Callable[[], object]], baselines: dict[
             wall[name] += w
             cpu[name] += c
     print(f"\n{title}")
-    print(f"  {'variant':34s} {'ms/call':>9s} {'speed-up':>9s} {'(range)':>13s} {'vs':>22s} {'cores busy':>10s}")
+    print(f"  {'variant':34s} {'ms/call':>9s} {'speed-up':>9s} {'(range)':>13s} {'vs':>22s} {'cores busy':>10s} "
+          f"{'CPU ms/call':>11s}")
     out = {}
     for name in names:
         t = statistics.median(per_run[name])
@@ -126,7 +131,8 @@ def abba(title: str, variants: dict[str, Callable[[], object]], baselines: dict[
             sp = f"{statistics.median(ratios):.2f}x"
             rng = f"({min(ratios):.2f}-{max(ratios):.2f})"
             vs = base
-        print(f"  {name:34s} {t * 1e3:9.2f} {sp:>9s} {rng:>13s} {vs:>22s} {cpu[name] / wall[name]:10.2f}")
+        print(f"  {name:34s} {t * 1e3:9.2f} {sp:>9s} {rng:>13s} {vs:>22s} {cpu[name] / wall[name]:10.2f} "
+              f"{cpu[name] / (runs * reps) * 1e3:11.3f}")
     return out
 
 
@@ -287,20 +293,20 @@ def part_a(runs: int, reps: int) -> None:
 
 # --- (b) devices, pipelined ---------------------------------------------------------------------
 
-def mlp8() -> nn.Sequential:
+def mlp(layers: int = 4, width: int = 1024) -> nn.Sequential:
     torch.manual_seed(0)
-    layers: list[nn.Module] = []
-    for _ in range(8):
-        layers += [nn.Linear(1024, 1024), nn.ReLU()]
-    layers.append(nn.Linear(1024, 10))
-    return nn.Sequential(*layers)
+    mods: list[nn.Module] = []
+    for _ in range(layers):
+        mods += [nn.Linear(width, width), nn.ReLU()]
+    mods.append(nn.Linear(width, 10))
+    return nn.Sequential(*mods)
 
 
 def split(micro_batches: int, pipelined_backward: bool = True, sequential_chunks: bool = False) -> nn.Module:
     strategy = DevicesStrategy(Dist(ProcessInfo(), torch.device("cpu"), None),
-                               options=DevicesOptions(devices=["cpu", "cpu"], split_points=["8"],
+                               options=DevicesOptions(devices=["cpu", "cpu"], split_points=["4"],
                                                       micro_batches=micro_batches))
-    model = strategy.setup_model(mlp8())
+    model = strategy.setup_model(mlp())
     model.pipelined_backward = pipelined_backward
     if sequential_chunks:
         model.forward = _sequential_chunks(model)  # type: ignore[method-assign]
@@ -334,17 +340,19 @@ DEVICES_BASE = {n: "micro_batches=1" for n in devices_models()}
 
 
 def part_b(runs: int, reps: int) -> None:
-    print("\n(b) devices on two CPU parts (8 x Linear(1024, 1024), cut in the middle), batch 256, "
-          "1 intra-op thread per part")
+    print("\n(b) devices on two CPU parts (4 x Linear(1024, 1024) + ReLU, then a Linear(1024, 10); cut after the "
+          "second), 1 intra-op thread per part")
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(256, 1024, generator=g)
-    y = torch.randint(0, 10, (256,), generator=g)
     models = devices_models()
-    abba("devices, training step (forward + backward)", {n: train_step(m, x, y) for n, m in models.items()},
-         DEVICES_BASE, runs, reps)
-    fwd = {n: no_grad(m, x) for n, m in models.items() if n in ("micro_batches=1", "micro_batches=4 pipelined",
-                                                                 "k=4, chunks one at a time")}
-    abba("devices, forward only (no_grad)", fwd, DEVICES_BASE, runs, reps)
+    for batch in (1024, 256):
+        x = torch.randn(batch, 1024, generator=g)
+        y = torch.randint(0, 10, (batch,), generator=g)
+        abba(f"devices, training step (forward + backward), batch {batch} (micro-batches of {batch // 4})",
+             {n: train_step(m, x, y) for n, m in models.items()}, DEVICES_BASE, runs, reps)
+        if batch == 1024:
+            fwd = {n: no_grad(m, x) for n, m in models.items()
+                   if n in ("micro_batches=1", "micro_batches=4 pipelined", "k=4, chunks one at a time")}
+            abba(f"devices, forward only (no_grad), batch {batch}", fwd, DEVICES_BASE, runs, reps)
 
 
 # --- (c) intra-op threads instead ---------------------------------------------------------------
@@ -368,10 +376,10 @@ def part_c(runs: int, reps: int) -> None:
                                        "sequential, 2 intra-op threads": train_step(seq, x, y),
                                        "fork_map, 1 thread per branch": train_step(fm, x, y)},
          base, runs, reps, dict(setups))
-    xb = torch.randn(256, 1024, generator=g)
-    yb = torch.randint(0, 10, (256,), generator=g)
+    xb = torch.randn(1024, 1024, generator=g)
+    yb = torch.randint(0, 10, (1024,), generator=g)
     one, piped = split(1), split(4)
-    abba("devices (two CPU parts), training step, batch 256",
+    abba("devices (two CPU parts), training step, batch 1024",
          {"sequential, 1 thread": train_step(one, xb, yb), "sequential, 2 intra-op threads": train_step(one, xb, yb),
           "fork_map, 1 thread per branch": train_step(piped, xb, yb)},
          base, runs, reps, dict(setups))

@@ -4,8 +4,10 @@ Timings live in benchmarks/threads.py; these tests are about behaviour."""
 
 from __future__ import annotations
 
+import gc
 import threading
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -194,7 +196,11 @@ def test_scripted_modules_fork_on_the_interop_pool_with_autograd():
         g_forked = torch.autograd.grad(sum(o.sum() for o in outs), params)
     assert all(torch.equal(a, b) for a, b in zip(g_forked, g_seq))  # forked == called directly
     towers[1].eval()  # the launcher calls the user's module itself: its mode is the user's
-    assert not threads._launchers[towers[1]][1].fn.training
+    assert not towers[1]._paratrain_launchers[1].fn.training
+    gone = weakref.ref(towers.pop())
+    del fut, outs
+    gc.collect()
+    assert gone() is None  # its launcher does not keep a forked module alive
 
 
 def test_torch_compile_graph_breaks_at_fork_map():
