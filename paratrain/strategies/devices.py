@@ -34,7 +34,7 @@ generator from several threads, so its masks depend on thread timing.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, ClassVar, Sequence
 
 import torch
 from torch import nn
@@ -215,6 +215,7 @@ class DevicesStrategy(Strategy):
     name = "devices"
     processes = "one"
     master_weights = True
+    in_process_micro_batches: ClassVar[bool] = True  # options.micro_batches pipelines the parts in this process
 
     def __init__(self, dist_info: Dist, sync_batchnorm: bool = False, options: DevicesOptions | None = None) -> None:
         super().__init__(dist_info, sync_batchnorm, options or DevicesOptions())
