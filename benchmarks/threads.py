@@ -1,6 +1,10 @@
 """Threads inside one process: what overlaps, measured.
 
 What it measures
+    (0) Whether two branches run at the same time at all, for each way of forking and for backward:
+        each branch announces that it started and waits (up to 1 s) for the other; they meet only
+        if both ran at once. Load slows this down but cannot fake it, so this part holds on a
+        busy machine too.
     (a) Independent branches, one intra-op thread per branch (``torch.set_num_threads(1)``, 2
         inter-op threads), forward pass and training step (zero_grad + forward + backward):
 
@@ -41,7 +45,7 @@ How
 
 Usage::
 
-    python benchmarks/threads.py [--runs 6] [--reps 5] [--only a|b|c]
+    python benchmarks/threads.py [--runs 6] [--reps 5] [--only 0|a|b|c]
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ import os
 import platform
 import statistics
 import sys
+import threading
 import time
 import warnings
 from typing import Callable
@@ -138,6 +143,87 @@ def abba(title: str, variants: dict[str, Callable[[], object]], baselines: dict[
 
 def with_threads(n: int) -> Callable[[], None]:
     return lambda: torch.set_num_threads(n)
+
+
+# --- (0) what runs at the same time, whatever the load ---------------------------------------------
+
+MEET_TIMEOUT = 1.0
+
+
+class Meet:
+    """Two branches that each say they started, then wait (up to MEET_TIMEOUT s) for the other: both
+    see the other only if they ran at the same time. Slow cores delay it, but cannot fake it."""
+
+    def __init__(self) -> None:
+        self.started = [threading.Event(), threading.Event()]
+        self.met = [False, False]
+
+    def arrive(self, i: int) -> None:
+        self.started[i].set()
+        self.met[i] = self.started[1 - i].wait(MEET_TIMEOUT)
+
+    def branch(self, i: int) -> Callable[[Tensor], Tensor]:
+        def fn(x: Tensor) -> Tensor:
+            self.arrive(i)
+            return x * 2
+        return fn
+
+
+@torch.jit.script
+def spin_meet(mine: Tensor, other: Tensor) -> Tensor:
+    """TorchScript's version: set ``mine``, spin (bounded) until ``other`` is set; 1 if it was."""
+    mine.fill_(1)
+    n = 0
+    while bool(other[0] == 0) and n < 100000:
+        n += 1
+    return other.clone()
+
+
+class Rendezvous(torch.autograd.Function):
+    """Identity in forward; its backward meets the other branch's."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, meet: Meet, i: int) -> Tensor:  # type: ignore[override]
+        ctx.meet, ctx.i = meet, i
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g: Tensor) -> tuple[Tensor, None, None]:  # type: ignore[override]
+        ctx.meet.arrive(ctx.i)
+        return g, None, None
+
+
+def part_0() -> None:
+    print("\n(0) do two branches run at the same time? (each waits for the other to start: load cannot fake it)")
+    x = torch.ones(3)
+    rows = []
+    m = Meet()
+    f = torch.jit.fork(m.branch(0), x)
+    m.branch(1)(x)
+    torch.jit.wait(f)
+    rows.append(("torch.jit.fork(python function) from Python", all(m.met)))
+    m = Meet()
+    f = paratrain.fork(m.branch(0), x)
+    m.branch(1)(x)
+    paratrain.wait(f)
+    rows.append(("paratrain.fork(python function): thread pool", all(m.met)))
+    for name, forker, waiter in (("torch.jit.fork(scripted function) from Python", torch.jit.fork, torch.jit.wait),
+                                 ("paratrain.fork(scripted function): TorchScript fork", paratrain.fork,
+                                  paratrain.wait)):
+        a, b = torch.zeros(1), torch.zeros(1)
+        fut = forker(spin_meet, a, b)
+        mine = spin_meet(b, a)
+        rows.append((name, bool(waiter(fut)[0] == 1 and mine[0] == 1)))
+    w = torch.ones(3, requires_grad=True)
+    m = Meet()
+    (Rendezvous.apply(w * 2, m, 0).sum() + Rendezvous.apply(w * 3, m, 1).sum()).backward()
+    rows.append(("backward: one loss.backward() over two branches (CPU)", all(m.met)))
+    m = Meet()
+    outs = [Rendezvous.apply(w * 2, m, 0), Rendezvous.apply(w * 3, m, 1)]
+    paratrain.fork_map(lambda t: torch.autograd.grad(t.sum(), w), outs)
+    rows.append(("backward: autograd.grad per branch, in two threads", all(m.met)))
+    for name, together in rows:
+        print(f"  {name:55s} {'at the same time' if together else 'one after the other'}")
 
 
 # --- (a) independent branches ------------------------------------------------------------------
@@ -391,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--runs", type=int, default=6, help="ABBA runs per group (default 6; at least 5)")
     p.add_argument("--reps", type=int, default=5, help="calls per block (default 5)")
-    p.add_argument("--only", choices=["a", "b", "c"], help="one part only")
+    p.add_argument("--only", choices=["0", "a", "b", "c"], help="one part only")
     args = p.parse_args(argv)
     settings = paratrain.configure_threads(1, branches=2, verbose=False)
     print(f"hardware: {cpu_model()}, {settings.cores} usable cores; torch {torch.__version__}; "
@@ -400,6 +486,8 @@ def main(argv: list[str] | None = None) -> int:
           f"(paratrain.configure_threads(1, branches=2)); {args.runs} ABBA runs x {args.reps} calls per variant")
     print(f"load average (1/5/15 min) before: {load()}   -- a shared machine: other jobs take cores too")
     t0 = time.perf_counter()
+    if args.only in (None, "0"):
+        part_0()
     for name, part in (("a", part_a), ("b", part_b), ("c", part_c)):
         if args.only in (None, name):
             part(args.runs, args.reps)
