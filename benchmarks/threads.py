@@ -1,6 +1,10 @@
 """Threads inside one process: what overlaps, measured.
 
 What it measures
+    (0) Whether two branches run at the same time at all, for each way of forking and for backward:
+        each branch announces that it started and waits (up to 1 s) for the other; they meet only
+        if both ran at once. Load slows this down but cannot fake it, so this part holds on a
+        busy machine too.
     (a) Independent branches, one intra-op thread per branch (``torch.set_num_threads(1)``, 2
         inter-op threads), forward pass and training step (zero_grad + forward + backward):
 
@@ -16,12 +20,13 @@ What it measures
         (paratrain, Python threads) and ``fork_map scripted`` (paratrain on scripted branches: its
         TorchScript launcher). Speed-ups are against ``sequential``, or against ``scripted
         sequential`` for the scripted variants (TorchScript changes the step time by itself).
-    (b) ``devices`` on two CPU parts (an 8-layer MLP of width 1024, batch 256, cut in the middle),
-        per training step: ``micro_batches=1`` (the parts one after another) against
-        ``micro_batches=4`` pipelined (forward and backward), pipelined forward with the autograd
-        engine's backward (``pipelined_backward=False``: what shows that one backward call runs
-        the CPU nodes one at a time), and the 4 chunks run one after another (what chunking alone
-        costs). Forward-only times (``torch.no_grad``) too.
+    (b) ``devices`` on two CPU parts (an MLP of 4 Linear(1024, 1024) layers and a head, cut in the
+        middle), per training step, at batch 1024 and 256: ``micro_batches=1`` (the parts one
+        after another) against ``micro_batches=4`` pipelined (forward and backward), pipelined
+        forward with the autograd engine's backward (``pipelined_backward=False``: what shows that
+        one backward call runs the CPU nodes one at a time), and the 4 chunks run one after
+        another (what chunking alone costs: a matmul over 64 rows runs at a lower rate than over
+        256). Forward-only times (``torch.no_grad``) too.
     (c) The same shapes with intra-op threading instead: one branch (or the whole split) at a
         time with 2 intra-op threads, so that inter-op (branches) and intra-op (kernels) can be
         compared for each shape.
@@ -32,12 +37,15 @@ How
     runs). A block's time is the median of its calls; a variant's time is the median over runs;
     the speed-up is the median of the per-run paired ratios, with their range. ``cores busy`` is
     the process CPU time over wall time during the variant's blocks: near 2 when two branches ran
-    at once on 2 cores, near 1 when they did not, lower when other jobs took the cores. The load
-    average is printed before and after: on a shared machine, read the speed-ups alongside it.
+    at once on 2 cores, near 1 when they did not, lower when other jobs took the cores (then no
+    variant can beat sequential: the speed-ups say nothing about overlap). ``CPU ms/call`` is the
+    process CPU time per call, all threads: the work a variant does, which contention disturbs
+    less than wall time (what forking or chunking adds shows there). The load average is printed
+    before and after: on a shared machine, read the speed-ups alongside it and ``cores busy``.
 
 Usage::
 
-    python benchmarks/threads.py [--runs 6] [--reps 5] [--only a|b|c]
+    python benchmarks/threads.py [--runs 6] [--reps 5] [--only 0|a|b|c]
 """
 
 from __future__ import annotations
@@ -48,6 +56,7 @@ import os
 import platform
 import statistics
 import sys
+import threading
 import time
 import warnings
 from typing import Callable
@@ -113,7 +122,8 @@ def abba(title: str, variants: dict[str, Callable[[], object]], baselines: dict[
             wall[name] += w
             cpu[name] += c
     print(f"\n{title}")
-    print(f"  {'variant':34s} {'ms/call':>9s} {'speed-up':>9s} {'(range)':>13s} {'vs':>22s} {'cores busy':>10s}")
+    print(f"  {'variant':34s} {'ms/call':>9s} {'speed-up':>9s} {'(range)':>13s} {'vs':>22s} {'cores busy':>10s} "
+          f"{'CPU ms/call':>11s}")
     out = {}
     for name in names:
         t = statistics.median(per_run[name])
@@ -126,12 +136,94 @@ def abba(title: str, variants: dict[str, Callable[[], object]], baselines: dict[
             sp = f"{statistics.median(ratios):.2f}x"
             rng = f"({min(ratios):.2f}-{max(ratios):.2f})"
             vs = base
-        print(f"  {name:34s} {t * 1e3:9.2f} {sp:>9s} {rng:>13s} {vs:>22s} {cpu[name] / wall[name]:10.2f}")
+        print(f"  {name:34s} {t * 1e3:9.2f} {sp:>9s} {rng:>13s} {vs:>22s} {cpu[name] / wall[name]:10.2f} "
+              f"{cpu[name] / (runs * reps) * 1e3:11.3f}")
     return out
 
 
 def with_threads(n: int) -> Callable[[], None]:
     return lambda: torch.set_num_threads(n)
+
+
+# --- (0) what runs at the same time, whatever the load ---------------------------------------------
+
+MEET_TIMEOUT = 1.0
+
+
+class Meet:
+    """Two branches that each say they started, then wait (up to MEET_TIMEOUT s) for the other: both
+    see the other only if they ran at the same time. Slow cores delay it, but cannot fake it."""
+
+    def __init__(self) -> None:
+        self.started = [threading.Event(), threading.Event()]
+        self.met = [False, False]
+
+    def arrive(self, i: int) -> None:
+        self.started[i].set()
+        self.met[i] = self.started[1 - i].wait(MEET_TIMEOUT)
+
+    def branch(self, i: int) -> Callable[[Tensor], Tensor]:
+        def fn(x: Tensor) -> Tensor:
+            self.arrive(i)
+            return x * 2
+        return fn
+
+
+@torch.jit.script
+def spin_meet(mine: Tensor, other: Tensor) -> Tensor:
+    """TorchScript's version: set ``mine``, spin (bounded) until ``other`` is set; 1 if it was."""
+    mine.fill_(1)
+    n = 0
+    while bool(other[0] == 0) and n < 100000:
+        n += 1
+    return other.clone()
+
+
+class Rendezvous(torch.autograd.Function):
+    """Identity in forward; its backward meets the other branch's."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, meet: Meet, i: int) -> Tensor:  # type: ignore[override]
+        ctx.meet, ctx.i = meet, i
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g: Tensor) -> tuple[Tensor, None, None]:  # type: ignore[override]
+        ctx.meet.arrive(ctx.i)
+        return g, None, None
+
+
+def part_0() -> None:
+    print("\n(0) do two branches run at the same time? (each waits for the other to start: load cannot fake it)")
+    x = torch.ones(3)
+    rows = []
+    m = Meet()
+    f = torch.jit.fork(m.branch(0), x)
+    m.branch(1)(x)
+    torch.jit.wait(f)
+    rows.append(("torch.jit.fork(python function) from Python", all(m.met)))
+    m = Meet()
+    f = paratrain.fork(m.branch(0), x)
+    m.branch(1)(x)
+    paratrain.wait(f)
+    rows.append(("paratrain.fork(python function): thread pool", all(m.met)))
+    for name, forker, waiter in (("torch.jit.fork(scripted function) from Python", torch.jit.fork, torch.jit.wait),
+                                 ("paratrain.fork(scripted function): TorchScript fork", paratrain.fork,
+                                  paratrain.wait)):
+        a, b = torch.zeros(1), torch.zeros(1)
+        fut = forker(spin_meet, a, b)
+        mine = spin_meet(b, a)
+        rows.append((name, bool(waiter(fut)[0] == 1 and mine[0] == 1)))
+    w = torch.ones(3, requires_grad=True)
+    m = Meet()
+    (Rendezvous.apply(w * 2, m, 0).sum() + Rendezvous.apply(w * 3, m, 1).sum()).backward()
+    rows.append(("backward: one loss.backward() over two branches (CPU)", all(m.met)))
+    m = Meet()
+    outs = [Rendezvous.apply(w * 2, m, 0), Rendezvous.apply(w * 3, m, 1)]
+    paratrain.fork_map(lambda t: torch.autograd.grad(t.sum(), w), outs)
+    rows.append(("backward: autograd.grad per branch, in two threads", all(m.met)))
+    for name, together in rows:
+        print(f"  {name:55s} {'at the same time' if together else 'one after the other'}")
 
 
 # --- (a) independent branches ------------------------------------------------------------------
@@ -287,20 +379,20 @@ def part_a(runs: int, reps: int) -> None:
 
 # --- (b) devices, pipelined ---------------------------------------------------------------------
 
-def mlp8() -> nn.Sequential:
+def mlp(layers: int = 4, width: int = 1024) -> nn.Sequential:
     torch.manual_seed(0)
-    layers: list[nn.Module] = []
-    for _ in range(8):
-        layers += [nn.Linear(1024, 1024), nn.ReLU()]
-    layers.append(nn.Linear(1024, 10))
-    return nn.Sequential(*layers)
+    mods: list[nn.Module] = []
+    for _ in range(layers):
+        mods += [nn.Linear(width, width), nn.ReLU()]
+    mods.append(nn.Linear(width, 10))
+    return nn.Sequential(*mods)
 
 
 def split(micro_batches: int, pipelined_backward: bool = True, sequential_chunks: bool = False) -> nn.Module:
     strategy = DevicesStrategy(Dist(ProcessInfo(), torch.device("cpu"), None),
-                               options=DevicesOptions(devices=["cpu", "cpu"], split_points=["8"],
+                               options=DevicesOptions(devices=["cpu", "cpu"], split_points=["4"],
                                                       micro_batches=micro_batches))
-    model = strategy.setup_model(mlp8())
+    model = strategy.setup_model(mlp())
     model.pipelined_backward = pipelined_backward
     if sequential_chunks:
         model.forward = _sequential_chunks(model)  # type: ignore[method-assign]
@@ -334,17 +426,19 @@ DEVICES_BASE = {n: "micro_batches=1" for n in devices_models()}
 
 
 def part_b(runs: int, reps: int) -> None:
-    print("\n(b) devices on two CPU parts (8 x Linear(1024, 1024), cut in the middle), batch 256, "
-          "1 intra-op thread per part")
+    print("\n(b) devices on two CPU parts (4 x Linear(1024, 1024) + ReLU, then a Linear(1024, 10); cut after the "
+          "second), 1 intra-op thread per part")
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(256, 1024, generator=g)
-    y = torch.randint(0, 10, (256,), generator=g)
     models = devices_models()
-    abba("devices, training step (forward + backward)", {n: train_step(m, x, y) for n, m in models.items()},
-         DEVICES_BASE, runs, reps)
-    fwd = {n: no_grad(m, x) for n, m in models.items() if n in ("micro_batches=1", "micro_batches=4 pipelined",
-                                                                 "k=4, chunks one at a time")}
-    abba("devices, forward only (no_grad)", fwd, DEVICES_BASE, runs, reps)
+    for batch in (1024, 256):
+        x = torch.randn(batch, 1024, generator=g)
+        y = torch.randint(0, 10, (batch,), generator=g)
+        abba(f"devices, training step (forward + backward), batch {batch} (micro-batches of {batch // 4})",
+             {n: train_step(m, x, y) for n, m in models.items()}, DEVICES_BASE, runs, reps)
+        if batch == 1024:
+            fwd = {n: no_grad(m, x) for n, m in models.items()
+                   if n in ("micro_batches=1", "micro_batches=4 pipelined", "k=4, chunks one at a time")}
+            abba(f"devices, forward only (no_grad), batch {batch}", fwd, DEVICES_BASE, runs, reps)
 
 
 # --- (c) intra-op threads instead ---------------------------------------------------------------
@@ -368,10 +462,10 @@ def part_c(runs: int, reps: int) -> None:
                                        "sequential, 2 intra-op threads": train_step(seq, x, y),
                                        "fork_map, 1 thread per branch": train_step(fm, x, y)},
          base, runs, reps, dict(setups))
-    xb = torch.randn(256, 1024, generator=g)
-    yb = torch.randint(0, 10, (256,), generator=g)
+    xb = torch.randn(1024, 1024, generator=g)
+    yb = torch.randint(0, 10, (1024,), generator=g)
     one, piped = split(1), split(4)
-    abba("devices (two CPU parts), training step, batch 256",
+    abba("devices (two CPU parts), training step, batch 1024",
          {"sequential, 1 thread": train_step(one, xb, yb), "sequential, 2 intra-op threads": train_step(one, xb, yb),
           "fork_map, 1 thread per branch": train_step(piped, xb, yb)},
          base, runs, reps, dict(setups))
@@ -383,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--runs", type=int, default=6, help="ABBA runs per group (default 6; at least 5)")
     p.add_argument("--reps", type=int, default=5, help="calls per block (default 5)")
-    p.add_argument("--only", choices=["a", "b", "c"], help="one part only")
+    p.add_argument("--only", choices=["0", "a", "b", "c"], help="one part only")
     args = p.parse_args(argv)
     settings = paratrain.configure_threads(1, branches=2, verbose=False)
     print(f"hardware: {cpu_model()}, {settings.cores} usable cores; torch {torch.__version__}; "
@@ -392,6 +486,8 @@ def main(argv: list[str] | None = None) -> int:
           f"(paratrain.configure_threads(1, branches=2)); {args.runs} ABBA runs x {args.reps} calls per variant")
     print(f"load average (1/5/15 min) before: {load()}   -- a shared machine: other jobs take cores too")
     t0 = time.perf_counter()
+    if args.only in (None, "0"):
+        part_0()
     for name, part in (("a", part_a), ("b", part_b), ("c", part_c)):
         if args.only in (None, name):
             part(args.runs, args.reps)

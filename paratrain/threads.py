@@ -62,7 +62,6 @@ import re
 import sys
 import threading
 import warnings
-import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Sequence, cast
@@ -273,8 +272,9 @@ def _function_launcher(fn: Any, n: int) -> Any:
 
 
 _MODULE_LAUNCHERS = (_Launch1, _Launch2, _Launch3, _Launch4)
-_launchers: weakref.WeakKeyDictionary[Any, dict[int, Any]] = weakref.WeakKeyDictionary()
-_function_launchers: dict[int, tuple[Any, dict[int, Any]]] = {}  # ScriptFunctions take no weak references
+# A module's launchers live on the module (a cycle the garbage collector frees with it); a
+# ScriptFunction takes neither attributes nor weak references, so its launchers stay here.
+_function_launchers: dict[int, tuple[Any, dict[int, Any]]] = {}
 _launcher_lock = threading.Lock()
 
 
@@ -283,7 +283,7 @@ def _launcher(fn: Any, n: int) -> Any | None:
     TorchScript cannot compile one (then the thread pool runs ``fn``)."""
     with _launcher_lock:
         if isinstance(fn, torch.jit.ScriptModule):
-            table = _launchers.setdefault(fn, {})
+            table = fn.__dict__.setdefault("_paratrain_launchers", {})
         else:
             table = _function_launchers.setdefault(id(fn), (fn, {}))[1]
         if n not in table:

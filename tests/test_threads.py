@@ -4,8 +4,10 @@ Timings live in benchmarks/threads.py; these tests are about behaviour."""
 
 from __future__ import annotations
 
+import gc
 import threading
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -194,7 +196,11 @@ def test_scripted_modules_fork_on_the_interop_pool_with_autograd():
         g_forked = torch.autograd.grad(sum(o.sum() for o in outs), params)
     assert all(torch.equal(a, b) for a, b in zip(g_forked, g_seq))  # forked == called directly
     towers[1].eval()  # the launcher calls the user's module itself: its mode is the user's
-    assert not threads._launchers[towers[1]][1].fn.training
+    assert not towers[1]._paratrain_launchers[1].fn.training
+    gone = weakref.ref(towers.pop())
+    del fut, outs
+    gc.collect()
+    assert gone() is None  # its launcher does not keep a forked module alive
 
 
 def test_torch_compile_graph_breaks_at_fork_map():
@@ -275,3 +281,54 @@ def test_examples_run(script, argv, expect, monkeypatch, capsys):
     if "fork_towers" in script:  # same weights whether the experts ran at once or one after another
         diff = float(out.rsplit("runs: ", 1)[1].split()[0])
         assert diff < 1e-5, out
+
+
+class _Meet:
+    """Two branches that each say they started and wait (briefly) for the other: they both see the
+    other only if they ran at the same time, however loaded the machine."""
+
+    def __init__(self, timeout: float) -> None:
+        self.started, self.met, self.timeout = [threading.Event(), threading.Event()], [False, False], timeout
+
+    def arrive(self, i: int) -> None:
+        self.started[i].set()
+        self.met[i] = self.started[1 - i].wait(self.timeout)
+
+
+class _Rendezvous(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, meet, i):
+        ctx.meet, ctx.i = meet, i
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.meet.arrive(ctx.i)
+        return g, None, None
+
+
+def test_what_backward_overlaps_on_the_cpu():
+    # One backward() over two branches runs their nodes one at a time in the calling thread ...
+    w = torch.ones(3, requires_grad=True)
+    meet = _Meet(timeout=0.3)
+    (_Rendezvous.apply(w * 2, meet, 0).sum() + _Rendezvous.apply(w * 3, meet, 1).sum()).backward()
+    assert sorted(meet.met) == [False, True]  # the first waited in vain; the second found it had run
+    # ... while autograd.grad calls in separate threads run at once (what devices' pipelined backward uses).
+    meet = _Meet(timeout=60)
+    outs = [_Rendezvous.apply(w * 2, meet, 0), _Rendezvous.apply(w * 3, meet, 1)]
+    grads = paratrain.fork_map(lambda t: torch.autograd.grad(t.sum(), w)[0], outs)
+    assert meet.met == [True, True] and [g.tolist() for g in grads] == [[2.0] * 3, [3.0] * 3]
+
+
+def test_python_branches_meet_on_threads_but_not_with_eager_jit_fork():
+    meet = _Meet(timeout=60)
+    fut = paratrain.fork(meet.arrive, 0)
+    meet.arrive(1)
+    paratrain.wait(fut)
+    assert meet.met == [True, True]
+    meet = _Meet(timeout=0.3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        fut = torch.jit.fork(meet.arrive, 0)  # runs here, to the end, before returning
+    meet.arrive(1)
+    assert meet.met == [False, True]

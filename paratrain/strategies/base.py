@@ -30,6 +30,7 @@ class Strategy:
     master_weights: ClassVar[bool] = False  # bf16-true/fp16-true: low-precision model + fp32 masters in the optimizer
     master_weights_hint: ClassVar[str] = "bf16-mixed or 32"  # what to use instead when master_weights is False
     local_overflow_skip: ClassVar[bool] = True  # fp16-mixed: can a rank skip an overflowing step without the others?
+    in_process_micro_batches: ClassVar[bool] = False  # can options.micro_batches pipeline parts inside one process?
     precision: str = "32"  # set by Parallel: sharded strategies pick their param/reduce dtypes from it
     max_grad_norm: float | None = None  # set by Parallel (clip_grad_norm): ps clips on its server
 

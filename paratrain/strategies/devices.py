@@ -215,6 +215,7 @@ class DevicesStrategy(Strategy):
     name = "devices"
     processes = "one"
     master_weights = True
+    in_process_micro_batches = True  # options.micro_batches pipelines the parts in this process
 
     def __init__(self, dist_info: Dist, sync_batchnorm: bool = False, options: DevicesOptions | None = None) -> None:
         super().__init__(dist_info, sync_batchnorm, options or DevicesOptions())
