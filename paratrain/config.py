@@ -30,6 +30,7 @@ __all__ = ["ParallelConfig", "DataConfig", "OptimConfig", "TrainConfig", "load_c
 
 BACKENDS = ("auto", "gloo", "nccl", "mpi", "xccl", "hccl")
 ACCELERATORS = ("auto", "cpu", "cuda", "xpu", "mps")
+_SCHEDULES = ("constant", "cosine", "linear", "step")  # paratrain.loop.schedule builds them
 
 
 @dataclass(kw_only=True)
@@ -149,7 +150,8 @@ class DataConfig:
 
 @dataclass(kw_only=True)
 class OptimConfig:
-    """SGD with momentum (the seeds' optimizer), or AdamW; LR warmup and linear scaling."""
+    """SGD with momentum (the seeds' optimizer), or AdamW; an LR schedule after a linear warmup,
+    and linear scaling."""
 
     name: str = "sgd"
     lr: float = 0.05
@@ -157,6 +159,14 @@ class OptimConfig:
     weight_decay: float = 0.0
     warmup_steps: int = 0
     """Linear warmup from lr/… to the (scaled) lr over this many optimizer steps (Goyal et al.)."""
+    schedule: str = "constant"
+    """After warmup: constant, cosine or linear (decay to lr x min_lr_ratio at the last step), or step."""
+    min_lr_ratio: float = 0.0
+    """cosine/linear: the final lr as a fraction of the peak lr."""
+    step_size: int = 0
+    """step: multiply the lr by gamma every step_size optimizer steps (required for step)."""
+    gamma: float = 0.1
+    """step: the factor applied every step_size steps."""
     base_batch: int | None = None
     """Linear scaling rule: lr is multiplied by global_batch / base_batch when set."""
 
@@ -171,6 +181,15 @@ class OptimConfig:
                 raise ValueError(f"{name} {value} must be a finite number >= 0")
         if self.warmup_steps < 0:
             raise ValueError(f"warmup_steps {self.warmup_steps} must be >= 0")
+        if self.schedule not in _SCHEDULES:
+            raise ValueError(f"schedule {self.schedule!r} is unknown: use one of {', '.join(_SCHEDULES)}")
+        if not (math.isfinite(self.min_lr_ratio) and 0 <= self.min_lr_ratio <= 1):
+            raise ValueError(f"min_lr_ratio {self.min_lr_ratio} must be between 0 and 1")
+        if self.schedule == "step" and self.step_size < 1:
+            raise ValueError(f"schedule 'step' needs step_size >= 1 (got {self.step_size}): "
+                             "set optim.step_size to the steps between lr drops")
+        if not (math.isfinite(self.gamma) and 0 < self.gamma <= 1):
+            raise ValueError(f"gamma {self.gamma} must be in (0, 1]")
         if self.base_batch is not None and self.base_batch < 1:
             raise ValueError(f"base_batch {self.base_batch} must be at least 1")
 

@@ -43,6 +43,7 @@ _FLAGS: dict[str, tuple[str, Any, str]] = {
     "--lr": ("optim.lr", float, "learning rate (before linear scaling)"),
     "--optimizer": ("optim.name", str, "sgd or adamw"),
     "--warmup-steps": ("optim.warmup_steps", int, "linear LR warmup steps"),
+    "--schedule": ("optim.schedule", str, "LR after warmup: constant, cosine, linear or step (optim.step_size, optim.gamma)"),
     "--base-batch": ("optim.base_batch", int, "linear scaling rule: lr x global_batch/base_batch"),
     "--num-workers": ("data.num_workers", int, "DataLoader worker processes"),
     "--log-dir": ("log_dir", str, "where metrics CSV/JSONL and result.json go"),

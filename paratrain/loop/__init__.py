@@ -3,7 +3,7 @@
 from .fit import FitResult, fit, planned_steps
 from .guard import NonFiniteLossError
 from .logging import RunLogger, Throughput
-from .schedule import warmup_linear_scaling
+from .schedule import build_schedule, lr_factor, warmup_linear_scaling
 
 __all__ = ["fit", "FitResult", "planned_steps", "NonFiniteLossError", "RunLogger", "Throughput",
-           "warmup_linear_scaling"]
+           "build_schedule", "lr_factor", "warmup_linear_scaling"]

@@ -1,19 +1,58 @@
-"""LR schedule for a grown global batch: the linear scaling rule with warmup (Goyal et al. 2017).
+"""LR schedules for ``paratrain train``: constant, cosine, linear decay or step, after a linear
+warmup, with the linear scaling rule for a grown global batch (Goyal et al. 2017).
 
-When the global batch grows from ``base_batch`` to ``global_batch``, the learning rate is
-multiplied by ``global_batch / base_batch`` and reached by a linear ramp over ``warmup_steps``.
+Everything is one :class:`torch.optim.lr_scheduler.LambdaLR` over the optimizer's own lr, so its
+state (``last_epoch``) goes into checkpoints like any scheduler's, and it steps once per
+optimizer step (``fit`` steps it only on real steps, whatever the accumulation).
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-__all__ = ["lr_scale", "warmup_linear_scaling"]
+from ..config import _SCHEDULES as SCHEDULES
+
+__all__ = ["SCHEDULES", "lr_scale", "lr_factor", "build_schedule", "warmup_linear_scaling"]
 
 
 def lr_scale(global_batch: int, base_batch: int | None) -> float:
     return 1.0 if base_batch is None else global_batch / base_batch
+
+
+def lr_factor(step: int, *, schedule: str = "constant", total_steps: int = 1, warmup_steps: int = 0,
+              step_size: int = 1, gamma: float = 0.1, min_lr_ratio: float = 0.0) -> float:
+    """The lr multiplier for optimizer step ``step`` (0-based), before linear scaling.
+
+    Warmup ramps linearly from ``1/warmup_steps`` to 1 over the first ``warmup_steps`` steps.
+    After it, ``cosine`` and ``linear`` decay from 1 to ``min_lr_ratio`` at ``total_steps``,
+    ``step`` multiplies by ``gamma`` every ``step_size`` steps, ``constant`` stays at 1.
+    """
+    if warmup_steps > 0 and step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if schedule == "step":
+        return gamma ** ((step - warmup_steps) // step_size)
+    if schedule in ("cosine", "linear"):
+        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        shape = 0.5 * (1 + math.cos(math.pi * progress)) if schedule == "cosine" else 1 - progress
+        return min_lr_ratio + (1 - min_lr_ratio) * shape
+    return 1.0
+
+
+def build_schedule(optimizer: torch.optim.Optimizer, *, schedule: str = "constant", total_steps: int = 1,
+                   warmup_steps: int = 0, global_batch: int = 1, base_batch: int | None = None,
+                   step_size: int = 1, gamma: float = 0.1, min_lr_ratio: float = 0.0) -> LambdaLR | None:
+    """The configured schedule on ``optimizer``, or ``None`` when the lr is constant and unscaled."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule {schedule!r} is unknown: use one of {', '.join(SCHEDULES)}")
+    scale = lr_scale(global_batch, base_batch)
+    if schedule == "constant" and not warmup_steps and scale == 1.0:
+        return None
+    options = dict(schedule=schedule, total_steps=total_steps, warmup_steps=warmup_steps, step_size=step_size,
+                   gamma=gamma, min_lr_ratio=min_lr_ratio)
+    return LambdaLR(optimizer, lambda step: scale * lr_factor(step, **options))  # type: ignore[arg-type]
 
 
 def warmup_linear_scaling(
@@ -25,9 +64,4 @@ def warmup_linear_scaling(
     no warmup the scaled lr applies from the first step.
     """
     scale = lr_scale(global_batch, base_batch)
-
-    def factor(step: int) -> float:
-        ramp = min(1.0, (step + 1) / warmup_steps) if warmup_steps > 0 else 1.0
-        return scale * ramp
-
-    return LambdaLR(optimizer, factor)
+    return LambdaLR(optimizer, lambda step: scale * lr_factor(step, warmup_steps=warmup_steps))

@@ -22,7 +22,7 @@ from ..models import build_model
 from ..parallel import Parallel
 from .fit import fit, planned_steps
 from .logging import RunLogger
-from .schedule import warmup_linear_scaling
+from .schedule import build_schedule
 
 __all__ = ["run_training", "build_optimizer", "setup_task"]
 
@@ -34,15 +34,16 @@ def build_optimizer(params: Any, cfg: TrainConfig) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
 
 
-def setup_task(pt: Parallel, cfg: TrainConfig) -> tuple[Any, Any, Any]:
-    """The configured model and optimizer, set up by ``pt``, and the LR schedule (or ``None``)."""
+def setup_task(pt: Parallel, cfg: TrainConfig, total_steps: int = 1) -> tuple[Any, Any, Any]:
+    """The configured model and optimizer, set up by ``pt``, and the LR schedule over
+    ``total_steps`` optimizer steps (``None`` for a constant, unscaled lr)."""
     info = dataset_info(cfg.data.dataset)
     model = build_model(cfg.model, tuple(info["input_shape"]), info["num_classes"])
     model, optimizer = pt.setup(model, build_optimizer(model.parameters(), cfg))
-    scheduler = None
-    if cfg.optim.warmup_steps or cfg.optim.base_batch:
-        scheduler = warmup_linear_scaling(optimizer.optimizer, pt.plan.global_batch, cfg.optim.base_batch,
-                                          cfg.optim.warmup_steps)
+    o = cfg.optim
+    scheduler = build_schedule(optimizer.optimizer, schedule=o.schedule, total_steps=total_steps, warmup_steps=o.warmup_steps,
+                               global_batch=pt.plan.global_batch, base_batch=o.base_batch, step_size=max(1, o.step_size),
+                               gamma=o.gamma, min_lr_ratio=o.min_lr_ratio)
     return model, optimizer, scheduler
 
 
@@ -53,7 +54,7 @@ def run_training(cfg: TrainConfig) -> dict[str, Any]:
         d = cfg.data
         train_set = build_dataset(d.dataset, True, d.data_dir, d.synthetic_size, cfg.parallel.seed)
         test_set = build_dataset(d.dataset, False, d.data_dir, d.synthetic_size, cfg.parallel.seed)
-        model, optimizer, scheduler = setup_task(pt, cfg)
+        model, optimizer, scheduler = setup_task(pt, cfg, planned_steps(pt, train_set, cfg.epochs, cfg.max_steps))
         resumed, extra = _maybe_resume(pt, cfg, model, optimizer, scheduler)
         if resumed is not None and resumed >= planned_steps(pt, train_set, cfg.epochs, cfg.max_steps):
             kept = _finished_result(cfg.log_dir, resumed) if pt.is_main_process else None

@@ -153,7 +153,7 @@ def _run_builtin(job: dict[str, Any], probe: Probe) -> tuple[dict[str, torch.Ten
         train_set = job.get("data")
         if train_set is None:
             train_set = build_dataset(d.dataset, True, d.data_dir, d.synthetic_size, cfg.parallel.seed)
-        model, optimizer, scheduler = setup_task(pt, cfg)
+        model, optimizer, scheduler = setup_task(pt, cfg, job["steps"])
         # Count the micro-batches paratrain hands to the strategy, on one rank per data shard: the
         # ranks of a tensor-parallel group or of a pipeline read the same batch, and a pipeline's
         # stages run forwards on micro-batches and activations, not on the inputs.
