@@ -432,6 +432,26 @@ def test_compiled_models_train_and_checkpoint_uncompiled_keys(tmp_path):
         assert sorted(saved) == sorted(ref)  # no "_orig_mod." anywhere
 
 
+def test_checkpoint_with_compiled_keys_loads_into_a_plain_model(tmp_path):
+    """A checkpoint whose model keys carry ``_orig_mod.`` (saved from a compiled model by an older
+    paratrain) loads into an uncompiled model and exports with plain keys."""
+    from paratrain.checkpoint import load_file, write_checkpoint
+    from paratrain.checkpoint.export import export_checkpoint, load_model
+
+    compiled_run("single", "plain", tmp_path / "plain")
+    state = load_file(next((tmp_path / "plain").glob("step-*.pt")))
+    plain = dict(state["model"])
+    state["model"] = {f"_orig_mod.{k}": v for k, v in plain.items()}
+    write_checkpoint(tmp_path / "old", state["global_step"], state)
+    pt = paratrain.Parallel(strategy="single", global_batch=8, seed=SEED)
+    fresh = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)).double()
+    fresh, _ = pt.setup(fresh, torch.optim.SGD(fresh.parameters(), lr=0.1))
+    pt.load_checkpoint(tmp_path / "old", fresh)
+    assert all(torch.equal(pt.full_state_dict(fresh)[k], plain[k]) for k in plain)
+    export_checkpoint(tmp_path / "old", tmp_path / "exported")
+    assert sorted(load_model(tmp_path / "exported")) == sorted(plain)
+
+
 # --- the same at world size 2, under ddp and fsdp: one launch each checks everything ---------------
 def world2_worker(rank, directory):
     """Every check, under ddp then fsdp: the Parallel objects of one process share its group."""

@@ -19,6 +19,7 @@ import torch
 
 from .errors import CheckpointError
 from .io import load_file, load_latest, verify_checkpoint
+from .state import uncompiled_keys
 
 __all__ = ["save_model", "load_model", "export_checkpoint", "WEIGHTS", "INFO"]
 
@@ -108,7 +109,7 @@ def export_checkpoint(source: str | os.PathLike, directory: str | os.PathLike) -
     if state.get("sharded"):
         weights = _sharded_model(Path(path).parent / state["sharded"])
     else:
-        weights = state["model"]
+        weights = uncompiled_keys(state["model"])
     info = {
         "source": str(Path(path).resolve()),
         "global_step": state["global_step"],

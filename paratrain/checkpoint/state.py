@@ -22,7 +22,7 @@ from .rng import rng_state, set_rng_state
 if TYPE_CHECKING:
     from ..parallel import Parallel
 
-__all__ = ["save_checkpoint", "load_checkpoint"]
+__all__ = ["save_checkpoint", "load_checkpoint", "uncompiled_keys"]
 
 FORMAT = 1
 
@@ -129,7 +129,7 @@ def load_checkpoint(pt: "Parallel", source: str | os.PathLike, model: torch.nn.M
                               "or save it again from a sharded one")
     else:
         pt.strategy.load_checkpoint_state(pt.unwrap(model), getattr(optimizer, "optimizer", optimizer),
-                                          state["model"], state["optimizer"])
+                                          uncompiled_keys(state["model"]), state["optimizer"])
     pt.precision.load_state_dict(state["precision"])
     if scheduler is not None and state["scheduler"] is not None:
         scheduler.load_state_dict(state["scheduler"])
@@ -140,6 +140,16 @@ def load_checkpoint(pt: "Parallel", source: str | os.PathLike, model: torch.nn.M
     else:  # a rank that did not exist when the checkpoint was written
         torch.manual_seed(pt.config.seed * 1_000_003 + pt.global_step * 1_009 + pt.rank)
     return state["extra"]
+
+
+def uncompiled_keys(model_state: dict[str, Any]) -> dict[str, Any]:
+    """``model_state`` with ``torch.compile``'s ``_orig_mod.`` prefix removed from every key, so a
+    state dict saved from a compiled model (by torch, or by an older paratrain) loads into the
+    plain module that paratrain saves and loads."""
+    marker = "_orig_mod."
+    if not any(marker in k for k in model_state):
+        return model_state
+    return {".".join(p for p in k.split(".") if p != "_orig_mod"): v for k, v in model_state.items()}
 
 
 def has_checkpoint(directory: str | os.PathLike) -> bool:
