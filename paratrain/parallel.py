@@ -469,6 +469,19 @@ class Parallel:
         if not self.strategy.collective_forward:
             yield from ((batch, True) for batch in loader)
             return
+        if loader.stream:  # unknown lengths: agree on each forward (one small all-reduce a batch)
+            batches, pad = iter(loader), None
+            while True:
+                batch = next(batches, None)
+                more = torch.tensor([float(batch is not None)], device=self.device)
+                if self.strategy.all_reduce_max(more).item() == 0:
+                    return
+                if batch is not None:
+                    pad = map_tensors(lambda t: t[:1] if t.dim() else t, batch)
+                    yield batch, True
+                else:
+                    pad = pad if pad is not None else self._first_sample(loader)
+                    yield pad, False
         n = torch.tensor([len(loader)], device=self.device)
         self.strategy.all_reduce_max(n)
         pad = None
@@ -476,10 +489,16 @@ class Parallel:
             pad = map_tensors(lambda t: t[:1] if t.dim() else t, batch)
             yield batch, True
         if pad is None:  # an empty shard (more ranks than samples) still joins every forward
-            data = loader.dataloader
-            pad = to_device(data.collate_fn([data.dataset[0]]), self.device)
+            pad = self._first_sample(loader)
         for _ in range(int(n.item()) - len(loader)):
             yield pad, False
+
+    def _first_sample(self, loader: EvalLoader) -> Any:
+        """The evaluation set's first sample as a batch of one, on the device (a padding forward)."""
+        data = loader.dataloader
+        source = getattr(data.dataset, "dataset", data.dataset) if loader.stream else data.dataset
+        first = next(iter(source)) if loader.stream else source[0]
+        return to_device(data.collate_fn([first]), self.device)
 
     # --- collectives for metrics -----------------------------------------------------------
     def all_gather(self, obj: Any) -> Any:
@@ -547,8 +566,9 @@ def _uncompiled(model: Any) -> Any:
 
 
 def _to_float32(out: Any) -> Any:
-    """Floating tensors of a model's output in fp32; every container keeps its type."""
-    return map_tensors(lambda t: t.float() if t.is_floating_point() and t.dtype != torch.float32 else t, out)
+    """Half-precision floating tensors of a model's output in fp32 (float64 stays float64);
+    every container keeps its type."""
+    return map_tensors(lambda t: t.float() if t.is_floating_point() and t.element_size() < 4 else t, out)
 
 
 def _default_loss(preds: Any, targets: Any) -> torch.Tensor | None:

@@ -90,8 +90,17 @@ def stream_worker(rank, files):
     OPENED.clear()
     report["files"], _ = train(pt, ShardedStream(files, read_file))
     report["opened"] = sorted(set(OPENED))
+    for strategy in ("ddp", "fsdp"):  # an evaluation stream: each sample once; fsdp agrees on every forward
+        ev = paratrain.Parallel(strategy=strategy, global_batch=B)
+        model = ev.setup(eval_model())
+        report[f"eval {strategy}"] = ev.evaluate(model, ev.eval_loader(Pairs(21), batch_size=2), nn.functional.mse_loss)
     pt.close()
     return report
+
+
+def eval_model():
+    torch.manual_seed(0)
+    return nn.Linear(3, 1).double()
 
 
 def union_per_step(reports, key):
@@ -124,6 +133,13 @@ def test_streams_give_the_same_steps_at_any_world_size(world, files):
     names = [f"shard-{k}.txt" for k in range(4)]
     per_rank = {1: [names], 2: [names[:2], names[2:]], 4: [[n] for n in names]}[world]
     assert [r["opened"] for r in reports] == per_rank  # each file read by the rank(s) that need it
+    xs, ys = map(torch.stack, zip(*Pairs(21)))
+    with torch.no_grad():
+        expected = nn.functional.mse_loss(eval_model()(xs), ys).item()
+    for strategy in ("ddp", "fsdp"):
+        for r in reports:  # float64: the per-rank sums differ from one mean by rounding only
+            assert r[f"eval {strategy}"]["count"] == 21
+            assert r[f"eval {strategy}"]["loss"] == pytest.approx(expected, rel=1e-12)
 
 
 def test_stream_resumes_exactly_also_in_a_later_pass(tmp_path):
@@ -174,3 +190,48 @@ def test_huggingface_datasets_map_style_and_iterable():
         ids, _ = train(pt, DataLoader(stream, batch_size=B, num_workers=workers))
         assert ids == [list(range(B * s, B * (s + 1))) for s in range(5)], workers
     pt.close()
+
+
+class Pairs(IterableDataset):
+    """A generator of (x, y) regression pairs, float64: n of them, in order."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __iter__(self):
+        g = torch.Generator().manual_seed(7)
+        for _ in range(self.n):
+            x = torch.randn(3, generator=g, dtype=torch.float64)
+            yield x, x.sum(0, keepdim=True) * 0.5
+
+
+def test_fit_trains_a_stream_for_max_steps_over_several_passes():
+    """``fit`` on a stream: max_steps optimizer steps, re-reading the stream (20 samples: 2 steps
+    per pass, the tail of 4 dropped), equal to a plain loop over the same batches; evaluated at the end."""
+    from paratrain.loop import fit, planned_steps
+
+    def model_and_opt():
+        torch.manual_seed(0)
+        model = nn.Linear(3, 1).double()
+        return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5)
+
+    pt = paratrain.Parallel(global_batch=B, accumulation=2)
+    assert planned_steps(pt, Pairs(20), max_steps=5) == 5
+    with pytest.raises(ValueError, match="give fit max_steps"):
+        planned_steps(pt, Pairs(20))
+    model, opt = pt.setup(*model_and_opt())
+    result = fit(pt, model, opt, Pairs(20), max_steps=5, loss_fn=nn.functional.mse_loss, eval_set=Pairs(8),
+                 progress_bar=False)
+    assert result.steps == pt.global_step == 5 and "loss" in result.eval
+    got = pt.full_state_dict(model)
+    pt.close()
+
+    ref, ref_opt = model_and_opt()
+    samples = list(Pairs(20))[:16]  # one pass: two global batches
+    for step in range(5):
+        xs, ys = map(torch.stack, zip(*samples[(step % 2) * B:(step % 2 + 1) * B]))
+        ref_opt.zero_grad()
+        nn.functional.mse_loss(ref(xs), ys).backward()
+        ref_opt.step()
+    for k, v in ref.state_dict().items():  # float64, the same batches: rounding only (1e-12)
+        torch.testing.assert_close(got[k], v, rtol=1e-12, atol=1e-12)

@@ -6,7 +6,7 @@ import hashlib
 from typing import Any, Callable, Iterator
 
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
 from .batch import to_device
 from .sampler import BatchPlan, GlobalBatchSampler, ShardedEvalSampler
@@ -74,17 +74,40 @@ class GlobalBatchLoader:
             yield batch
 
 
+class StridedStream(IterableDataset):
+    """Every ``world_size``-th sample of ``dataset`` from ``rank`` on: one rank's share of an
+    evaluation stream (each sample once across ranks); DataLoader workers split it again."""
+
+    def __init__(self, dataset: IterableDataset, world_size: int, rank: int) -> None:
+        self.dataset, self.world_size, self.rank = dataset, world_size, rank
+
+    def __iter__(self) -> Iterator[Any]:
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        for i, sample in enumerate(self.dataset):
+            if i % self.world_size == self.rank and (i // self.world_size) % workers == worker:
+                yield sample
+
+
 class EvalLoader:
-    """Evaluation batches of this rank's shard (each sample once across ranks), on the device."""
+    """Evaluation batches of this rank's shard (each sample once across ranks), on the device.
+    A stream (``IterableDataset``) is shared out sample by sample; its length is unknown."""
 
     def __init__(self, dataset: Dataset, batch_size: int, world_size: int, rank: int, device: torch.device,
                  transform: Callable[[torch.Tensor], torch.Tensor] | None = None, **dataloader_kwargs: Any) -> None:
-        self.sampler = ShardedEvalSampler(len(dataset), world_size, rank)  # type: ignore[arg-type]
         self.device = device
         self.transform = transform
-        self.dataloader = DataLoader(dataset, batch_size=batch_size, sampler=self.sampler, **dataloader_kwargs)
+        self.stream = isinstance(dataset, IterableDataset)
+        if self.stream:
+            self.dataloader = DataLoader(StridedStream(dataset, world_size, rank), batch_size=batch_size,  # type: ignore[arg-type]
+                                         **dataloader_kwargs)
+        else:
+            self.sampler = ShardedEvalSampler(len(dataset), world_size, rank)  # type: ignore[arg-type]
+            self.dataloader = DataLoader(dataset, batch_size=batch_size, sampler=self.sampler, **dataloader_kwargs)
 
     def __len__(self) -> int:
+        if self.stream:
+            raise TypeError("an evaluation stream has no length: iterate it")
         return len(self.dataloader)
 
     def __iter__(self) -> Iterator[Any]:

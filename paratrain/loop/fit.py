@@ -8,8 +8,9 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, IterableDataset
 
+from ..data.stream import StreamLoader
 from ..parallel import Parallel
 from .guard import LossWindow
 from .logging import RunLogger, Throughput, progress
@@ -53,8 +54,10 @@ def fit(
 ) -> FitResult:
     """Train ``model`` (already ``pt.setup``) for ``epochs`` or ``max_steps`` optimizer steps.
 
-    Continues from ``pt.global_step`` (so a resumed run picks up mid-epoch). Evaluates after
-    every epoch (once, if there is nothing left to train); logs loss, lr and throughput every
+    Continues from ``pt.global_step`` (so a resumed run picks up mid-epoch). A stream
+    (``IterableDataset``, of unknown length) trains for ``max_steps``, which it needs, reading the
+    stream again from its start as often as that takes; ``epochs`` does not apply. Evaluates after
+    every epoch or pass over the stream (once, if there is nothing left to train); logs loss, lr and throughput every
     ``log_every`` steps on the main process; checkpoints to ``checkpoint_dir`` every
     ``checkpoint_every`` steps and at the end, with the last logged loss (``extra["train_loss"]``).
     A loss that is NaN/inf for ``max_nonfinite_steps`` steps in a row raises
@@ -63,7 +66,7 @@ def fit(
     loader = pt.train_loader(train_set, transform=augment, **(loader_kwargs or {}))
     evaluator = pt.eval_loader(eval_set, transform=eval_transform) if eval_set is not None else None
     logger = logger or RunLogger(None)
-    total = _total(loader.steps_per_epoch, epochs, max_steps)
+    total = _stream_steps(max_steps) if isinstance(loader, StreamLoader) else _total(loader.steps_per_epoch, epochs, max_steps)
     bar = progress(int(total - pt.global_step), pt.is_main_process and progress_bar, "train")
     meter, run, first_step = Throughput(), Throughput(), pt.global_step  # log window; whole call
     result = FitResult(first_step, math.nan)
@@ -125,4 +128,13 @@ def _total(steps_per_epoch: int, epochs: int, max_steps: int | None) -> int:
 
 def planned_steps(pt: Parallel, train_set: Dataset, epochs: int = 1, max_steps: int | None = None) -> int:
     """The global step at which ``fit`` with these arguments stops."""
+    if isinstance(train_set, IterableDataset):
+        return _stream_steps(max_steps)
     return _total(pt.train_loader(train_set).steps_per_epoch, epochs, max_steps)
+
+
+def _stream_steps(max_steps: int | None) -> int:
+    if not max_steps:
+        raise ValueError("a stream (IterableDataset) has no known number of steps per epoch: give fit max_steps "
+                         "(paratrain train: --max-steps N)")
+    return max_steps
