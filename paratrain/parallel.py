@@ -29,6 +29,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset, RandomSampler, SequentialSampler
 
+from . import checkpoint as checkpoint_lib
 from . import metrics as metrics_lib
 from . import precision as precision_lib
 from . import strategies
@@ -57,11 +58,12 @@ class ParallelModule(nn.Module):
 
     def __init__(self, wrapped: nn.Module, original: nn.Module, precision: precision_lib.Precision,
                  before_forward: Callable[[nn.Module], None], after_load: Callable[[nn.Module], None],
-                 strategy_module: nn.Module | None = None) -> None:
+                 strategy_module: nn.Module | None = None, checkpointed: nn.Module | None = None) -> None:
         super().__init__()
         self.module = wrapped  # what forward runs: the strategy's wrapper, compiled if asked
         object.__setattr__(self, "original", original)  # not a submodule: no duplicate keys
         object.__setattr__(self, "_strategy_module", wrapped if strategy_module is None else strategy_module)
+        object.__setattr__(self, "_checkpointed", original if checkpointed is None else checkpointed)
         object.__setattr__(self, "_precision", precision)
         object.__setattr__(self, "_before_forward", before_forward)
         object.__setattr__(self, "_after_load", after_load)
@@ -73,6 +75,11 @@ class ParallelModule(nn.Module):
         with self._precision.forward_context():
             out = self.module(*args, **kwargs)
         return _to_float32(out)
+
+    def checkpointed_module(self) -> nn.Module:
+        """The module whose parameters this rank holds and checkpoints (a pipeline's stage, the
+        user's module otherwise); what :mod:`paratrain.checkpoint` saves and loads."""
+        return self._checkpointed
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
         return self.original.state_dict(*args, **kwargs)
@@ -164,7 +171,8 @@ class Parallel:
             runner = type(compiled)(wrapped, compiled.dynamo_ctx)
         elif self.config.compile:
             runner = torch.compile(wrapped, backend=self.config.compile_backend)  # type: ignore[assignment]
-        module = ParallelModule(runner, original, self.precision, self._before_forward, self._after_load, wrapped)
+        module = ParallelModule(runner, original, self.precision, self._before_forward, self._after_load, wrapped,
+                                self.strategy.checkpoint_module(wrapped, original))
         self._models.append(wrapped)
         if optimizer is None:
             if scheduler is not None:
@@ -516,21 +524,43 @@ class Parallel:
         return self.strategy.all_reduce_sum(value) / self.strategy.data_parallel_size
 
     # --- checkpoints -----------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint holds of the run itself: the global step (the data position), the
+        global batch, seed and world size it was written with, and the precision's state."""
+        return {"global_step": self.global_step, "global_batch": self.plan.global_batch, "seed": self.config.seed,
+                "world_size": self.world_size, "precision": self.precision.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state`` (:meth:`state_dict` of a run with the same global batch; the
+        world size may differ)."""
+        if state["global_batch"] != self.plan.global_batch:
+            raise ValueError(f"was written with global batch {state['global_batch']}, this run uses "
+                             f"{self.plan.global_batch}: resume with the same global batch (the world size may change)")
+        self.precision.load_state_dict(state["precision"])
+        self.global_step, self.micro_step = int(state["global_step"]), 0
+
+    def _checkpointed(self, model: nn.Module, optimizer: Any) -> tuple[nn.Module, Any]:
+        """The module and the plain optimizer that this rank checkpoints."""
+        model = _uncompiled(model)
+        module = model.checkpointed_module() if isinstance(model, ParallelModule) else self.unwrap(model)
+        return module, getattr(optimizer, "optimizer", optimizer)
+
     def save_checkpoint(self, directory: str, model: nn.Module, optimizer: Any, scheduler: Any = None,
                         extra: dict[str, Any] | None = None, keep: int = 3) -> Any:
         """Atomically write model, optimizer, scaler, scheduler, step (= data position) and every
         rank's RNG state to ``directory/step-XXXXXXXX.pt``; keep the newest ``keep``. Call on all ranks.
         ``scheduler`` defaults to the one given to :meth:`setup` or :meth:`register_scheduler`."""
-        from .checkpoint import save_checkpoint
-
-        return save_checkpoint(self, directory, _uncompiled(model), optimizer, self._scheduler(scheduler), extra, keep)
+        if self.micro_step:
+            raise RuntimeError(f"checkpoint asked for in the middle of an accumulation (micro-step {self.micro_step}): "
+                               "save after optimizer.step()")
+        return checkpoint_lib.save_checkpoint(directory, self, *self._checkpointed(model, optimizer), self.strategy,
+                                              self._scheduler(scheduler), extra, keep)
 
     def load_checkpoint(self, source: str, model: nn.Module, optimizer: Any = None, scheduler: Any = None) -> Any:
         """Restore a run from a checkpoint file or the newest loadable one in a directory; the
         next ``train_loader`` iteration continues mid-epoch. Returns ``extra`` (``None`` if none found)."""
-        from .checkpoint import load_checkpoint
-
-        extra = load_checkpoint(self, source, _uncompiled(model), optimizer, self._scheduler(scheduler))
+        extra = checkpoint_lib.load_checkpoint(source, self, *self._checkpointed(model, optimizer), self.strategy,
+                                               self._scheduler(scheduler))
         for s in self._schedulers:
             if isinstance(s, ParallelScheduler):
                 s._stepped_at = self.global_step  # the restored step is the one it last stepped on

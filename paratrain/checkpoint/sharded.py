@@ -30,25 +30,22 @@ from torch import nn
 
 from .errors import CheckpointError
 from .manifest import file_digest
-from .safe_dcp import SafeFileSystemReader, SafeLoadPlanner, read_metadata
 
 __all__ = ["save_sharded", "load_sharded", "full_state_dict"]
 
 EXTRA = "extra.json"
 
 
-def _unwrap(model: nn.Module, optimizer: Any) -> tuple[nn.Module, Any]:
-    """The module whose parameters this rank holds: a pipeline's stage, else the user's module
-    (sharded in place by fsdp/tensor)."""
-    from ..parallel import ParallelModule, ParallelOptimizer
-    from ..strategies.pipeline import PipelineModule
-
-    if isinstance(model, ParallelModule):
-        model = model.module if isinstance(model.module, PipelineModule) else model.original
-    if isinstance(model, PipelineModule):
-        model = model.module
-    if isinstance(optimizer, ParallelOptimizer):
-        optimizer = optimizer.optimizer
+def _plain(model: nn.Module, optimizer: Any) -> tuple[nn.Module, Any]:
+    """The module and optimizer this rank holds. What ``paratrain.Parallel.setup`` returned says
+    it itself (``checkpointed_module()``, ``.optimizer``): asked for, not imported, so that
+    checkpointing stays a leaf below the strategies."""
+    held = getattr(model, "checkpointed_module", None)
+    if callable(held):
+        model = held()
+    inner = getattr(optimizer, "optimizer", None)
+    if isinstance(inner, torch.optim.Optimizer):
+        optimizer = inner
     return model, optimizer
 
 
@@ -121,7 +118,7 @@ def save_sharded(path: str | os.PathLike, model: nn.Module, optimizer: Any = Non
     import torch.distributed.checkpoint as dcp
 
     path = os.fspath(path)
-    model, optimizer = _unwrap(model, optimizer)
+    model, optimizer = _plain(model, optimizer)
     tmp = f"{path}.tmp"
     main = not _distributed() or dist.get_rank() == 0
     json.dumps(extra or {})  # on every rank: fail before any collective if extra is not plain data
@@ -150,11 +147,13 @@ def load_sharded(path: str | os.PathLike, model: nn.Module, optimizer: Any = Non
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
+    from .safe_dcp import SafeFileSystemReader, SafeLoadPlanner, read_metadata  # DCP: seconds to import, when sharded
+
     path = os.fspath(path)
     if not os.path.isfile(os.path.join(path, ".metadata")):
         raise FileNotFoundError(f"{path!r} is not a sharded checkpoint (no .metadata): pass a save_sharded directory")
     read_metadata(os.path.join(path, ".metadata"))  # refused in one line here, before DCP reads it
-    model, optimizer = _unwrap(model, optimizer)
+    model, optimizer = _plain(model, optimizer)
     view = _nonempty_groups(optimizer)
     state = _state(model, view)  # shapes and shardings to load into; DCP fills them in place
     try:
@@ -181,5 +180,5 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The whole (unsharded) model state on every rank, e.g. to compare or export."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    model, _ = _unwrap(model, None)
+    model, _ = _plain(model, None)
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))  # type: ignore[return-value]

@@ -11,68 +11,92 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from .io import CheckpointError, list_checkpoints, load_file, load_latest, verify_checkpoint, write_checkpoint
 from .rng import rng_state, set_rng_state
+from .sharded import load_sharded, save_sharded
 
-if TYPE_CHECKING:
-    from ..parallel import Parallel
-
-__all__ = ["save_checkpoint", "load_checkpoint", "uncompiled_keys"]
+__all__ = ["Run", "ModuleCheckpointing", "save_checkpoint", "load_checkpoint", "uncompiled_keys"]
 
 FORMAT = 1
 
 
-def _distributed(pt: "Parallel") -> bool:
-    return pt.dist.backend is not None and pt.world_size > 1
+class Run(Protocol):
+    """What a checkpoint restores besides the model (``paratrain.Parallel`` is one): its
+    ``state_dict`` holds ``global_step``, ``global_batch``, ``seed``, ``world_size`` and
+    ``precision``, like ``torch.distributed.checkpoint.stateful.Stateful``; ``load_state_dict``
+    refuses a state it cannot continue (another global batch)."""
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
-def _gather_rng(pt: "Parallel") -> list[Any]:
+class ModuleCheckpointing(Protocol):
+    """How a strategy checkpoints the module this rank holds (``paratrain.strategies.Strategy``):
+    sharded through DCP (every rank its shards), or as one state rank 0 writes."""
+
+    @property
+    def sharded_state(self) -> bool: ...
+
+    def checkpoint_state(self, module: nn.Module, optimizer: Any) -> tuple[dict[str, Any], dict[str, Any] | None]: ...
+
+    def load_checkpoint_state(self, module: nn.Module, optimizer: Any, model_state: dict[str, Any],
+                              optim_state: dict[str, Any] | None) -> None: ...
+
+
+def _distributed(run: Run) -> bool:
+    return run.world_size > 1 and dist.is_available() and dist.is_initialized()
+
+
+def _gather_rng(run: Run) -> list[Any]:
     mine = rng_state()
-    if not _distributed(pt):
+    if not _distributed(run):
         return [mine]
-    out: list[Any] = [None] * pt.world_size if pt.is_main_process else []
-    dist.gather_object(mine, out if pt.is_main_process else None, dst=0)
+    out: list[Any] = [None] * run.world_size if run.rank == 0 else []
+    dist.gather_object(mine, out if run.rank == 0 else None, dst=0)
     return out
 
 
-def save_checkpoint(pt: "Parallel", directory: str | os.PathLike, model: torch.nn.Module, optimizer: Any,
-                    scheduler: Any = None, extra: dict[str, Any] | None = None, keep: int = 3) -> Path | None:
-    """Write a checkpoint of the current step (collective: call it on every rank)."""
-    if pt.micro_step:
-        raise RuntimeError(f"checkpoint asked for in the middle of an accumulation (micro-step {pt.micro_step}): "
-                           "save after optimizer.step()")
-    optimizer = getattr(optimizer, "optimizer", optimizer)
-    rngs = _gather_rng(pt)  # every rank takes part
-    sharded, digests = None, {}
-    if pt.strategy.sharded_state:  # every rank writes its own shards; the .pt file (then the manifest) points at them
-        from .sharded import save_sharded
+def save_checkpoint(directory: str | os.PathLike, run: Run, module: nn.Module, optimizer: Any,
+                    how: ModuleCheckpointing, scheduler: Any = None, extra: dict[str, Any] | None = None,
+                    keep: int = 3) -> Path | None:
+    """Write a checkpoint of ``run``'s current step (collective: call it on every rank).
 
-        sharded = f"step-{pt.global_step:08d}.dcp"
-        digests = {f"{sharded}/{name}": d for name, d in save_sharded(Path(directory) / sharded, model,
+    ``module`` and ``optimizer`` are the plain ones this rank holds (a pipeline stage, an
+    fsdp-sharded module, the user's module), checkpointed the way ``how`` says."""
+    step = run.state_dict()["global_step"]
+    rngs = _gather_rng(run)  # every rank takes part
+    sharded, digests = None, {}
+    if how.sharded_state:  # every rank writes its own shards; the .pt file (then the manifest) points at them
+        sharded = f"step-{step:08d}.dcp"
+        digests = {f"{sharded}/{name}": d for name, d in save_sharded(Path(directory) / sharded, module,
                                                                       optimizer).items()}
-    if not pt.is_main_process:
+    if run.rank != 0:
         return None
-    model_state, optim_state = (None, None) if sharded else pt.strategy.checkpoint_state(pt.unwrap(model), optimizer)
+    model_state, optim_state = (None, None) if sharded else how.checkpoint_state(module, optimizer)
     state = {
         "format": FORMAT,
-        "global_step": pt.global_step,
-        "global_batch": pt.plan.global_batch,
-        "seed": pt.config.seed,
-        "world_size": pt.world_size,
+        **run.state_dict(),
         "sharded": sharded,
         "model": model_state,
         "optimizer": optim_state,
-        "precision": pt.precision.state_dict(),
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
         "rng": rngs,
         "extra": extra or {},
     }
-    return write_checkpoint(directory, pt.global_step, state, keep=keep, digests=digests)
+    return write_checkpoint(directory, step, state, keep=keep, digests=digests)
 
 
 def _pick(source: str | os.PathLike) -> str | None:
@@ -85,17 +109,17 @@ def _pick(source: str | os.PathLike) -> str | None:
     return str(src)
 
 
-def _choose(pt: "Parallel", source: str | os.PathLike) -> str | None:
+def _choose(run: Run, source: str | os.PathLike) -> str | None:
     """Rank 0 picks and verifies the checkpoint file; all ranks agree, on an error too."""
     choice: list[Any] = [None]
     failure = None
-    if pt.is_main_process:
+    if run.rank == 0:
         try:
             choice[0] = ("ok", _pick(source))
         except Exception as e:  # the other ranks wait in the broadcast: tell them before raising
             failure, choice[0] = e, ("error", str(e) if isinstance(e, CheckpointError) else
                                      f"rank 0 could not choose a checkpoint in {str(source)!r}: {type(e).__name__}")
-    if _distributed(pt):
+    if _distributed(run):
         dist.broadcast_object_list(choice, src=0)
     if failure is not None:
         raise failure
@@ -105,40 +129,38 @@ def _choose(pt: "Parallel", source: str | os.PathLike) -> str | None:
     return value
 
 
-def load_checkpoint(pt: "Parallel", source: str | os.PathLike, model: torch.nn.Module, optimizer: Any = None,
-                    scheduler: Any = None) -> dict[str, Any] | None:
+def load_checkpoint(source: str | os.PathLike, run: Run, module: nn.Module, optimizer: Any,
+                    how: ModuleCheckpointing, scheduler: Any = None) -> dict[str, Any] | None:
     """Restore everything from ``source`` (a checkpoint file, or a directory: its newest good
     checkpoint). Returns the checkpoint's ``extra``, or ``None`` when a directory holds none.
     Raises :class:`CheckpointError` when ``source`` fails verification, or none of a directory's
     checkpoints is good."""
-    path = _choose(pt, source)
+    path = _choose(run, source)
     if path is None:
         return None
     state = load_file(path)
     if state.get("format") != FORMAT:
         raise CheckpointError(f"checkpoint {path!r} has format {state.get('format')!r}, expected {FORMAT}")
-    if state["global_batch"] != pt.plan.global_batch:
-        raise ValueError(f"checkpoint {path!r} was written with global batch {state['global_batch']}, this run uses "
-                         f"{pt.plan.global_batch}: resume with the same global batch (the world size may change)")
+    try:
+        run.load_state_dict({k: state.get(k) for k in ("global_step", "global_batch", "seed", "world_size",
+                                                       "precision")})
+    except ValueError as e:
+        raise ValueError(f"checkpoint {path!r} {e}") from None
     if state.get("sharded"):  # DCP reshards to this run's world size and strategy
-        from .sharded import load_sharded
-
-        load_sharded(Path(path).parent / state["sharded"], model, optimizer)
-    elif pt.strategy.sharded_state:
+        load_sharded(Path(path).parent / state["sharded"], module, optimizer)
+    elif how.sharded_state:
         raise CheckpointError(f"checkpoint {path!r} holds a full (unsharded) model; load it into a ddp/single run, "
                               "or save it again from a sharded one")
     else:
-        pt.strategy.load_checkpoint_state(pt.unwrap(model), getattr(optimizer, "optimizer", optimizer),
-                                          uncompiled_keys(state["model"]), state["optimizer"])
-    pt.precision.load_state_dict(state["precision"])
+        how.load_checkpoint_state(module, optimizer, uncompiled_keys(state["model"]), state["optimizer"])
     if scheduler is not None and state["scheduler"] is not None:
         scheduler.load_state_dict(state["scheduler"])
-    pt.global_step, pt.micro_step = int(state["global_step"]), 0
     rngs = state["rng"]
-    if pt.rank < len(rngs):
-        set_rng_state(rngs[pt.rank])
-    else:  # a rank that did not exist when the checkpoint was written
-        torch.manual_seed(pt.config.seed * 1_000_003 + pt.global_step * 1_009 + pt.rank)
+    if run.rank < len(rngs):
+        set_rng_state(rngs[run.rank])
+    else:  # a rank that did not exist when the checkpoint was written: seeded from this run's seed
+        now = run.state_dict()
+        torch.manual_seed(int(now["seed"]) * 1_000_003 + int(now["global_step"]) * 1_009 + run.rank)
     return state["extra"]
 
 

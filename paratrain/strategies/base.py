@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..checkpoint.sharded import full_state_dict as sharded_full_state_dict
 from ..env.process import Dist
 from ..precision import MASTER_WEIGHTS
 
@@ -121,15 +122,19 @@ class Strategy:
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """The whole model's state as plain CPU tensors on every rank (unsharded, all stages)."""
         if self.sharded_state:
-            from ..checkpoint.sharded import full_state_dict
-
-            return {k: v.detach().cpu().clone() for k, v in full_state_dict(model).items()}
+            return {k: v.detach().cpu().clone() for k, v in sharded_full_state_dict(model).items()}
         return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer, local_step: Callable[[], bool]) -> bool:
         """Apply one optimizer step; ``local_step`` is the precision's (clip, unscale, step).
         True if the weights changed. A parameter server steps remotely instead."""
         return local_step()
+
+    def checkpoint_module(self, wrapped: nn.Module, original: nn.Module) -> nn.Module:
+        """The module whose parameters this rank holds and checkpoints, given what
+        :meth:`setup_model` returned and the user's module: the user's module (sharded in place
+        by fsdp/tensor), or a pipeline's stage."""
+        return original
 
     def checkpoint_state(self, module: nn.Module, optimizer: Any) -> tuple[dict[str, Any], dict[str, Any] | None]:
         """Model and optimizer state for an unsharded checkpoint (rank 0 writes it)."""

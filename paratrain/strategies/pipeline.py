@@ -225,6 +225,10 @@ class PipelineStrategy(Strategy):
         """This rank's stage (its layers of the user's model)."""
         return self._pipeline(model).module
 
+    def checkpoint_module(self, wrapped: nn.Module, original: nn.Module) -> nn.Module:
+        """This rank's stage: the only parameters a pipeline rank holds."""
+        return self._pipeline(wrapped).module
+
     def setup_optimizer(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Keep only this stage's parameters in ``optimizer`` (built over the whole model): the
         others are trained on other ranks, and the optimizer's state then names only the stage's
