@@ -37,7 +37,7 @@ _SCHEDULES = ("constant", "cosine", "linear", "step")  # paratrain.loop.schedule
 class ParallelConfig:
     """How one job is spread over processes and devices."""
 
-    strategy: str = "single"
+    strategy: str = _strategies.reference()
     """single, dp, ddp, fsdp (sharded data parallel, ZeRO-3/ZeRO-2-like) or tensor (Linear layers
     split over processes, optionally combined with fsdp on a 2-D mesh). Also pipeline (one model stage
     per process), devices (model parts on several devices of one process) and ps (parameter server)."""

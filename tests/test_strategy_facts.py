@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import ast
+import pathlib
+
 import pytest
 
 from clitools import run_cli
@@ -53,3 +56,112 @@ def test_devices_on_two_processes_is_refused_before_workers_start() -> None:
     assert res.returncode == 2
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and "strategy 'devices' runs in one process, but 2 were asked for" in lines[0], res.stderr
+
+
+# --- issue 11: bench and verify ask these facts, never a name ------------------------------------------------------
+
+@pytest.mark.parametrize("name, processes, all_devices, reference, plain, hooks, bench", [
+    ("single", "one", False, True, False, False, "quick"),
+    ("dp", "one", True, False, False, False, "quick"),
+    ("ddp", "any", False, False, True, True, "quick"),
+    ("fsdp", "any", False, False, False, False, "quick"),
+    ("tensor", "any", False, False, False, False, "full"),
+    ("pipeline", "any", False, False, False, False, "full"),
+    ("devices", "one", False, False, False, False, "no"),
+    ("ps", "any", False, False, False, False, "full"),
+])
+def test_capabilities_per_strategy(name: str, processes: str, all_devices: bool, reference: bool, plain: bool,
+                                   hooks: bool, bench: str) -> None:
+    cls = strategies.resolve(name)
+    assert cls.processes == processes
+    assert cls.drives_all_local_devices is all_devices
+    assert cls.reference is reference
+    assert cls.plain_data_parallel is plain
+    assert bool(cls.comm_hooks) is hooks
+    assert cls.bench_default == bench
+
+
+def test_every_registered_strategy_has_a_row_above() -> None:
+    """A new strategy must state its facts (add it to the table above)."""
+    assert set(strategies.STRATEGIES) == {"single", "dp", "ddp", "fsdp", "tensor", "pipeline", "devices", "ps"}
+
+
+def test_registry_names_the_strategy_declaring_a_fact() -> None:
+    from paratrain.strategies.ddp import COMM_HOOKS
+
+    assert strategies.reference() == "single" == ParallelConfig().strategy
+    assert strategies.data_parallel_reference() == "ddp"
+    assert strategies.resolve("ddp").comm_hooks == COMM_HOOKS
+    assert strategies.bench_defaults() == ["single", "dp", "ddp", "fsdp", "tensor", "pipeline", "ps"]
+    assert strategies.bench_defaults(quick=True) == ["single", "dp", "ddp", "fsdp"]
+
+
+def test_hidden_comm_bytes_are_zero_where_everything_goes_through_python_collectives() -> None:
+    import torch
+    from torch import nn
+
+    from paratrain.env.base import ProcessInfo
+    from paratrain.env.process import Dist
+
+    model = nn.Linear(3, 2)
+    one = Dist(ProcessInfo(), torch.device("cpu"), None)
+    assert strategies.resolve("single")(one).hidden_comm_bytes_per_step(model) == 0
+    assert strategies.DDPStrategy(one).hidden_comm_bytes_per_step(model) == 0  # world 1: no all-reduce at all
+    two = Dist(ProcessInfo(world_size=2), torch.device("cpu"), "gloo")
+    hooked = strategies.DDPStrategy(two, options=strategies.DDPOptions(comm_hook="fp16"))
+    assert hooked.hidden_comm_bytes_per_step(model) == 0  # the hook's all-reduce is a Python call: counted
+    assert strategies.ParameterServerStrategy(two).hidden_comm_bytes_per_step(model) == 0  # before setup: nothing
+
+
+def name_comparisons(root: pathlib.Path) -> list[str]:
+    """``file:line`` of every place under ``root/paratrain`` (outside ``strategies/``) that compares a
+    strategy name (``== "ddp"``, ``in ("dp", ...)``), lists two or more names, or picks a strategy by
+    a literal name (``strategy="ddp"``, ``{"parallel.strategy": "single"}``)."""
+    names = set(strategies.STRATEGIES)
+    base = root / "paratrain"
+
+    def is_name(node: ast.AST) -> bool:
+        return isinstance(node, ast.Constant) and node.value in names
+
+    def holds_name(node: ast.AST) -> bool:
+        return is_name(node) or (isinstance(node, (ast.Tuple, ast.List, ast.Set)) and any(map(is_name, node.elts)))
+
+    found: list[tuple[str, int]] = []
+    for path in sorted(base.rglob("*.py")):
+        rel = path.relative_to(base.parent).as_posix()
+        if rel.startswith("paratrain/strategies/"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), rel)):
+            hit = False
+            if isinstance(node, ast.Compare):
+                hit = any(map(holds_name, [node.left, *node.comparators]))
+            elif isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+                hit = sum(map(is_name, node.elts)) >= 2
+            elif isinstance(node, ast.keyword):
+                hit = node.arg == "strategy" and is_name(node.value)
+            elif isinstance(node, ast.Dict):
+                hit = any(isinstance(k, ast.Constant) and k.value == "parallel.strategy" and is_name(v)
+                          for k, v in zip(node.keys, node.values))
+            if hit:
+                found.append((rel, getattr(node, "lineno", 0)))
+    return [f"{rel}:{line}" for rel, line in sorted(found)]
+
+
+def test_no_strategy_name_is_compared_outside_the_strategies() -> None:
+    """Issue 11: ask the class for a capability (``strategy_class.processes == "one"``), never its name."""
+    assert name_comparisons(pathlib.Path(__file__).resolve().parents[1]) == []
+
+
+def test_the_name_scan_finds_what_it_looks_for(tmp_path: pathlib.Path) -> None:
+    (tmp_path / "paratrain" / "strategies").mkdir(parents=True)
+    (tmp_path / "paratrain" / "strategies" / "x.py").write_text('ok = name == "ddp"\n')  # the registry may
+    (tmp_path / "paratrain" / "m.py").write_text(
+        'a = s == "ddp"\n'
+        'b = s not in ("dp", "x")\n'
+        'C = ("single", "dp")\n'
+        'd = f(strategy="fsdp")\n'
+        'e = {"parallel.strategy": "single"}\n'
+        'f = g(a, 0, "tensor")\n'  # a name-like string that picks no strategy
+        'h = s == SERVER\n')
+    assert name_comparisons(tmp_path) == ["paratrain/m.py:1", "paratrain/m.py:2", "paratrain/m.py:3",
+                                          "paratrain/m.py:4", "paratrain/m.py:5"]

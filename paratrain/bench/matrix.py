@@ -31,7 +31,6 @@ from ..strategies.ddp import COMM_HOOKS
 __all__ = ["Cell", "BenchSpec", "build_matrix", "quick_spec", "full_spec", "cuda_devices", "BASELINE"]
 
 BASELINE = "plain-ddp"  # the hand-written loop's strategy name in a Cell
-_ONE_PROCESS = ("single", "dp", "devices")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -59,7 +58,8 @@ class Cell:
     @property
     def label(self) -> str:
         name = "plain DDP (hand-written)" if self.strategy == BASELINE else self.strategy
-        parts = [name if self.world_size == 1 and self.strategy in _ONE_PROCESS else f"{name} x{self.world_size}"]
+        one = self.strategy != BASELINE and self.strategy_class.processes == "one"
+        parts = [name if self.world_size == 1 and one else f"{name} x{self.world_size}"]
         if self.precision != "32":
             parts.append(self.precision)
         if self.comm_hook != "none":
@@ -72,6 +72,16 @@ class Cell:
                 parts.append(f"lr x{self.global_batch // self.base_batch} + warmup {self.lr_warmup_steps}")
         return " ".join(parts)
 
+    @property
+    def config_strategy(self) -> str:
+        """The paratrain strategy this cell's config names (the baseline's: plain data parallel)."""
+        return _strategies.data_parallel_reference() if self.strategy == BASELINE else self.strategy
+
+    @property
+    def strategy_class(self) -> type[_strategies.Strategy]:
+        """The class of :attr:`config_strategy`: ask it what the cell can do, never compare names."""
+        return _strategies.resolve(self.config_strategy)
+
     def run_key(self) -> tuple[Any, ...]:
         """Cells with the same key train identically; the runner runs such a cell once."""
         return (self.strategy, self.world_size, self.precision, self.comm_hook, self.backend, self.global_batch,
@@ -80,7 +90,7 @@ class Cell:
     def overrides(self) -> dict[str, Any]:
         """Dotted config keys this cell sets on the base :class:`~paratrain.config.TrainConfig`."""
         out: dict[str, Any] = {
-            "parallel.strategy": "ddp" if self.strategy == BASELINE else self.strategy,
+            "parallel.strategy": self.config_strategy,
             "parallel.precision": self.precision,
             "parallel.global_batch": self.global_batch,
             "parallel.backend": self.backend,
@@ -96,8 +106,9 @@ class Cell:
 class BenchSpec:
     """What ``paratrain bench`` measures: the matrix dimensions and the run length."""
 
-    strategies: list[str] = field(default_factory=lambda: ["single", "dp", "ddp", "fsdp", "tensor", "pipeline", "ps"])
-    """Strategies to try: names from paratrain's registry (an unknown name is an error up front)."""
+    strategies: list[str] = field(default_factory=_strategies.bench_defaults)
+    """Strategies to try: names from paratrain's registry (an unknown name is an error up front).
+    By default those whose class sets ``bench_default`` to quick or full (all but devices)."""
     world_sizes: list[int] = field(default_factory=lambda: [1, 2, 4])
     precisions: list[str] = field(default_factory=lambda: ["32", "fp16-mixed", "bf16-mixed"])
     comm_hooks: list[str] = field(default_factory=lambda: ["none", "fp16", "bf16", "powersgd"])
@@ -146,8 +157,9 @@ class BenchSpec:
 
 def quick_spec() -> BenchSpec:
     """``--quick``: a couple of minutes on a 2-core CPU (world sizes 1 and 2, fewer precisions and hooks)."""
-    return BenchSpec(strategies=["single", "dp", "ddp", "fsdp"], world_sizes=[1, 2], precisions=["32", "bf16-mixed"],
-                     comm_hooks=["none", "fp16", "powersgd"], epochs=2, warmup_steps=3, cell_timeout=120.0)
+    return BenchSpec(strategies=_strategies.bench_defaults(quick=True), world_sizes=[1, 2],
+                     precisions=["32", "bf16-mixed"], comm_hooks=["none", "fp16", "powersgd"], epochs=2, warmup_steps=3,
+                     cell_timeout=120.0)
 
 
 def full_spec() -> BenchSpec:
@@ -192,14 +204,15 @@ def _config_error(base: dict[str, Any], cell: Cell) -> str | None:
 
 def _machine_skip(cell: Cell, gpus: int) -> str | None:
     """Why this machine cannot run ``cell`` (devices, backends), or None."""
-    if cell.strategy == "dp" and cell.world_size > 1 and gpus < cell.world_size:
+    cls = cell.strategy_class
+    if cls.drives_all_local_devices and cell.world_size > 1 and gpus < cell.world_size:
         return (f"DataParallel over {cell.world_size} GPUs needs {cell.world_size} GPUs in one process; "
                 f"{gpus} visible")
     if cell.comm_hook == "bf16" and gpus == 0:
         return "the bf16 compression hook needs CUDA with NCCL 2.10+ (torch refuses it on gloo)"
     if cell.backend == "nccl" and gpus == 0:
         return "nccl needs CUDA GPUs; none visible (the gloo cells above are the CPU equivalent)"
-    if gpus and cell.strategy not in ("dp", "single", "devices") and cell.world_size > gpus:
+    if gpus and cls.processes != "one" and cell.world_size > gpus:
         return f"{cell.world_size} processes need {cell.world_size} GPUs; {gpus} visible"
     return None
 
@@ -217,19 +230,23 @@ def build_matrix(spec: BenchSpec, base: dict[str, Any], train_size: int) -> list
     cells: list[Cell] = []
     worlds = sorted(set(spec.world_sizes))
     multi = [w for w in worlds if w > 1]
+    plain = _strategies.data_parallel_reference()  # the comm-hook, nccl and trap cells' strategy
 
     for strategy in spec.strategies:  # known names: BenchSpec checked them
-        # single/devices run in one process (world 1); dp is one process over N GPUs; the rest use N processes.
-        one_process = _strategies.STRATEGIES[strategy].processes == "one" and strategy != "dp"
+        # One-process strategies run at world 1, except those driving N local GPUs (dp: world = GPUs);
+        # the rest use N processes.
+        cls = _strategies.resolve(strategy)
+        one_process = cls.processes == "one" and not cls.drives_all_local_devices
         sizes = [1] if one_process else multi
         for w in sizes:
             for precision in spec.precisions:
                 cells.append(Cell(strategy=strategy, world_size=w, precision=precision, global_batch=batch))
     for hook in spec.comm_hooks:
         if hook != "none":
-            cells += [Cell(strategy="ddp", world_size=w, comm_hook=hook, global_batch=batch) for w in multi]
-    if spec.nccl_cells and not gpus and "ddp" in spec.strategies:
-        cells += [Cell(strategy="ddp", world_size=w, backend="nccl", global_batch=batch) for w in multi]
+            cells += [Cell(strategy=name, world_size=w, comm_hook=hook, global_batch=batch)
+                      for name, cls in _strategies.STRATEGIES.items() if hook in cls.comm_hooks for w in multi]
+    if spec.nccl_cells and not gpus and plain in spec.strategies:
+        cells += [Cell(strategy=plain, world_size=w, backend="nccl", global_batch=batch) for w in multi]
     if spec.baseline:
         cells += [Cell(strategy=BASELINE, world_size=w, global_batch=batch, group="baseline",
                        note="a typical hand-written loop: DistributedSampler + set_epoch, DDP, per-worker batch "
@@ -240,11 +257,11 @@ def build_matrix(spec: BenchSpec, base: dict[str, Any], train_size: int) -> list
         steps = _steps_per_epoch(train_size, grown) * spec.epochs
         warm = max(1, steps // 4)
         cells += [
-            Cell(strategy="ddp", world_size=n, global_batch=batch, group="trap",
+            Cell(strategy=plain, world_size=n, global_batch=batch, group="trap",
                  note=f"global batch kept at {batch} ({batch // n} per worker): paratrain's default"),
-            Cell(strategy="ddp", world_size=n, global_batch=grown, group="trap",
+            Cell(strategy=plain, world_size=n, global_batch=grown, group="trap",
                  note=f"per-worker batch kept at {batch}: global x{n}, lr unchanged (the common mistake)"),
-            Cell(strategy="ddp", world_size=n, global_batch=grown, base_batch=batch, lr_warmup_steps=warm,
+            Cell(strategy=plain, world_size=n, global_batch=grown, base_batch=batch, lr_warmup_steps=warm,
                  group="trap", note=f"global x{n} with the linear scaling rule (lr x{n}) and {warm} warmup steps"),
         ]
 

@@ -28,6 +28,8 @@ Bytes
     * ``ps`` talks over RPC inside ``optimizer.step()``: its cells add the strategy's own
       ``bytes_per_step``, the gradient a rank pushes plus the parameters it pulls back.
 
+    Both additions are each strategy's ``hidden_comm_bytes_per_step``, asked of the strategy.
+
 Memory
     On CUDA, ``torch.cuda.max_memory_allocated`` after a reset at the end of warm-up. On CPU, the
     process's peak resident set size (``VmHWM``) over the timed steps: Linux resets that mark when
@@ -47,6 +49,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..strategies.ddp import bucket_bytes as ddp_bucket_bytes
 
 __all__ = ["CommCounter", "PeakMemory", "ddp_bucket_bytes"]
 
@@ -224,15 +228,6 @@ class CommCounter:
         counted.__name__ = getattr(fn, "__name__", "collective")
         counted.__wrapped__ = fn  # type: ignore[attr-defined]
         return counted
-
-
-def ddp_bucket_bytes(model: torch.nn.Module) -> int:
-    """Bytes DDP's built-in reducer all-reduces per synchronising backward (all its buckets)."""
-    for m in model.modules():
-        if isinstance(m, torch.nn.parallel.DistributedDataParallel):
-            sizes = str(m._get_ddp_logging_data().get("bucket_sizes", ""))
-            return sum(int(s) for s in sizes.replace(" ", "").split(",") if s)
-    return 0
 
 
 class PeakMemory:

@@ -113,7 +113,7 @@ def _overhead_lines(res: BenchResult) -> list[str]:
         if base.cell.strategy != BASELINE or base.status != "ok":
             continue
         ours = next((r for r in res.results if r.status == "ok" and r.cell.group == "matrix"
-                     and r.cell.strategy == "ddp" and r.cell.world_size == base.cell.world_size
+                     and r.cell.strategy_class.plain_data_parallel and r.cell.world_size == base.cell.world_size
                      and r.cell.precision == "32" and r.cell.comm_hook == "none" and r.cell.backend == "auto"), None)
         if ours and ours.seconds_per_epoch and base.seconds_per_epoch:
             ratio = ours.seconds_per_epoch / base.seconds_per_epoch

@@ -102,7 +102,7 @@ def _run_one(cell: Cell, spec: BenchSpec, base: dict[str, Any], data: Any) -> Ce
            "threads": spec.threads, "data": data, "timeout": spec.cell_timeout}
     env = {"OMP_NUM_THREADS": str(spec.threads)}
     nprocs = cell.world_size
-    if cell.strategy == "dp":  # one process over the first world_size of the GPUs this process may use
+    if cell.strategy_class.drives_all_local_devices:  # one process over the first world_size of the GPUs it may use
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         ids = [d.strip() for d in visible.split(",")] if visible else [str(i) for i in range(cell.world_size)]
         nprocs, env["CUDA_VISIBLE_DEVICES"] = 1, ",".join(ids[: cell.world_size])
@@ -164,7 +164,7 @@ def run_cells(cells: list[Cell], spec: BenchSpec, base: dict[str, Any], data: An
 def reference(results: list[CellResult]) -> CellResult | None:
     """The single-device fp32 run every other cell is compared with."""
     for r in results:
-        if r.status == "ok" and r.cell.strategy == "single" and r.cell.precision == "32":
+        if r.status == "ok" and r.cell.strategy_class.reference and r.cell.precision == "32":
             return r
     return next((r for r in results if r.status == "ok" and r.cell.world_size == 1), None)
 

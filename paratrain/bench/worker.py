@@ -148,9 +148,8 @@ def _train_paratrain(pt: Any, counter: CommCounter, cfg: TrainConfig, job: dict[
     evaluation = pt.evaluate(model, pt.eval_loader(test_set, transform=None if aug is None else (lambda x: aug(x, 0))))
     timed_steps = total - warm
     comm = counter.bytes
-    if cfg.parallel.strategy == "ddp" and cfg.parallel.ddp.comm_hook == "none" and pt.world_size > 1:
-        comm += ddp_bucket_bytes(model) * timed_steps  # C++ all-reduce: once per optimizer step
-    comm += getattr(pt.strategy, "bytes_per_step", 0) * timed_steps  # ps: RPC push + pull in optimizer.step
+    # What the counter cannot see: DDP's C++ all-reduce without a hook, ps's RPC push + pull in optimizer.step
+    comm += pt.strategy.hidden_comm_bytes_per_step(model) * timed_steps
     return {
         "status": "ok", "rank": pt.rank, "device": str(pt.device), "threads": torch.get_num_threads(),
         "steps": result.steps, "steps_per_epoch": steps_per_epoch, "timed_steps": timed_steps,

@@ -16,7 +16,8 @@ from .single import SingleDeviceStrategy
 from .tensor import TensorOptions, TensorParallelStrategy
 
 __all__ = ["Strategy", "STRATEGIES", "DDPOptions", "FSDPOptions", "TensorOptions", "PipelineOptions",
-           "DevicesOptions", "PSOptions", "build", "resolve"]
+           "DevicesOptions", "PSOptions", "build", "resolve", "reference", "data_parallel_reference",
+           "bench_defaults"]
 
 STRATEGIES: dict[str, type[Strategy]] = {
     "single": SingleDeviceStrategy,
@@ -28,6 +29,31 @@ STRATEGIES: dict[str, type[Strategy]] = {
     "devices": DevicesStrategy,
     "ps": ParameterServerStrategy,
 }
+
+
+def _declaring(fact: str) -> str:
+    """The name of the one registered strategy whose class sets the boolean ``fact``."""
+    names = [name for name, cls in STRATEGIES.items() if getattr(cls, fact)]
+    if len(names) != 1:
+        raise RuntimeError(f"exactly one strategy must declare {fact}; found {names}")
+    return names[0]
+
+
+def reference() -> str:
+    """The single-device strategy every other one is checked against (``reference = True``)."""
+    return _declaring("reference")
+
+
+def data_parallel_reference() -> str:
+    """The plain data-parallel strategy (``plain_data_parallel = True``): verify's N-process run for
+    one-process strategies, and bench's comm-hook, nccl and effective-batch cells."""
+    return _declaring("plain_data_parallel")
+
+
+def bench_defaults(quick: bool = False) -> list[str]:
+    """Strategies in paratrain bench's default matrix (``--quick``: the fast subset), registry order."""
+    tiers = ("quick",) if quick else ("quick", "full")
+    return [name for name, cls in STRATEGIES.items() if cls.bench_default in tiers]
 
 
 def resolve(name: str) -> type[Strategy]:

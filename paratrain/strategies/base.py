@@ -32,6 +32,10 @@ class Strategy:
     master_weights_hint: ClassVar[str] = "bf16-mixed or 32"  # what to use instead when master_weights is False
     local_overflow_skip: ClassVar[bool] = True  # fp16-mixed: can a rank skip an overflowing step without the others?
     in_process_micro_batches: ClassVar[bool] = False  # can options.micro_batches pipeline parts inside one process?
+    reference: ClassVar[bool] = False  # the one-device run the others are checked against (bench speedups, verify)
+    plain_data_parallel: ClassVar[bool] = False  # a replica per process, gradients all-reduced: the multi-process reference
+    comm_hooks: ClassVar[tuple[str, ...]] = ()  # what options.comm_hook accepts (DDP gradient compression); (): no hooks
+    bench_default: ClassVar[str] = "full"  # in paratrain bench's default matrices: "quick" (and full), "full", "no"
     precision: str = "32"  # set by Parallel: sharded strategies pick their param/reduce dtypes from it
     max_grad_norm: float | None = None  # set by Parallel (clip_grad_norm): ps clips on its server
 
@@ -124,6 +128,11 @@ class Strategy:
         if self.sharded_state:
             return {k: v.detach().cpu().clone() for k, v in sharded_full_state_dict(model).items()}
         return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+
+    def hidden_comm_bytes_per_step(self, model: nn.Module) -> int:
+        """Bytes this rank communicates per optimizer step outside ``torch.distributed``'s Python
+        functions (C++ reducers, RPC), which a counter wrapping those functions cannot see."""
+        return 0
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer, local_step: Callable[[], bool]) -> bool:
         """Apply one optimizer step; ``local_step`` is the precision's (clip, unscale, step).

@@ -52,6 +52,9 @@ class DDPOptions:
 class DDPStrategy(Strategy):
     name = "ddp"
     master_weights = True
+    plain_data_parallel = True
+    comm_hooks = COMM_HOOKS
+    bench_default = "quick"
 
     def __init__(self, dist_info: Dist, sync_batchnorm: bool = False, options: DDPOptions | None = None) -> None:
         super().__init__(dist_info, sync_batchnorm, options or DDPOptions())
@@ -91,7 +94,22 @@ class DDPStrategy(Strategy):
             )
             ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
 
+    def hidden_comm_bytes_per_step(self, model: nn.Module) -> int:
+        # Without a hook the all-reduce runs in DDP's C++ reducer (a hook's collectives are Python calls).
+        if self.options.comm_hook != "none" or self.dist.world_size == 1:
+            return 0
+        return bucket_bytes(model)
+
     def set_gradient_sync(self, model: nn.Module, enabled: bool) -> None:
         # What DDP.no_sync() does, as a flag: the caller sets it before each forward (nanoGPT).
         if isinstance(model, DDP):
             model.require_backward_grad_sync = enabled
+
+
+def bucket_bytes(model: nn.Module) -> int:
+    """Bytes DDP's built-in reducer all-reduces per synchronising backward (all its buckets)."""
+    for m in model.modules():
+        if isinstance(m, DDP):
+            sizes = str(m._get_ddp_logging_data().get("bucket_sizes", ""))
+            return sum(int(s) for s in sizes.replace(" ", "").split(",") if s)
+    return 0

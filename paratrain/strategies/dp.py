@@ -44,6 +44,7 @@ class DataParallelStrategy(Strategy):
     processes = "one"
     drives_all_local_devices = True
     master_weights = True
+    bench_default = "quick"
 
     def convert_batchnorm(self, model: nn.Module) -> nn.Module:
         self.warn("sync_batchnorm has no effect with dp: DataParallel replicas cannot sync BatchNorm; use ddp")

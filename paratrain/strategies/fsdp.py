@@ -197,6 +197,7 @@ class FSDPStrategy(Strategy):
     master_weights_hint = "bf16-mixed (FSDP2 already keeps fp32 sharded master weights and computes in low precision)"
     collective_forward = True
     sharded_state = True
+    bench_default = "quick"
     precision = "32"  # set by Parallel: picks FSDP's MixedPrecisionPolicy
 
     def __init__(self, dist_info: Dist, sync_batchnorm: bool = False, options: Any = None) -> None:

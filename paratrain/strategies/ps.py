@@ -131,6 +131,9 @@ class ParameterServerStrategy(Strategy):
         return optimizer
 
     # --- the step -------------------------------------------------------------------------
+    def hidden_comm_bytes_per_step(self, model: nn.Module) -> int:
+        return self.bytes_per_step  # RPC push + pull inside optimizer.step
+
     def optimizer_step(self, optimizer: torch.optim.Optimizer, local_step: Callable[[], bool]) -> bool:
         """Push this rank's gradient (and lr...) to the server, load the parameters it answers."""
         if not self._rpc:

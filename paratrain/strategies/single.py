@@ -11,6 +11,8 @@ class SingleDeviceStrategy(Strategy):
     name = "single"
     processes = "one"
     master_weights = True
+    reference = True
+    bench_default = "quick"
 
     def convert_batchnorm(self, model: nn.Module) -> nn.Module:
         return model  # one process sees the whole batch: plain BatchNorm is already "synced"

@@ -88,6 +88,7 @@ class TensorParallelStrategy(FSDPStrategy):
 
     name = "tensor"
     master_weights_hint = "bf16-mixed (FSDP2 already keeps fp32 sharded master weights and computes in low precision)"
+    bench_default = "full"  # not fsdp's "quick": a --quick run stays a couple of minutes on 2 CPU cores
 
     @classmethod
     def data_parallel_size_for(cls, world: int, options: Any = None) -> int:

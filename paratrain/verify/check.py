@@ -13,6 +13,7 @@ import copy
 from dataclasses import dataclass, field
 from typing import Any
 
+from .. import strategies as _strategies
 from ..config import TrainConfig, apply_overrides, from_dict
 from ..data.sampler import BatchPlan
 from ..launch.spawn import LaunchError, launch
@@ -132,8 +133,8 @@ def verify_config(config: dict[str, Any], opts: VerifyOptions) -> VerifyReport:
     cfg = from_dict(TrainConfig, copy.deepcopy(config))
     n = opts.world_size
     strategy = cfg.parallel.strategy
-    if cfg.parallel.strategy_class.processes == "one":
-        strategy = "ddp"
+    if cfg.parallel.strategy_class.processes == "one":  # N processes need one that runs on N
+        strategy = _strategies.data_parallel_reference()
     base = apply_overrides(copy.deepcopy(config), {"log_dir": None, "progress": False, "checkpoint_every": 0,
                                                    "checkpoint_dir": None, "resume": False})
     p = cfg.parallel
@@ -153,7 +154,7 @@ def verify_config(config: dict[str, Any], opts: VerifyOptions) -> VerifyReport:
 
         d = cfg.data
         data = build_dataset(d.dataset, True, d.data_dir, d.synthetic_size, p.seed)
-    single = {"parallel.strategy": "single", "parallel.accumulation": None, "parallel.micro_batch": None}
+    single = {"parallel.strategy": _strategies.reference(), "parallel.accumulation": None, "parallel.micro_batch": None}
     ref = _launch("world size 1", 1, job(**single), opts)
     main = _launch(f"world size {n} ({strategy})", n, job(**{"parallel.strategy": strategy}), opts)
     extra: list[tuple[RunView, float]] = []
