@@ -115,8 +115,6 @@ class Parallel:
         self.device = self.dist.device
         self.strategy = strategies.build(cfg, self.dist)
         self.precision = precision_lib.build(cfg.precision, self.device, cfg.loss_scale)
-        self.strategy.precision = self.precision.name  # sharded strategies pick their param/reduce dtypes
-        self.strategy.max_grad_norm = cfg.clip_grad_norm  # ps clips on the server
         self.precision.max_grad_norm = cfg.clip_grad_norm  # bf16-true/fp16-true clip their fp32 masters
         self.plan = BatchPlan.derive(cfg.global_batch, self.strategy.data_parallel_size, cfg.accumulation, cfg.micro_batch)
         # Same seed on every rank: identical initial weights, identical global data order.

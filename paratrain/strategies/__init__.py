@@ -67,4 +67,5 @@ def build(cfg: Any, dist_info: Dist) -> Strategy:
     """The strategy named by ``cfg.strategy`` (a ParallelConfig), with its options section
     (``cfg.ddp`` for ddp, ``cfg.fsdp`` for fsdp...) when the config has one."""
     cls = resolve(cfg.strategy)
-    return cls(dist_info, cfg.sync_batchnorm, getattr(cfg, cls.name, None))
+    return cls(dist_info, cfg.sync_batchnorm, getattr(cfg, cls.name, None), precision=cfg.precision,
+               max_grad_norm=cfg.clip_grad_norm)

@@ -36,11 +36,14 @@ class Strategy:
     plain_data_parallel: ClassVar[bool] = False  # a replica per process, gradients all-reduced: the multi-process reference
     comm_hooks: ClassVar[tuple[str, ...]] = ()  # what options.comm_hook accepts (DDP gradient compression); (): no hooks
     bench_default: ClassVar[str] = "full"  # in paratrain bench's default matrices: "quick" (and full), "full", "no"
-    precision: str = "32"  # set by Parallel: sharded strategies pick their param/reduce dtypes from it
-    max_grad_norm: float | None = None  # set by Parallel (clip_grad_norm): ps clips on its server
-
-    def __init__(self, dist_info: Dist, sync_batchnorm: bool = False, options: Any = None) -> None:
-        self.dist = dist_info
+    def __init__(self, dist_info: Dist, sync_batchnorm: bool = False, options: Any = None, *,
+                 precision: str = "32", max_grad_norm: float | None = None) -> None:
+        """``dist_info``: this process's place in the job; ``options``: the strategy's own section
+        of the config; ``precision``: its name (sharded strategies pick their param/reduce dtypes
+        from it); ``max_grad_norm``: clip_grad_norm (ps clips on its server)."""
+        self.proc = dist_info
+        self.precision = precision
+        self.max_grad_norm = max_grad_norm
         self.device = dist_info.device
         self.sync_batchnorm = sync_batchnorm
         self.options = options
@@ -72,11 +75,11 @@ class Strategy:
     # --- data layout ----------------------------------------------------------------------
     @property
     def data_parallel_size(self) -> int:
-        return self.data_parallel_size_for(self.dist.world_size, self.options)
+        return self.data_parallel_size_for(self.proc.world_size, self.options)
 
     @property
     def data_parallel_rank(self) -> int:
-        return self.dist.rank
+        return self.proc.rank
 
     @property
     def data_parallel_leader(self) -> bool:
@@ -92,7 +95,7 @@ class Strategy:
         return self.wrap(model)
 
     def convert_batchnorm(self, model: nn.Module) -> nn.Module:
-        if self.dist.world_size == 1:
+        if self.proc.world_size == 1:
             return model  # one process: plain BatchNorm already sees the whole batch
         from ..nn.syncbn import convert_sync_batchnorm
 
@@ -171,12 +174,12 @@ class Strategy:
 
     # --- collectives for metrics ----------------------------------------------------------
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        if self.dist.backend is not None and self.dist.world_size > 1:
+        if self.proc.backend is not None and self.proc.world_size > 1:
             dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
         return tensor
 
     def all_reduce_max(self, tensor: torch.Tensor) -> torch.Tensor:
-        if self.dist.backend is not None and self.dist.world_size > 1:
+        if self.proc.backend is not None and self.proc.world_size > 1:
             dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
         return tensor
 

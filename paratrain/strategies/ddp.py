@@ -56,11 +56,11 @@ class DDPStrategy(Strategy):
     comm_hooks = COMM_HOOKS
     bench_default = "quick"
 
-    def __init__(self, dist_info: Dist, sync_batchnorm: bool = False, options: DDPOptions | None = None) -> None:
-        super().__init__(dist_info, sync_batchnorm, options or DDPOptions())
+    def __init__(self, dist_info: Dist, sync_batchnorm: bool = False, options: DDPOptions | None = None, **common: Any) -> None:
+        super().__init__(dist_info, sync_batchnorm, options or DDPOptions(), **common)
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        if self.dist.backend is None:
+        if self.proc.backend is None:
             return model  # a world of one: DDP would only add overhead
         o: DDPOptions = self.options
         # broadcast_buffers is passed only to turn it off: newer torch warns that it is deprecated.
@@ -96,7 +96,7 @@ class DDPStrategy(Strategy):
 
     def hidden_comm_bytes_per_step(self, model: nn.Module) -> int:
         # Without a hook the all-reduce runs in DDP's C++ reducer (a hook's collectives are Python calls).
-        if self.options.comm_hook != "none" or self.dist.world_size == 1:
+        if self.options.comm_hook != "none" or self.proc.world_size == 1:
             return 0
         return bucket_bytes(model)
 

@@ -218,8 +218,8 @@ class DevicesStrategy(Strategy):
     in_process_micro_batches = True  # options.micro_batches pipelines the parts in this process
     bench_default = "no"  # without GPUs its parts share the CPU: single's run again (--strategies devices asks)
 
-    def __init__(self, dist_info: Dist, sync_batchnorm: bool = False, options: DevicesOptions | None = None) -> None:
-        super().__init__(dist_info, sync_batchnorm, options or DevicesOptions())
+    def __init__(self, dist_info: Dist, sync_batchnorm: bool = False, options: DevicesOptions | None = None, **common: Any) -> None:
+        super().__init__(dist_info, sync_batchnorm, options or DevicesOptions(), **common)
 
     def setup_model(self, model: nn.Module) -> nn.Module:
         # No model.to(self.device): each part goes to its own device.

@@ -192,24 +192,31 @@ def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2.0) ->
     return total
 
 
+def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
+    """FSDP2's ``no_sync``: off, gradients accumulate unsharded locally; the last micro-step
+    reduce-scatters them."""
+    setter = getattr(model, "set_requires_gradient_sync", None)  # FSDP2's FSDPModule
+    if setter is not None:
+        setter(enabled)
+
+
 class FSDPStrategy(Strategy):
     name = "fsdp"
     master_weights_hint = "bf16-mixed (FSDP2 already keeps fp32 sharded master weights and computes in low precision)"
     collective_forward = True
     sharded_state = True
     bench_default = "quick"
-    precision = "32"  # set by Parallel: picks FSDP's MixedPrecisionPolicy
 
-    def __init__(self, dist_info: Dist, sync_batchnorm: bool = False, options: Any = None) -> None:
-        super().__init__(dist_info, sync_batchnorm, options or FSDPOptions())
+    def __init__(self, dist_info: Dist, sync_batchnorm: bool = False, options: Any = None, **common: Any) -> None:
+        super().__init__(dist_info, sync_batchnorm, options or FSDPOptions(), **common)
         self.swap = ParameterSwap()
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        if self.dist.backend is None:
+        if self.proc.backend is None:
             return model  # a world of one: nothing to shard
         from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh(self.device.type, (self.dist.world_size,), mesh_dim_names=("dp",))
+        mesh = init_device_mesh(self.device.type, (self.proc.world_size,), mesh_dim_names=("dp",))
         old = self.swap.before(model)
         shard_model(model, mesh, self.options, self.precision)
         self.swap.after(model, old)
@@ -218,9 +225,9 @@ class FSDPStrategy(Strategy):
 
     def _report(self, model: nn.Module) -> None:
         b = self.parameter_bytes(model)
-        if self.dist.is_main_process:
+        if self.proc.is_main_process:
             print(f"paratrain {self.name}: {format_bytes(b['local'])} of {format_bytes(b['full'])} of parameters "
-                  f"per rank ({b['fraction']:.0%}) over {self.dist.world_size} processes")
+                  f"per rank ({b['fraction']:.0%}) over {self.proc.world_size} processes")
 
     @staticmethod
     def parameter_bytes(model: nn.Module) -> dict[str, Any]:
@@ -234,10 +241,7 @@ class FSDPStrategy(Strategy):
         return self.swap.rebuild(optimizer, self.name)
 
     def set_gradient_sync(self, model: nn.Module, enabled: bool) -> None:
-        # Off: gradients accumulate unsharded locally; the last micro-step reduce-scatters them.
-        setter = getattr(model, "set_requires_gradient_sync", None)  # FSDP2's FSDPModule
-        if setter is not None:
-            setter(enabled)
+        set_gradient_sync(model, enabled)
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
         return clip_grad_norm_(model.parameters(), max_norm)

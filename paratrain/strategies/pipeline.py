@@ -193,8 +193,8 @@ class PipelineStrategy(Strategy):
     def data_parallel_size_for(cls, world: int, options: Any = None) -> int:
         return 1  # one replica: every stage sees the same batch
 
-    def __init__(self, dist_info: Dist, sync_batchnorm: bool = False, options: PipelineOptions | None = None) -> None:
-        super().__init__(dist_info, sync_batchnorm, options or PipelineOptions())
+    def __init__(self, dist_info: Dist, sync_batchnorm: bool = False, options: PipelineOptions | None = None, **common: Any) -> None:
+        super().__init__(dist_info, sync_batchnorm, options or PipelineOptions(), **common)
         self._pipes: dict[int, PipelineModule] = {}  # id(user's model) -> its stage
 
     # --- data layout: one replica; every stage sees the same batch ------------------------
@@ -204,20 +204,20 @@ class PipelineStrategy(Strategy):
 
     @property
     def data_parallel_leader(self) -> bool:
-        return self.dist.rank == 0
+        return self.proc.rank == 0
 
     # --- model ----------------------------------------------------------------------------
     def setup_model(self, model: nn.Module) -> nn.Module:
         if self.sync_batchnorm:
             self.warn("sync_batchnorm has no effect with pipeline: each stage's BatchNorm already sees the "
-                      "whole micro-batch", rank=self.dist.rank)
+                      "whole micro-batch", rank=self.proc.rank)
         return self.wrap(model)
 
     def wrap(self, model: nn.Module) -> nn.Module:
         o: PipelineOptions = self.options
-        parts = split_model(model, self.dist.world_size, o.split_points, "pipeline")
-        parts[self.dist.rank].to(self.device)  # only this stage lives on this rank's device
-        pipe = PipelineModule(parts, self.dist.rank, model, self.device, o, self.dist.backend is not None)
+        parts = split_model(model, self.proc.world_size, o.split_points, "pipeline")
+        parts[self.proc.rank].to(self.device)  # only this stage lives on this rank's device
+        pipe = PipelineModule(parts, self.proc.rank, model, self.device, o, self.proc.backend is not None)
         self._pipes[id(model)] = pipe
         return pipe
 
@@ -290,8 +290,8 @@ class PipelineStrategy(Strategy):
 
     # --- collectives ----------------------------------------------------------------------
     def _from_last_stage(self, tensor: torch.Tensor) -> torch.Tensor:
-        if self.dist.backend is not None and self.dist.world_size > 1:
-            dist.broadcast(tensor, src=self.dist.world_size - 1)
+        if self.proc.backend is not None and self.proc.world_size > 1:
+            dist.broadcast(tensor, src=self.proc.world_size - 1)
         return tensor
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -303,7 +303,7 @@ class PipelineStrategy(Strategy):
         """Clip by the norm of the whole model's gradient: the stages' squared norms are summed."""
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         total = torch.nn.utils.get_total_norm(grads).to(self.device, torch.float32) ** 2
-        if self.dist.backend is not None and self.dist.world_size > 1:
+        if self.proc.backend is not None and self.proc.world_size > 1:
             dist.all_reduce(total, op=dist.ReduceOp.SUM)
         total = total.sqrt()
         torch.nn.utils.clip_grads_with_norm_([p for p in model.parameters() if p.grad is not None], max_norm, total)
@@ -316,8 +316,8 @@ class PipelineStrategy(Strategy):
         pipe = self._pipeline(model)
         local = {k: v.detach().cpu() for k, v in pipe.module.state_dict().items()}
         gathered = [local]
-        if self.dist.backend is not None and self.dist.world_size > 1:
-            gathered = [{} for _ in range(self.dist.world_size)]
+        if self.proc.backend is not None and self.proc.world_size > 1:
+            gathered = [{} for _ in range(self.proc.world_size)]
             dist.all_gather_object(gathered, local)
         merged: dict[str, torch.Tensor] = {}
         for stage_state in gathered:

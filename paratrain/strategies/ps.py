@@ -70,8 +70,8 @@ class ParameterServerStrategy(Strategy):
     name = "ps"
     local_overflow_skip = False
 
-    def __init__(self, dist_info: Dist, sync_batchnorm: bool = False, options: PSOptions | None = None) -> None:
-        super().__init__(dist_info, sync_batchnorm, options or PSOptions())
+    def __init__(self, dist_info: Dist, sync_batchnorm: bool = False, options: PSOptions | None = None, **common: Any) -> None:
+        super().__init__(dist_info, sync_batchnorm, options or PSOptions(), **common)
         self._params: list[nn.Parameter] = []
         self._version = 0
         self.bytes_per_step = 0
@@ -80,22 +80,22 @@ class ParameterServerStrategy(Strategy):
 
     # --- setup ----------------------------------------------------------------------------
     def _distributed(self) -> bool:
-        return self.dist.backend is not None and self.dist.world_size > 1
+        return self.proc.backend is not None and self.proc.world_size > 1
 
     def _start_rpc(self) -> None:
         from ..launch.spawn import free_port
 
-        host = self.dist.info.master_addr if self._distributed() else "127.0.0.1"
-        where: list[Any] = [free_port(host) if self.dist.rank == 0 else None]
+        host = self.proc.info.master_addr if self._distributed() else "127.0.0.1"
+        where: list[Any] = [free_port(host) if self.proc.rank == 0 else None]
         if self._distributed():
             dist.broadcast_object_list(where, src=0)
         opts: PSOptions = self.options
         backend_options = rpc.TensorPipeRpcBackendOptions(
             init_method=store_init_method(host, where[0]), rpc_timeout=opts.rpc_timeout_s, _transports=["uv"])
-        name = SERVER if self.dist.rank == 0 else f"worker{self.dist.rank}"
+        name = SERVER if self.proc.rank == 0 else f"worker{self.proc.rank}"
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="You are using a Backend .* as a ProcessGroup")
-            rpc.init_rpc(name, rank=self.dist.rank, world_size=self.dist.world_size, rpc_backend_options=backend_options)
+            rpc.init_rpc(name, rank=self.proc.rank, world_size=self.proc.world_size, rpc_backend_options=backend_options)
         self._rpc = True
 
     def setup_model(self, model: nn.Module) -> nn.Module:
@@ -103,7 +103,7 @@ class ParameterServerStrategy(Strategy):
             raise ValueError("ps: Parallel serves one model; build another Parallel for a second one")
         if self.sync_batchnorm:
             self.warn("sync_batchnorm has no effect with ps: only parameters travel, BatchNorm statistics stay on "
-                      "each rank", rank=self.dist.rank)
+                      "each rank", rank=self.proc.rank)
         model = model.to(self.device)
         self._params = list(model.parameters())
         return model
@@ -115,16 +115,16 @@ class ParameterServerStrategy(Strategy):
         if stray:
             raise ValueError("ps: the optimizer holds parameters that are not the model's: build it over "
                              "model.parameters()")
-        if self.dist.rank == 0:
+        if self.proc.rank == 0:
             if get_server() is not None:
                 raise RuntimeError("ps: this process already serves a model: close the other Parallel first")
             params = [p.detach().cpu().clone() for p in self._params]
-            set_server(ServerState(params, _server_optimizer(optimizer, params, index), self.dist.world_size,
+            set_server(ServerState(params, _server_optimizer(optimizer, params, index), self.proc.world_size,
                                    self.options.mode, self.max_grad_norm))
         try:
             self._start_rpc()  # init_rpc is itself a rendezvous: the server exists before anyone pushes
         except BaseException:
-            if self.dist.rank == 0:
+            if self.proc.rank == 0:
                 set_server(None)
             raise
         self.bytes_per_step = 2 * sum(p.numel() * p.element_size() for p in self._params)
@@ -141,8 +141,8 @@ class ParameterServerStrategy(Strategy):
         opts: PSOptions = self.options
         grads = [None if p.grad is None else p.grad.detach().to("cpu", copy=True) for p in self._params]
         push = push_sync if opts.mode == "sync" else push_async
-        self._version, values = call_server(push, (self.dist.rank, self._version, grads, math.nan,
-                                             _hyperparameters(optimizer)), self.dist.rank, opts)
+        self._version, values = call_server(push, (self.proc.rank, self._version, grads, math.nan,
+                                             _hyperparameters(optimizer)), self.proc.rank, opts)
         with torch.no_grad():
             for p, v in zip(self._params, values):
                 p.copy_(v, non_blocking=True)
@@ -165,7 +165,7 @@ class ParameterServerStrategy(Strategy):
 
     def _hosted(self) -> ServerState | None:
         """The server this process hosts (rank 0 after setup), else None."""
-        return get_server() if self.dist.rank == 0 else None
+        return get_server() if self.proc.rank == 0 else None
 
     def _copy_into_server(self, module: nn.Module) -> None:
         s = self._hosted()
@@ -189,7 +189,7 @@ class ParameterServerStrategy(Strategy):
         """The server's parameters and optimizer state (rank 0 writes checkpoints), with the
         param groups' hyperparameters of the local optimizer: a scheduler has already moved its
         lr past the one the server applied last."""
-        if self.dist.rank != 0:
+        if self.proc.rank != 0:
             return super().checkpoint_state(module, optimizer)
         model_state, optim_state = self._server_state(module)
         if optimizer is None:
@@ -219,7 +219,7 @@ class ParameterServerStrategy(Strategy):
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """The server's trained parameters (and rank 0's buffers) on every rank. Collective."""
         box: list[Any] = [None]
-        if self.dist.rank == 0:
+        if self.proc.rank == 0:
             box[0] = {k: v.detach().cpu().clone() for k, v in self._server_state(model)[0].items()}
         if self._distributed():
             dist.broadcast_object_list(box, src=0)
@@ -234,14 +234,14 @@ class ParameterServerStrategy(Strategy):
         if wait_for_peers:
             rpc.shutdown(graceful=True, timeout=self.options.rpc_timeout_s)
         else:
-            if self.dist.rank != 0:
+            if self.proc.rank != 0:
                 with contextlib.suppress(Exception):
-                    rpc.rpc_sync(SERVER, abort, args=(self.dist.rank, "it stopped after an error"), timeout=5)
+                    rpc.rpc_sync(SERVER, abort, args=(self.proc.rank, "it stopped after an error"), timeout=5)
             elif (hosted := self._hosted()) is not None:
                 # Answer the ranks waiting on a sync step with the cause, not a broken pipe.
                 hosted.fail("parameter server: rank 0 (which hosts the server) stopped after an error")
                 time.sleep(1.0)
             with contextlib.suppress(Exception):
                 rpc.shutdown(graceful=False)
-        if self.dist.rank == 0:
+        if self.proc.rank == 0:
             set_server(None)

@@ -22,7 +22,9 @@ import torch.distributed as dist
 from torch import nn
 
 from ..env.process import Dist
-from .fsdp import FSDPOptions, FSDPStrategy, format_bytes, parameter_bytes, shard_model
+from .base import Strategy
+from .fsdp import (FSDPOptions, ParameterSwap, clip_grad_norm_, format_bytes, parameter_bytes, set_gradient_sync,
+                   shard_model)
 
 __all__ = ["TensorOptions", "TensorParallelStrategy", "auto_plan"]
 
@@ -78,25 +80,28 @@ def auto_plan(model: nn.Module) -> dict[str, str]:
     return plan
 
 
-class TensorParallelStrategy(FSDPStrategy):
+class TensorParallelStrategy(Strategy):
     """DTensor tensor parallelism, with FSDP2 on the dp dimension of a 2-D mesh.
 
-    From ``fsdp`` it keeps the in-place wrapping, the optimizer rebuild over DTensor parameters,
-    ``no_sync`` for the dp reduction (tp all-reduces are part of the computation, they never
-    wait), DTensor-aware clipping and DCP checkpoints.
+    It shares fsdp's DTensor helpers (not its class): the in-place wrapping, the optimizer
+    rebuild over DTensor parameters (:class:`~.fsdp.ParameterSwap`), ``no_sync`` for the dp
+    reduction (tp all-reduces are part of the computation, they never wait), DTensor-aware
+    clipping and DCP checkpoints.
     """
 
     name = "tensor"
     master_weights_hint = "bf16-mixed (FSDP2 already keeps fp32 sharded master weights and computes in low precision)"
-    bench_default = "full"  # not fsdp's "quick": a --quick run stays a couple of minutes on 2 CPU cores
+    collective_forward = True
+    sharded_state = True
+    bench_default = "full"  # a --quick run stays a couple of minutes on 2 CPU cores
 
     @classmethod
     def data_parallel_size_for(cls, world: int, options: Any = None) -> int:
         tp = getattr(options, "tp_size", None) or world
         return max(1, world // tp)
 
-    def __init__(self, dist_info: Dist, sync_batchnorm: bool = False, options: TensorOptions | None = None) -> None:
-        super().__init__(dist_info, sync_batchnorm, options or TensorOptions())
+    def __init__(self, dist_info: Dist, sync_batchnorm: bool = False, options: TensorOptions | None = None, **common: Any) -> None:
+        super().__init__(dist_info, sync_batchnorm, options or TensorOptions(), **common)
         world = dist_info.world_size
         self.tp = self.options.tp_size or world
         if world % self.tp:
@@ -104,15 +109,16 @@ class TensorParallelStrategy(FSDPStrategy):
                              f"use a tp_size that divides {world}")
         self.dp = world // self.tp
         self._mesh: Any = None
+        self.swap = ParameterSwap()
 
     # --- data layout: the ranks of one tp group read the same batch ---------------------------
     @property
     def data_parallel_rank(self) -> int:
-        return self.dist.rank // self.tp  # init_device_mesh lays ranks out row-major over (dp, tp)
+        return self.proc.rank // self.tp  # init_device_mesh lays ranks out row-major over (dp, tp)
 
     @property
     def data_parallel_leader(self) -> bool:
-        return self.dist.rank % self.tp == 0
+        return self.proc.rank % self.tp == 0
 
     @property
     def mesh(self) -> Any:
@@ -147,7 +153,7 @@ class TensorParallelStrategy(FSDPStrategy):
 
     def wrap(self, model: nn.Module) -> nn.Module:
         plan = self.plan_for(model)  # checked even in a world of one: the error shows up early
-        if self.dist.backend is None:
+        if self.proc.backend is None:
             return model
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -159,13 +165,26 @@ class TensorParallelStrategy(FSDPStrategy):
             shard_model(model, self.mesh["dp"], FSDPOptions(), self.precision)
         self.swap.after(model, old)
         b = parameter_bytes(model)
-        if self.dist.is_main_process:
+        if self.proc.is_main_process:
             print(f"paratrain tensor: {len(plan)} Linear layers split over tp={self.tp}, dp={self.dp}; "
                   f"{format_bytes(b['local'])} of {format_bytes(b['full'])} of parameters per rank")
         return model
 
     # --- metrics: sum over dp only (the tp ranks of a group hold the same numbers) ---------------
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        if self.dist.backend is not None and self.dp > 1:
+        if self.proc.backend is not None and self.dp > 1:
             dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.mesh["dp"].get_group())
         return tensor
+
+    # --- what fsdp does too, through the shared DTensor helpers ----------------------------------
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return model  # parallelize_module and fully_shard work in place: the module is the user's own
+
+    def setup_optimizer(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        return self.swap.rebuild(optimizer, self.name)
+
+    def set_gradient_sync(self, model: nn.Module, enabled: bool) -> None:
+        set_gradient_sync(model, enabled)
+
+    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        return clip_grad_norm_(model.parameters(), max_norm)
