@@ -363,3 +363,12 @@ def test_bad_input_of_issue_14_is_one_line(case: str, tmp_path: Path, finished_m
 def _write(path: Path, text: str) -> Path:
     path.write_text(text)
     return path
+
+
+def test_cli_warnings_are_one_line_each() -> None:
+    from paratrain.cli.main import _warning_line
+
+    ours = _warning_line("no manifest:\n  cannot check", UserWarning, "/x/paratrain/checkpoint/io.py", 3)
+    assert ours == "paratrain: warning: no manifest: cannot check\n"
+    theirs = _warning_line("deprecated", FutureWarning, "/venv/torch/jit/_script.py", 9)
+    assert theirs == "_script.py:9: FutureWarning: deprecated\n"

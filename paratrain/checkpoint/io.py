@@ -101,7 +101,9 @@ def load_file(path: str | os.PathLike, map_location: Any = "cpu") -> Any:
     if not path.is_file():
         raise CheckpointError(f"checkpoint {str(path)!r} does not exist")
     try:
-        return torch.load(path, map_location=map_location, weights_only=True)
+        with warnings.catch_warnings():  # a file that is not torch's asks to "file an issue": our error says it all
+            warnings.filterwarnings("ignore", message="Detected pickle protocol")
+            return torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:  # torch's loader raises anything from EOFError to IndexError on a bad file
         raise load_error(f"checkpoint {str(path)!r}", e) from None
 

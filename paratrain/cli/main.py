@@ -6,7 +6,8 @@ import argparse
 import importlib
 import os
 import sys
-from typing import NoReturn, Sequence
+import warnings
+from typing import Any, NoReturn, Sequence
 
 from ..checkpoint.io import CheckpointError
 from ..env.process import CollectiveTimeoutError, UnavailableError
@@ -74,7 +75,16 @@ def _subparsers(parser: argparse.ArgumentParser) -> argparse._SubParsersAction:
     return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
 
 
+def _warning_line(message: Any, category: type[Warning], filename: str, lineno: int, line: str | None = None) -> str:
+    """A warning as one line: paratrain's own say only their message, others where they come from."""
+    text = " ".join(str(message).split())
+    if os.sep + "paratrain" + os.sep in filename:
+        return f"paratrain: warning: {text}\n"
+    return f"{os.path.basename(filename)}:{lineno}: {category.__name__}: {text}\n"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    warnings.formatwarning = _warning_line  # the command line prints each warning in one line
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parse(parser, argv)
