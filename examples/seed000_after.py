@@ -1,15 +1,18 @@
-"""Seed 000 with paratrain: the same script as ``seed000_before.py``; changed lines say ``# paratrain:``.
+"""Seed 000 converted to paratrain in five edited lines (``diff seed000_before.py seed000_after.py``).
 
-paratrain.Parallel replaces init_distributed, set_device, SyncBatchNorm + DDP, the
-DistributedSampler + set_epoch, GradScaler/autocast and the rank helpers. The loop stays the
-user's. It runs as plain python (one process, no process group) or on N processes::
+``import paratrain``; ``paratrain.Parallel`` instead of ``init_distributed()``, with the global
+batch the seed trained with (its per-process batch x processes); ``pt.setup`` around the model
+(the script's own DistributedDataParallel is kept) and the optimizer; ``pt.train_loader`` around
+its DataLoader (paratrain's global-batch sampler replaces the DistributedSampler, whose
+``set_epoch`` is now a no-op); ``pt.backward`` instead of ``.backward()``. Everything else — the
+rank helpers, SyncBatchNorm, GradScaler/autocast, the save line — is the seed's. Launch it as
+the "before"::
 
-    python examples/seed000_after.py --epochs 1
     python -m paratrain run --nproc-per-node 2 examples/seed000_after.py --epochs 1
-    torchrun --nproc-per-node 2 examples/seed000_after.py --epochs 1
 
-Like the "before" script, it falls back to scikit-learn's 8x8 digits and resnet8 when
-torchvision is not installed (FALLBACK, not in the seed).
+Keeping the global batch fixed instead of the per-process one (``global_batch=args.batch_size``)
+makes the result independent of the number of processes. ``seed000_full.py`` goes further:
+paratrain's precision, SyncBatchNorm and rank helpers instead of the hand-written ones.
 """
 
 import argparse
@@ -18,9 +21,12 @@ import tempfile
 import time
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.optim as optim
+import paratrain
 from torch.utils.data import DataLoader
+from torch.utils.data.distributed import DistributedSampler
 
 try:
     import torchvision
@@ -28,20 +34,56 @@ try:
 except ImportError:  # FALLBACK (not in the seed): see fallback()
     torchvision = None
 
-try:  # paratrain:
-    import paratrain
-except ImportError:  # a source checkout without `pip install -e .`
-    import sys
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-    import paratrain
 
-# paratrain: init_distributed, is_dist_avail_and_initialized, get_rank, is_main_process and
-# save_on_master are gone: paratrain.Parallel and paratrain.save_on_main do their jobs.
+def init_distributed():
+    dist_url = "env://"
+    rank = int(os.environ["RANK"])
+    world_size = int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ["LOCAL_RANK"])
+
+    dist.init_process_group(
+        backend="nccl" if torch.cuda.is_available() else "gloo",
+        init_method=dist_url,
+        world_size=world_size,
+        rank=rank,
+    )
+
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+    dist.barrier()
+
+
+def is_dist_avail_and_initialized():
+    if not dist.is_available():
+        return False
+    if not dist.is_initialized():
+        return False
+    return True
+
+
+def get_rank():
+    if not is_dist_avail_and_initialized():
+        return 0
+    return dist.get_rank()
+
+
+def is_main_process():
+    return get_rank() == 0
+
+
+def save_on_master(*args, **kwargs):
+    if is_main_process():
+        torch.save(*args, **kwargs)
 
 
 # --- FALLBACK (not in the seed): no torchvision here -> real 8x8 digits and resnet8 -------------
 def fallback(what):
-    import paratrain.data.datasets as datasets, paratrain.models as models
+    try:
+        import paratrain.data.datasets as datasets, paratrain.models as models
+    except ImportError:  # a source checkout without `pip install -e .`
+        import sys
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+        import paratrain.data.datasets as datasets, paratrain.models as models
     if what == "data":
         return datasets.digits(train=True), datasets.digits(train=False)
     return models.build_model("resnet8", (1, 8, 8), 10)
@@ -63,40 +105,49 @@ def create_data_loader_cifar10(batch_size=256, workers=10):
                                                 download=True, transform=transform)
         testset = torchvision.datasets.CIFAR10(root="./data", train=False,
                                                download=True, transform=transform)
-    # paratrain: no DistributedSampler/DataLoader here: pt.train_loader(trainset) shards the set
+    train_sampler = DistributedSampler(dataset=trainset, shuffle=True)
+    trainloader = DataLoader(trainset, batch_size=batch_size, sampler=train_sampler,
+                             num_workers=workers, pin_memory=torch.cuda.is_available())
     testloader = DataLoader(testset, batch_size=batch_size, shuffle=False, num_workers=workers)
-    return trainset, testloader, workers  # paratrain: the dataset, not a loader
+    return trainloader, testloader
 
 
-def train(pt, net, trainloader, epochs=1, max_steps=None):  # paratrain: gets pt, no device
-    pt.print("Start training...")  # paratrain: prints on the main process only
+def train(net, trainloader, device, epochs=1, max_steps=None):
+    if is_main_process():
+        print("Start training...")
     criterion = nn.CrossEntropyLoss()
-    optimizer = optim.SGD(net.parameters(), lr=0.001, momentum=0.9)
-    # paratrain: no GradScaler: pt.backward/pt.step scale the loss when precision is fp16-mixed
+    net, optimizer = pt.setup(net, optim.SGD(net.parameters(), lr=0.001, momentum=0.9))
+    use_amp = device.type == "cuda"
+    fp16_scaler = torch.amp.GradScaler("cuda", enabled=use_amp)
 
     for epoch in range(epochs):
-        # paratrain: no trainloader.sampler.set_epoch(epoch): each pass over the loader is the next epoch
+        trainloader.sampler.set_epoch(epoch)
         running_loss = 0.0
         num_of_batches = 0
-        for i, data in enumerate(trainloader, 0):
+        for i, data in enumerate(pt.train_loader(trainloader), 0):
             if max_steps is not None and i >= max_steps:
                 break
-            images, labels = data  # paratrain: batches arrive on the device
+            inputs, labels = data
+            images, labels = inputs.to(device), labels.to(device)
 
             optimizer.zero_grad()
 
-            outputs = net(images)  # paratrain: pt.setup made net autocast when precision asks for it
-            loss = criterion(outputs, labels)
+            with torch.autocast("cuda", enabled=use_amp):
+                outputs = net(images)
+                loss = criterion(outputs, labels)
 
-            pt.backward(loss)  # paratrain: was fp16_scaler.scale(loss).backward()
-            pt.step(optimizer)  # paratrain: was fp16_scaler.step(optimizer); fp16_scaler.update()
+            pt.backward(fp16_scaler.scale(loss))
+            fp16_scaler.step(optimizer)
+            fp16_scaler.update()
 
             running_loss += loss.item()
             num_of_batches += 1
 
-        pt.print(f"[Epoch {epoch + 1}/{epochs}] loss: {running_loss / max(num_of_batches, 1):.3f}")  # paratrain:
+        if is_main_process():
+            print(f"[Epoch {epoch + 1}/{epochs}] loss: {running_loss / max(num_of_batches, 1):.3f}")
 
-    pt.print("Finished Training")  # paratrain:
+    if is_main_process():
+        print("Finished Training")
 
 
 @torch.no_grad()
@@ -123,32 +174,28 @@ def main():
     args = parser.parse_args()
 
     start = time.time()
-    pt = paratrain.Parallel(  # paratrain: replaces init_distributed() and torch.cuda.set_device
-        strategy="ddp",
-        precision="fp16-mixed" if torch.cuda.is_available() else "32",  # the seed's AMP, on GPUs
-        global_batch=args.batch_size * paratrain.world_size(),  # the seed's batch: 256 per process
-        sync_batchnorm=True,  # the seed's SyncBatchNorm (paratrain's also works on CPU/gloo)
-    )
-    device = pt.device  # paratrain: cuda:<local rank> or cpu, chosen by paratrain
+    global pt; pt = paratrain.Parallel(strategy="ddp", global_batch=args.batch_size * int(os.environ["WORLD_SIZE"]))
+    local_rank = int(os.environ["LOCAL_RANK"])
+    device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
 
-    with paratrain.main_process_first():  # paratrain: rank 0 downloads first, the others then read
-        trainset, testloader, workers = create_data_loader_cifar10(args.batch_size, args.workers)
-    trainloader = pt.train_loader(trainset, num_workers=workers,  # paratrain: sharded, seeded
-                                  pin_memory=device.type == "cuda")
+    trainloader, testloader = create_data_loader_cifar10(args.batch_size, args.workers)
     if torchvision is None:  # FALLBACK
-        net = fallback("model")
+        net = fallback("model").to(device)
     else:
-        net = torchvision.models.resnet50(weights=None)
-    net = pt.setup(net)  # paratrain: replaces .to(device), convert_sync_batchnorm and DistributedDataParallel
+        net = torchvision.models.resnet50(weights=None).to(device)
+    if torch.cuda.is_available():  # torch's SyncBatchNorm is GPU-only
+        net = nn.SyncBatchNorm.convert_sync_batchnorm(net)
+    net = nn.parallel.DistributedDataParallel(net, device_ids=[local_rank] if device.type == "cuda" else None)
 
     t0 = time.time()
-    train(pt, net, trainloader, args.epochs, args.steps)  # paratrain: passes pt
+    train(net, trainloader, device, args.epochs, args.steps)
     train_time = time.time() - t0
     accuracy = test(net, testloader, device)
-    paratrain.save_on_main(pt.unwrap(net).state_dict(), args.checkpoint)  # paratrain: was save_on_master(net.module...)
-    pt.print(f"Training time: {train_time:.2f} s, total time: {time.time() - start:.2f} s")  # paratrain:
-    pt.print(f"Accuracy of the network on the test images: {accuracy:.1f} %")  # paratrain:
-    pt.close()  # paratrain: was dist.destroy_process_group()
+    save_on_master(net.module.state_dict(), args.checkpoint)
+    if is_main_process():
+        print(f"Training time: {train_time:.2f} s, total time: {time.time() - start:.2f} s")
+        print(f"Accuracy of the network on the test images: {accuracy:.1f} %")
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, IterableDataset, RandomSampler, SequentialSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
 
 from . import checkpoint as checkpoint_lib
 from . import metrics as metrics_lib
@@ -163,7 +163,14 @@ class Parallel:
         """
         compiled = model if _is_compiled(model) else None
         original = _uncompiled(model)  # its keys are the checkpoint's, compiled or not
-        wrapped = self.strategy.setup_model(self.precision.setup_model(original))
+        wrapped = self.strategy.adopt(original)  # a wrapper the user made (their DDP) is kept
+        if wrapped is not None:
+            if self.precision.name in precision_lib.MASTER_WEIGHTS:
+                raise ValueError(f"precision {self.precision.name} converts the model's weights: pass the plain module "
+                                 f"to setup, not one already wrapped in {type(wrapped).__name__}")
+            original = self.strategy.unwrap(wrapped)
+        else:
+            wrapped = self.strategy.setup_model(self.precision.setup_model(original))
         runner = wrapped
         if compiled is not None:  # compiled by the user: the same compilation, around the strategy's wrapper
             runner = type(compiled)(wrapped, compiled.dynamo_ctx)
@@ -362,6 +369,8 @@ class Parallel:
             sampler = loader.sampler if loader.batch_size is not None else loader.batch_sampler
             if isinstance(sampler, (RandomSampler, SequentialSampler)):
                 shuffle = isinstance(sampler, RandomSampler)
+            elif isinstance(sampler, DistributedSampler):  # what a DDP script has: replacing it is the point
+                shuffle = bool(sampler.shuffle)
             else:
                 warnings.warn(f"train_loader: the DataLoader's {type(sampler).__name__} is replaced by paratrain's "
                               "global-batch sampler (shuffled: pass shuffle=False for the dataset's order)", stacklevel=3)

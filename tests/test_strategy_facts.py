@@ -165,3 +165,18 @@ def test_the_name_scan_finds_what_it_looks_for(tmp_path: pathlib.Path) -> None:
         'h = s == SERVER\n')
     assert name_comparisons(tmp_path) == ["paratrain/m.py:1", "paratrain/m.py:2", "paratrain/m.py:3",
                                           "paratrain/m.py:4", "paratrain/m.py:5"]
+
+
+def test_a_model_wrapped_by_the_user_is_kept_by_ddp_and_refused_elsewhere():
+    import pytest
+    import torch
+    from torch import nn
+
+    import paratrain
+
+    pt = paratrain.Parallel(strategy="single", global_batch=2)
+    with pytest.raises(ValueError, match="already wrapped in DataParallel: pass the plain module"):
+        pt.setup(nn.DataParallel(nn.Linear(2, 2)))
+    pt.close()
+    assert paratrain.strategies.STRATEGIES["ddp"].adopt.__doc__  # ddp keeps the user's own DDP (examples/seed000_after.py)
+    assert torch is not None

@@ -180,29 +180,38 @@ def init(
     chosen = select_backend(device, backend)  # also in a world of one: a bad --backend is an error there too
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    if info.world_size == 1 and not dist.is_initialized():
+    if info.world_size == 1 and not (dist.is_initialized() and dist.get_world_size() > 1):
+        if info.source == "torchelastic" and not dist.is_initialized():
+            # `torchrun --nproc-per-node 1 script.py`: the script may call torch.distributed itself
+            # (barrier, destroy_process_group), so the group exists; paratrain needs no collective.
+            _join(info, device, chosen, timeout_s)
         return Dist(info, device, None)
     if not dist.is_initialized():
-        preload_dynamo()
-        os.environ.setdefault("MASTER_ADDR", info.master_addr)
-        os.environ.setdefault("MASTER_PORT", str(info.master_port))
-        if is_loopback(os.environ["MASTER_ADDR"]) and chosen == "gloo":
-            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        kwargs: dict[str, Any] = {}
-        if device.type == "cuda":
-            kwargs["device_id"] = device  # lets NCCL bind eagerly and fail fast on a bad rank
-        timeout = timedelta(seconds=timeout_s)
-        store = loopback_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), info.rank,
-                               info.world_size, timeout)
-        dist.init_process_group(
-            backend=chosen,
-            rank=info.rank,
-            world_size=info.world_size,
-            timeout=timeout,
-            **({"store": store} if store is not None else {"init_method": "env://"}),
-            **kwargs,
-        )
+        _join(info, device, chosen, timeout_s)
     return Dist(info, device, dist.get_backend())
+
+
+def _join(info: ProcessInfo, device: torch.device, chosen: str, timeout_s: float) -> None:
+    """``init_process_group`` for this process of the job, its store on loopback when the job is."""
+    preload_dynamo()
+    os.environ.setdefault("MASTER_ADDR", info.master_addr)
+    os.environ.setdefault("MASTER_PORT", str(info.master_port))
+    if is_loopback(os.environ["MASTER_ADDR"]) and chosen == "gloo":
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    kwargs: dict[str, Any] = {}
+    if device.type == "cuda":
+        kwargs["device_id"] = device  # lets NCCL bind eagerly and fail fast on a bad rank
+    timeout = timedelta(seconds=timeout_s)
+    store = loopback_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), info.rank,
+                           info.world_size, timeout)
+    dist.init_process_group(
+        backend=chosen,
+        rank=info.rank,
+        world_size=info.world_size,
+        timeout=timeout,
+        **({"store": store} if store is not None else {"init_method": "env://"}),
+        **kwargs,
+    )
 
 
 def is_loopback(host: str) -> bool:

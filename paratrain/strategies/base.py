@@ -87,6 +87,15 @@ class Strategy:
         return True
 
     # --- model ----------------------------------------------------------------------------
+    def adopt(self, model: nn.Module) -> nn.Module | None:
+        """A model the user already wrapped that this strategy keeps as it is (ddp keeps the
+        user's own ``DistributedDataParallel``), or None: :meth:`setup_model` wraps it. A wrapper
+        this strategy cannot use is a one-line error."""
+        if isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
+            raise ValueError(f"the model is already wrapped in {type(model).__name__}: pass the plain module, "
+                             f"strategy {self.name!r} wraps it itself")
+        return None
+
     def setup_model(self, model: nn.Module) -> nn.Module:
         """Move to the device, convert BatchNorm if asked, and wrap."""
         model = model.to(self.device)

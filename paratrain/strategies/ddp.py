@@ -59,6 +59,11 @@ class DDPStrategy(Strategy):
     def __init__(self, dist_info: Dist, sync_batchnorm: bool = False, options: DDPOptions | None = None, **common: Any) -> None:
         super().__init__(dist_info, sync_batchnorm, options or DDPOptions(), **common)
 
+    def adopt(self, model: nn.Module) -> nn.Module | None:
+        """The user's own ``DistributedDataParallel`` (a script converted line by line) is kept
+        with its settings; paratrain adds the data, accumulation and checkpoints around it."""
+        return model if isinstance(model, DDP) else super().adopt(model)
+
     def wrap(self, model: nn.Module) -> nn.Module:
         if self.proc.backend is None:
             return model  # a world of one: DDP would only add overhead

@@ -1,0 +1,139 @@
+"""SIGKILL trials (issue 14's sweep): kill a worker at a random moment and check that the job is
+restarted and ends with the same weights as an uninterrupted run; kill the torchrun agent and
+check that no worker trains on.
+
+    python scripts/kill_trials.py [--workers 6] [--agents 2] [--seed 0]
+
+Every trial runs ``paratrain train --strategy ddp --nproc-per-node 2`` on the built-in data, in
+its own process group, killed from outside (no hook inside paratrain). Prints one row per trial
+and the counts: trials / equal weights / result.json intact / orphans.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+STEPS, EVERY = 100, 10
+COMMON = ["train", "--strategy", "ddp", "--nproc-per-node", "2", "--model", "cnn", "--epochs", "10", "--max-steps",
+          str(STEPS), "--checkpoint-every", str(EVERY), "--no-progress", "--global-batch", "32"]
+
+
+def start(args: list[str]) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    return subprocess.Popen([sys.executable, "-m", "paratrain", *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def children(pid: int) -> list[int]:
+    out = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            out += [int(p) for p in Path(f"/proc/{pid}/task/{task}/children").read_text().split()]
+        except OSError:
+            pass
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def final_weights(run: Path) -> dict:
+    import torch
+
+    newest = sorted((run / "checkpoints").glob("step-*.pt"))[-1]
+    return torch.load(newest, weights_only=True)["model"]
+
+
+def equal(a: dict, b: dict) -> bool:
+    import torch
+
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def finish(proc: subprocess.Popen, timeout: float = 300) -> tuple[int, str, str]:
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return proc.returncode, out, err
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workers", type=int, default=6, help="worker-kill trials")
+    ap.add_argument("--agents", type=int, default=2, help="agent-kill trials")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    rng = random.Random(args.seed)
+    tmp = Path(tempfile.mkdtemp(prefix="paratrain-kill-"))
+    start_t = time.monotonic()
+    rc, _, err = finish(start([*COMMON, "--log-dir", str(tmp / "ref")]))
+    if rc != 0:
+        print(f"reference run failed: {err[-2000:]}")
+        return 1
+    ref, ref_s = final_weights(tmp / "ref"), time.monotonic() - start_t
+    print(f"reference: {STEPS} steps in {ref_s:.0f} s")
+    same = intact = 0
+    for t in range(args.workers):
+        run = tmp / f"w{t}"
+        proc = start([*COMMON, "--log-dir", str(run), "--max-restarts", "2"])
+        after = rng.randrange(0, STEPS - EVERY, EVERY)  # kill after this checkpoint (0: before the first one)...
+        began = time.monotonic()
+        while time.monotonic() - began < 120 and not (
+                (run / "checkpoints" / f"step-{after:08d}.pt").exists() if after else len(children(proc.pid)) == 2):
+            time.sleep(0.05)
+        time.sleep(rng.uniform(0.0, 1.0))  # ...at a random moment of the steps that follow
+        delay = time.monotonic() - began
+        victims = children(proc.pid)
+        victim = rng.choice(victims) if victims else None
+        if victim is not None:
+            os.kill(victim, signal.SIGKILL)
+        rc, out, err = finish(proc)
+        result = json.loads((run / "result.json").read_text()) if (run / "result.json").exists() else {}
+        ok_result = rc == 0 and result.get("steps") == STEPS and result.get("test_accuracy") is not None
+        ok_weights = rc == 0 and equal(final_weights(run), ref)
+        same += ok_weights
+        intact += ok_result
+        resumed = result.get("resumed_from_step")
+        print(f"worker trial {t}: killed pid {victim} {delay:4.1f} s in (after checkpoint {after}) -> exit {rc}, resumed from step {resumed}, "
+              f"weights {'equal' if ok_weights else 'DIFFER'}, result.json {'intact' if ok_result else 'BAD'}"
+              + ("" if rc == 0 else f": {err.strip().splitlines()[-1:]}"))
+    orphans = 0
+    for t in range(args.agents):
+        run = tmp / f"a{t}"
+        proc = start(["train", "--strategy", "ddp", "--nproc-per-node", "2", "--epochs", "1000", "--checkpoint-every",
+                      "4", "--no-progress", "--log-dir", str(run)])
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not (run / "checkpoints").exists():
+            time.sleep(0.2)
+        workers = children(proc.pid)
+        os.kill(proc.pid, signal.SIGKILL)
+        time.sleep(10)
+        left = [w for w in workers if alive(w)]
+        orphans += len(left)
+        print(f"agent trial {t}: agent killed with {len(workers)} workers; {len(left)} still alive 10 s later")
+        finish(proc, timeout=5)
+    print(f"\nworker kills: {args.workers} trials, {same} with weights equal to the uninterrupted run, "
+          f"{intact} with result.json intact; agent kills: {args.agents} trials, {orphans} orphaned workers")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
