@@ -3,6 +3,10 @@
 A config file mirrors the dataclasses: top-level keys of :class:`TrainConfig`, and tables
 ``[parallel]``, ``[parallel.ddp]``, ``[data]``, ``[optim]``. Any field can be overridden from
 the command line with ``--set section.field=value``.
+
+One path builds a config: :meth:`TrainConfig.load` (a file plus dotted overrides, validated once);
+one derives another from it: :meth:`TrainConfig.with_overrides`. Code passes the dataclass around,
+never the dict it came from.
 """
 
 from __future__ import annotations
@@ -245,6 +249,30 @@ class TrainConfig:
             self.checkpoint_dir = os.path.join(self.log_dir, "checkpoints")
         if self.resume and self.checkpoint_dir is None:
             raise ValueError("resume needs a checkpoint_dir (or a log_dir): set --checkpoint-dir")
+
+    @classmethod
+    def load(cls, path: str | os.PathLike | None = None, overrides: Mapping[str, Any] | None = None) -> TrainConfig:
+        """The config in the TOML/YAML file ``path`` (None: the defaults) with dotted ``overrides``
+        (``{"parallel.strategy": "ddp"}``; strings are converted as ``--set`` values are), validated once.
+
+        The file and the overrides are merged before validation, so an override may complete what
+        the file alone leaves invalid (``dataset = "cifar10"`` in the file, ``--data-dir`` given).
+        """
+        return from_dict(cls, apply_overrides(load_config(path), overrides or {}))
+
+    def with_overrides(self, overrides: Mapping[str, Any]) -> TrainConfig:
+        """A new, validated config: this one with the dotted ``overrides`` set (``{"parallel.strategy":
+        "ddp", "log_dir": None}``). An unknown key or a bad value is the one-line ``ValueError`` of
+        :func:`from_dict` or ``__post_init__``, naming the key; ``self`` is left as it is.
+
+        Values derived at validation stay as they were resolved (``checkpoint_dir`` from ``log_dir``):
+        override both to change both.
+        """
+        return from_dict(type(self), apply_overrides(self.to_dict(), overrides))
+
+    def to_dict(self) -> dict[str, Any]:
+        """This config as nested plain dicts (a deep copy), as :func:`load_config` reads a file."""
+        return dataclasses.asdict(self)
 
 
 # --- building from dicts, files and overrides ----------------------------------------------
