@@ -18,7 +18,7 @@ import sys
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 from . import precision as _precision
 from . import strategies as _strategies
@@ -29,7 +29,8 @@ from .strategies.pipeline import PipelineOptions
 from .strategies.ps import PSOptions
 from .strategies.tensor import TensorOptions
 
-__all__ = ["ParallelConfig", "DataConfig", "OptimConfig", "TrainConfig", "load_config", "apply_overrides", "from_dict"]
+__all__ = ["ParallelConfig", "DataConfig", "OptimConfig", "TrainConfig", "load_config", "apply_overrides", "from_dict",
+           "parse_set"]
 
 
 BACKENDS = ("auto", "gloo", "nccl", "mpi", "xccl", "hccl")
@@ -375,6 +376,18 @@ def apply_overrides(data: dict[str, Any], overrides: Mapping[str, Any]) -> dict[
                 raise ValueError(f"cannot set {dotted!r}: {p!r} is not a section")
         node[leaf] = value
     return data
+
+
+def parse_set(items: Iterable[str]) -> dict[str, str]:
+    """``--set KEY=VALUE`` items as dotted overrides (values stay strings: :func:`from_dict` converts
+    them to each field's type), in the order given; a later item wins over an earlier one with the same key."""
+    out: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--set {item!r} is not KEY=VALUE, e.g. --set parallel.global_batch=128")
+        out[key] = value
+    return out
 
 
 def to_toml(cfg: Any) -> str:

@@ -8,7 +8,7 @@ import pytest
 
 from clitools import run_cli
 from paratrain import __version__
-from paratrain.config import TrainConfig, from_dict, load_config, to_toml
+from paratrain.config import TrainConfig, from_dict, load_config, parse_set, to_toml
 
 
 def test_print_config_round_trips(tmp_path: Path) -> None:
@@ -80,3 +80,17 @@ def test_load_merges_file_and_overrides_before_validating(tmp_path: Path) -> Non
     cfg = TrainConfig.load(path, {"data.data_dir": str(tmp_path), "parallel.seed": "3"})
     assert (cfg.model, cfg.data.data_dir, cfg.parallel.seed) == ("cnn", str(tmp_path), 3)
     assert TrainConfig.load() == TrainConfig()
+
+
+def test_one_set_parser_for_train_and_bench() -> None:
+    assert parse_set(["parallel.seed=3", "optim.lr=0.1", "parallel.seed=4", "model=a=b", "log_dir="]) == \
+        {"parallel.seed": "4", "optim.lr": "0.1", "model": "a=b", "log_dir": ""}
+    for bad in ("parallel.seed", "=1"):
+        with pytest.raises(ValueError, match=f"--set '{bad}' is not KEY=VALUE, e.g. --set parallel.global_batch=128"):
+            parse_set([bad])
+    for command in ("train", "bench"):  # both commands read --set with parse_set: the same one-line error
+        res = run_cli([command, "--set", "optim.lr"], timeout=60)
+        lines = res.stderr.strip().splitlines()
+        assert res.returncode == 2 and len(lines) == 1, res.stderr
+        assert f"paratrain {command}: error: --set 'optim.lr' is not KEY=VALUE, e.g. --set parallel.global_batch=128" \
+            in lines[0]

@@ -17,7 +17,7 @@ import dataclasses
 import sys
 from typing import Any
 
-from ..config import TrainConfig, apply_overrides, from_dict, load_config
+from ..config import TrainConfig, apply_overrides, from_dict, load_config, parse_set
 
 # flag -> dotted key of the base TrainConfig
 _JOB_FLAGS: dict[str, tuple[str, Any, str]] = {
@@ -72,11 +72,7 @@ def base_config(args: argparse.Namespace) -> dict[str, Any]:
     data = load_config(args.config)
     apply_overrides(data, {key: getattr(args, key) for key, *_ in _JOB_FLAGS.values()
                            if getattr(args, key) is not None})
-    for item in args.overrides:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ValueError(f"--set {item!r} is not KEY=VALUE, e.g. --set optim.momentum=0.8")
-        apply_overrides(data, {key: value})
+    apply_overrides(data, parse_set(args.overrides))
     from_dict(TrainConfig, data)  # one-line error on a bad value, before any process starts
     return data
 

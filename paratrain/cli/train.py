@@ -12,7 +12,7 @@ import argparse
 import os
 from typing import Any
 
-from ..config import TrainConfig, apply_overrides, from_dict, load_config, to_toml
+from ..config import TrainConfig, parse_set, to_toml
 from ..data.datasets import DATASET_NAMES, build_dataset
 from ..data.sampler import BatchPlan
 from ..env.detect import detect_process
@@ -85,19 +85,14 @@ def _default(cfg: TrainConfig, dotted: str) -> Any:
 
 
 def build_config(args: argparse.Namespace) -> TrainConfig:
-    data = load_config(args.config)
+    """The job's config: the ``--config`` file, then the flags, then ``--set`` items, validated once."""
     flags = {key: getattr(args, key) for key, *_ in _FLAGS.values()}
     flags["parallel.sync_batchnorm"] = getattr(args, "parallel.sync_batchnorm")
     flags["progress"] = args.progress
     flags["tensorboard"] = getattr(args, "tensorboard", None)  # verify and bench reuse this without the flag
     flags["resume"] = args.resume
-    apply_overrides(data, {k: v for k, v in flags.items() if v is not None})
-    for item in args.overrides:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ValueError(f"--set {item!r} is not KEY=VALUE, e.g. --set parallel.global_batch=128")
-        apply_overrides(data, {key: value})
-    return from_dict(TrainConfig, data)
+    overrides = {k: v for k, v in flags.items() if v is not None}
+    return TrainConfig.load(args.config, {**overrides, **parse_set(args.overrides)})
 
 
 def main(args: argparse.Namespace) -> int:
