@@ -139,14 +139,14 @@ class _LossLog:
 
 
 def _run_builtin(job: dict[str, Any], probe: Probe) -> tuple[dict[str, torch.Tensor], list[float], nn.Module]:
-    from ..config import TrainConfig, from_dict
+    from ..config import TrainConfig
     from ..data.augment import augment_for
     from ..data.datasets import build_dataset
     from ..loop.fit import fit
     from ..loop.train import setup_task
     from ..parallel import Parallel
 
-    cfg = from_dict(TrainConfig, job["config"])
+    cfg: TrainConfig = job["config"]
     pt = Parallel(cfg.parallel)
     try:
         d = cfg.data
