@@ -20,8 +20,11 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
+from torch.utils.data import Dataset
+
 from . import precision as _precision
 from . import strategies as _strategies
+from .data.datasets import build_dataset
 from .strategies.ddp import DDPOptions
 from .strategies.devices import DevicesOptions
 from .strategies.fsdp import FSDPOptions
@@ -270,6 +273,13 @@ class TrainConfig:
         override both to change both.
         """
         return from_dict(type(self), apply_overrides(self.to_dict(), overrides))
+
+    def dataset(self, train: bool = True) -> Dataset:
+        """The configured training (or test) split: ``data.dataset`` read from ``data.data_dir``, the
+        synthetic set of ``data.synthetic_size``, split and patterned by ``parallel.seed``. The one
+        place that turns a config into its data: the job, its pre-launch checks, bench and verify."""
+        d = self.data
+        return build_dataset(d.dataset, train, d.data_dir, d.synthetic_size, self.parallel.seed)
 
     def to_dict(self) -> dict[str, Any]:
         """This config as nested plain dicts (a deep copy), as :func:`load_config` reads a file."""

@@ -18,7 +18,6 @@ from typing import Any, Callable
 import torch
 
 from ..config import TrainConfig
-from ..data.datasets import build_dataset
 from ..launch.spawn import LaunchError, launch
 from .matrix import BASELINE, BenchSpec, Cell, build_matrix, cuda_devices
 from .measure import load_avg
@@ -90,11 +89,9 @@ def _machine() -> dict[str, Any]:
 
 
 def _job_data(cfg: TrainConfig) -> Any:
-    d = cfg.data
-    if d.dataset not in _SMALL_DATA:
+    if cfg.data.dataset not in _SMALL_DATA:
         return None
-    return (build_dataset(d.dataset, True, d.data_dir, d.synthetic_size, cfg.parallel.seed),
-            build_dataset(d.dataset, False, d.data_dir, d.synthetic_size, cfg.parallel.seed))
+    return cfg.dataset(train=True), cfg.dataset(train=False)
 
 
 def _run_one(cell: Cell, spec: BenchSpec, base: TrainConfig, data: Any) -> CellResult:
@@ -193,8 +190,7 @@ def run_bench(spec: BenchSpec, cfg: TrainConfig, progress: bool = True,
               on_result: Callable[[CellResult], None] | None = None) -> BenchResult:
     """Build the matrix for ``spec`` over the base config ``cfg`` and run it."""
     data = _job_data(cfg)
-    train_size = len(data[0]) if data is not None else len(build_dataset(  # type: ignore[arg-type]
-        cfg.data.dataset, True, cfg.data.data_dir, cfg.data.synthetic_size, cfg.parallel.seed))
+    train_size = len(data[0] if data is not None else cfg.dataset(train=True))  # type: ignore[arg-type]
     cells = build_matrix(spec, cfg, train_size)
     start = time.perf_counter()
     results = run_cells(cells, spec, cfg, data, progress, on_result)

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from ..config import TrainConfig
 from ..data.augment import augment_for, eval_augment_for
-from ..data.datasets import build_dataset, dataset_info
+from ..data.datasets import dataset_info
 from ..env.process import destroy, preload_dynamo, select_device
 from ..models import build_model
 from .matrix import BASELINE, Cell
@@ -77,9 +77,7 @@ class _Clock:
 def _datasets(cfg: TrainConfig, data: Any) -> tuple[Any, Any]:
     if data is not None:  # built once by the parent (small data sets): no per-process loading cost
         return data
-    d = cfg.data
-    return (build_dataset(d.dataset, True, d.data_dir, d.synthetic_size, cfg.parallel.seed),
-            build_dataset(d.dataset, False, d.data_dir, d.synthetic_size, cfg.parallel.seed))
+    return cfg.dataset(train=True), cfg.dataset(train=False)
 
 
 def run_cell(local_rank: int, job: dict[str, Any]) -> dict[str, Any]:

@@ -13,7 +13,7 @@ import os
 from typing import Any
 
 from ..config import TrainConfig, parse_set, to_toml
-from ..data.datasets import DATASET_NAMES, build_dataset
+from ..data.datasets import DATASET_NAMES
 from ..data.sampler import BatchPlan
 from ..env.detect import detect_process
 from ..env.process import select_backend, select_device
@@ -146,8 +146,7 @@ def _check_machine(cfg: TrainConfig) -> None:
 
 def _check_dataset_fits(cfg: TrainConfig, world: int) -> None:
     """Fail before starting workers when the training set cannot fill one global batch."""
-    d = cfg.data
-    n = len(build_dataset(d.dataset, True, d.data_dir, d.synthetic_size, cfg.parallel.seed))  # type: ignore[arg-type]
+    n = len(cfg.dataset(train=True))  # type: ignore[arg-type]
     if n < cfg.parallel.global_batch:
         raise ValueError(f"the dataset has {n} samples, fewer than one global batch of {cfg.parallel.global_batch} "
                          f"over {world} process(es): lower the global batch or use more data")

@@ -146,10 +146,7 @@ def verify_config(cfg: TrainConfig, opts: VerifyOptions) -> VerifyReport:
 
     data = None
     if cfg.data.dataset in _SMALL_DATA:  # built once here instead of in every process
-        from ..data.datasets import build_dataset
-
-        d = cfg.data
-        data = build_dataset(d.dataset, True, d.data_dir, d.synthetic_size, p.seed)
+        data = cfg.dataset(train=True)
     single = {"parallel.strategy": _strategies.reference(), "parallel.accumulation": None, "parallel.micro_batch": None}
     ref = _launch("world size 1", 1, job(**single), opts)
     main = _launch(f"world size {n} ({strategy})", n, job(**{"parallel.strategy": strategy}), opts)
