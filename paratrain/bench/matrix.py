@@ -24,6 +24,7 @@ import torch
 from .. import precision as _precision
 from .. import strategies as _strategies
 from ..config import TrainConfig
+from ..data.sampler import check_dataset_fits
 from ..env.process import available_accelerator
 from ..strategies.ddp import COMM_HOOKS
 
@@ -216,6 +217,15 @@ def _machine_skip(cell: Cell, gpus: int) -> str | None:
     return None
 
 
+def _fit_error(train_size: int, global_batch: int) -> str | None:
+    """Why the training set cannot fill one of the cell's global batches, or None."""
+    try:
+        check_dataset_fits(train_size, global_batch)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 def _steps_per_epoch(train_size: int, global_batch: int) -> int:
     return train_size // global_batch
 
@@ -270,8 +280,8 @@ def build_matrix(spec: BenchSpec, base: TrainConfig, train_size: int) -> list[Ce
         if why is None and cell.precision not in probes:
             probes[cell.precision] = _probe_precision(cell.precision, device)
         why = why or probes.get(cell.precision) or _config_error(base, cell)
-        if why is None and _steps_per_epoch(train_size, cell.global_batch) < 1:
-            why = f"the training set ({train_size} samples) is smaller than one global batch of {cell.global_batch}"
+        if why is None:
+            why = _fit_error(train_size, cell.global_batch)
         if why is None and cell.strategy == BASELINE and cell.global_batch % cell.world_size:
             why = f"global batch {cell.global_batch} does not split over {cell.world_size} workers"
         out.append(replace(cell, skip=why) if why else cell)

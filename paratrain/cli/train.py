@@ -14,7 +14,7 @@ from typing import Any
 
 from ..config import TrainConfig, parse_set, to_toml
 from ..data.datasets import DATASET_NAMES
-from ..data.sampler import BatchPlan
+from ..data.sampler import BatchPlan, check_dataset_fits
 from ..env.detect import detect_process
 from ..env.process import select_backend, select_device
 from ..launch.torchrun import torchrun
@@ -146,7 +146,5 @@ def _check_machine(cfg: TrainConfig) -> None:
 
 def _check_dataset_fits(cfg: TrainConfig, world: int) -> None:
     """Fail before starting workers when the training set cannot fill one global batch."""
-    n = len(cfg.dataset(train=True))  # type: ignore[arg-type]
-    if n < cfg.parallel.global_batch:
-        raise ValueError(f"the dataset has {n} samples, fewer than one global batch of {cfg.parallel.global_batch} "
-                         f"over {world} process(es): lower the global batch or use more data")
+    check_dataset_fits(len(cfg.dataset(train=True)), cfg.parallel.global_batch,  # type: ignore[arg-type]
+                       f" over {world} process(es)")
