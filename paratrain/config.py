@@ -3,6 +3,10 @@
 A config file mirrors the dataclasses: top-level keys of :class:`TrainConfig`, and tables
 ``[parallel]``, ``[parallel.ddp]``, ``[data]``, ``[optim]``. Any field can be overridden from
 the command line with ``--set section.field=value``.
+
+One path builds a config: :meth:`TrainConfig.load` (a file plus dotted overrides, validated once);
+one derives another from it: :meth:`TrainConfig.with_overrides`. Code passes the dataclass around,
+never the dict it came from.
 """
 
 from __future__ import annotations
@@ -14,10 +18,13 @@ import sys
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
+
+from torch.utils.data import Dataset
 
 from . import precision as _precision
 from . import strategies as _strategies
+from .data.datasets import build_dataset
 from .strategies.ddp import DDPOptions
 from .strategies.devices import DevicesOptions
 from .strategies.fsdp import FSDPOptions
@@ -25,7 +32,8 @@ from .strategies.pipeline import PipelineOptions
 from .strategies.ps import PSOptions
 from .strategies.tensor import TensorOptions
 
-__all__ = ["ParallelConfig", "DataConfig", "OptimConfig", "TrainConfig", "load_config", "apply_overrides", "from_dict"]
+__all__ = ["ParallelConfig", "DataConfig", "OptimConfig", "TrainConfig", "load_config", "apply_overrides", "from_dict",
+           "parse_set"]
 
 
 BACKENDS = ("auto", "gloo", "nccl", "mpi", "xccl", "hccl")
@@ -246,6 +254,37 @@ class TrainConfig:
         if self.resume and self.checkpoint_dir is None:
             raise ValueError("resume needs a checkpoint_dir (or a log_dir): set --checkpoint-dir")
 
+    @classmethod
+    def load(cls, path: str | os.PathLike | None = None, overrides: Mapping[str, Any] | None = None) -> TrainConfig:
+        """The config in the TOML/YAML file ``path`` (None: the defaults) with dotted ``overrides``
+        (``{"parallel.strategy": "ddp"}``; strings are converted as ``--set`` values are), validated once.
+
+        The file and the overrides are merged before validation, so an override may complete what
+        the file alone leaves invalid (``dataset = "cifar10"`` in the file, ``--data-dir`` given).
+        """
+        return from_dict(cls, apply_overrides(load_config(path), overrides or {}))
+
+    def with_overrides(self, overrides: Mapping[str, Any]) -> TrainConfig:
+        """A new, validated config: this one with the dotted ``overrides`` set (``{"parallel.strategy":
+        "ddp", "log_dir": None}``). An unknown key or a bad value is the one-line ``ValueError`` of
+        :func:`from_dict` or ``__post_init__``, naming the key; ``self`` is left as it is.
+
+        Values derived at validation stay as they were resolved (``checkpoint_dir`` from ``log_dir``):
+        override both to change both.
+        """
+        return from_dict(type(self), apply_overrides(self.to_dict(), overrides))
+
+    def dataset(self, train: bool = True) -> Dataset:
+        """The configured training (or test) split: ``data.dataset`` read from ``data.data_dir``, the
+        synthetic set of ``data.synthetic_size``, split and patterned by ``parallel.seed``. The one
+        place that turns a config into its data: the job, its pre-launch checks, bench and verify."""
+        d = self.data
+        return build_dataset(d.dataset, train, d.data_dir, d.synthetic_size, self.parallel.seed)
+
+    def to_dict(self) -> dict[str, Any]:
+        """This config as nested plain dicts (a deep copy), as :func:`load_config` reads a file."""
+        return dataclasses.asdict(self)
+
 
 # --- building from dicts, files and overrides ----------------------------------------------
 
@@ -347,6 +386,18 @@ def apply_overrides(data: dict[str, Any], overrides: Mapping[str, Any]) -> dict[
                 raise ValueError(f"cannot set {dotted!r}: {p!r} is not a section")
         node[leaf] = value
     return data
+
+
+def parse_set(items: Iterable[str]) -> dict[str, str]:
+    """``--set KEY=VALUE`` items as dotted overrides (values stay strings: :func:`from_dict` converts
+    them to each field's type), in the order given; a later item wins over an earlier one with the same key."""
+    out: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--set {item!r} is not KEY=VALUE, e.g. --set parallel.global_batch=128")
+        out[key] = value
+    return out
 
 
 def to_toml(cfg: Any) -> str:

@@ -37,7 +37,7 @@ from .config import ParallelConfig
 from .data.batch import batch_size, map_tensors, to_device
 from .data.loaders import EvalLoader, GlobalBatchLoader
 from .data.stream import StreamLoader
-from .data.sampler import BatchPlan
+from .data.sampler import BatchPlan, check_dataset_fits
 from .env import process
 from .metrics import batch_targets, is_classification, model_loss, predictions
 from .optim import ParallelOptimizer, ParallelScheduler
@@ -338,11 +338,7 @@ class Parallel:
             return StreamLoader(data, self.plan, self.strategy.data_parallel_rank, self.device, self._min_all,
                                 position=lambda: self.global_step, **dataloader_kwargs)
         shuffle = True if shuffle is None else shuffle
-        if len(data) < self.plan.global_batch:  # type: ignore[arg-type]
-            raise ValueError(
-                f"the dataset has {len(data)} samples, fewer than one global batch of "  # type: ignore[arg-type]
-                f"{self.plan.global_batch} over {self.world_size} processes: lower the global batch"
-            )
+        check_dataset_fits(len(data), self.plan.global_batch, f" over {self.world_size} processes")  # type: ignore[arg-type]
         return GlobalBatchLoader(
             data, self.plan, self.strategy.data_parallel_rank, self.device, self.config.seed,
             position=lambda: self.global_step, transform=transform, shuffle=shuffle, **dataloader_kwargs,

@@ -14,13 +14,14 @@ from paratrain.bench import BenchSpec, build_matrix, format_table, quick_spec
 from paratrain.bench.matrix import Cell
 from paratrain.bench.report import write_all
 from paratrain.bench.runner import BenchResult, CellResult, recommend
+from paratrain.config import TrainConfig
 
 NO_GPU = not torch.cuda.is_available()
 MLP_DIGITS_GRAD_BYTES = 4 * (64 * 512 + 512 + 512 * 10 + 10)  # seed 003's MLP on 8x8 digits, fp32
 
 
 def test_quick_matrix_lists_every_cell_and_why_some_cannot_run():
-    cells = build_matrix(quick_spec(), {}, train_size=1438)
+    cells = build_matrix(quick_spec(), TrainConfig(), train_size=1438)
     labels = [c.label for c in cells]
     assert labels[0] == "single"
     assert {"ddp x2", "ddp x2 bf16-mixed", "ddp x2 hook=fp16", "ddp x2 hook=powersgd", "fsdp x2",
@@ -35,7 +36,7 @@ def test_quick_matrix_lists_every_cell_and_why_some_cannot_run():
 def test_config_errors_become_skip_reasons():
     spec = dataclasses.replace(quick_spec(), strategies=["pipeline"], precisions=["fp16-mixed"],
                                comm_hooks=["none"], baseline=False, trap=False)
-    cells = {c.label: c.skip for c in build_matrix(spec, {}, train_size=1438)}
+    cells = {c.label: c.skip for c in build_matrix(spec, TrainConfig(), train_size=1438)}
     assert "fp16-mixed is not supported with strategy pipeline" in cells["pipeline x2 fp16-mixed"]
     with pytest.raises(ValueError, match="strategy 'nosuch' is unknown"):  # a name, unlike a setting, is checked up front
         dataclasses.replace(spec, strategies=["pipeline", "nosuch"])

@@ -8,7 +8,7 @@ import pytest
 
 from clitools import run_cli
 from paratrain import __version__
-from paratrain.config import TrainConfig, from_dict, load_config, to_toml
+from paratrain.config import TrainConfig, from_dict, load_config, parse_set, to_toml
 
 
 def test_print_config_round_trips(tmp_path: Path) -> None:
@@ -50,3 +50,47 @@ def test_toml_values(value: object, fragment: str) -> None:
 
     cls = make_dataclass("C", [("x", object)])
     assert to_toml(cls(value)).strip() == f"x = {fragment}"
+
+
+def test_with_overrides_returns_a_new_validated_config() -> None:
+    import pickle
+
+    base = TrainConfig(log_dir=None)
+    cfg = base.with_overrides({"parallel.strategy": "ddp", "parallel.global_batch": "32", "optim.lr": 0.1,
+                               "parallel.ddp.comm_hook": "fp16", "max_steps": "none"})
+    assert (cfg.parallel.strategy, cfg.parallel.global_batch, cfg.optim.lr, cfg.parallel.ddp.comm_hook) == \
+        ("ddp", 32, 0.1, "fp16") and cfg.max_steps is None
+    assert base == TrainConfig(log_dir=None) and base.with_overrides({}) == base  # base unchanged
+    assert pickle.loads(pickle.dumps(cfg)) == cfg  # what a worker process receives
+    for overrides, error in [
+        ({"parallel.nope": 1}, r"unknown key 'nope' in \[parallel\]: known keys are "),
+        ({"parallel.global_batch": "x"}, r"parallel.global_batch='x' is not an integer"),
+        ({"parallel.strategy": "zero"}, r"strategy 'zero' is unknown: use one of "),
+        ({"model.x": 1}, r"cannot set 'model.x': 'model' is not a section"),
+        ({"parallel": 5}, r"parallel is a section of settings, not a value \(5\)"),
+    ]:
+        with pytest.raises(ValueError, match=error) as e:
+            base.with_overrides(overrides)
+        assert "\n" not in str(e.value)
+
+
+def test_load_merges_file_and_overrides_before_validating(tmp_path: Path) -> None:
+    path = tmp_path / "job.toml"
+    path.write_text('model = "cnn"\n[data]\ndataset = "cifar10"\n')  # invalid alone: cifar10 needs data_dir
+    cfg = TrainConfig.load(path, {"data.data_dir": str(tmp_path), "parallel.seed": "3"})
+    assert (cfg.model, cfg.data.data_dir, cfg.parallel.seed) == ("cnn", str(tmp_path), 3)
+    assert TrainConfig.load() == TrainConfig()
+
+
+def test_one_set_parser_for_train_and_bench() -> None:
+    assert parse_set(["parallel.seed=3", "optim.lr=0.1", "parallel.seed=4", "model=a=b", "log_dir="]) == \
+        {"parallel.seed": "4", "optim.lr": "0.1", "model": "a=b", "log_dir": ""}
+    for bad in ("parallel.seed", "=1"):
+        with pytest.raises(ValueError, match=f"--set '{bad}' is not KEY=VALUE, e.g. --set parallel.global_batch=128"):
+            parse_set([bad])
+    for command in ("train", "bench"):  # both commands read --set with parse_set: the same one-line error
+        res = run_cli([command, "--set", "optim.lr"], timeout=60)
+        lines = res.stderr.strip().splitlines()
+        assert res.returncode == 2 and len(lines) == 1, res.stderr
+        assert f"paratrain {command}: error: --set 'optim.lr' is not KEY=VALUE, e.g. --set parallel.global_batch=128" \
+            in lines[0]

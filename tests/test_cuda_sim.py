@@ -691,12 +691,14 @@ def probes(monkeypatch):
     return seen
 
 
-def _matrix(base: dict | None = None) -> dict[str, str | None]:
+def _matrix(overrides: dict | None = None) -> dict[str, str | None]:
     from paratrain.bench.matrix import BenchSpec, build_matrix
+    from paratrain.config import TrainConfig
 
     spec = BenchSpec(strategies=["single", "dp", "ddp"], world_sizes=[1, 2, 4], precisions=["32", "bf16-mixed"],
                      comm_hooks=["none", "bf16"], baseline=False, trap=False)
-    return {c.label: c.skip for c in build_matrix(spec, base or {}, train_size=1438)}
+    base = TrainConfig().with_overrides(overrides or {})
+    return {c.label: c.skip for c in build_matrix(spec, base, train_size=1438)}
 
 
 def test_matrix_two_gpus(two_gpus, probes):
@@ -726,7 +728,7 @@ def test_matrix_cuda_build_without_gpu(cuda_no_gpu, probes):
 def test_matrix_accelerator_cpu_on_gpus_counts_no_gpu(two_gpus, probes):
     """The cells run on the CPU (select_device honours accelerator=cpu): the matrix must not count,
     probe or skip by the GPUs they will not use."""
-    cells = _matrix({"parallel": {"accelerator": "cpu"}})
+    cells = _matrix({"parallel.accelerator": "cpu"})
     assert {d for _, d in probes} == {"cpu"}
     assert cells["ddp x4"] is None and cells["dp x2"].endswith("0 visible")
 
@@ -779,6 +781,7 @@ class _Stop(Exception):
 def test_baseline_worker_binds_its_gpu_and_uses_nccl(two_gpus, monkeypatch):
     from paratrain.bench import worker
     from paratrain.bench.matrix import BASELINE, Cell
+    from paratrain.config import TrainConfig
 
     calls = []
 
@@ -789,7 +792,7 @@ def test_baseline_worker_binds_its_gpu_and_uses_nccl(two_gpus, monkeypatch):
     monkeypatch.setattr(dist, "init_process_group", init_process_group)
     monkeypatch.setattr(worker, "preload_dynamo", lambda: None)
     cell = Cell(strategy=BASELINE, world_size=2, global_batch=64, group="baseline")
-    cfg = worker.cell_config({}, cell, epochs=1)
+    cfg = worker.cell_config(TrainConfig(), cell, epochs=1)
     with pytest.raises(_Stop):
         worker._run_baseline(1, cfg, cell, {"warmup_steps": 1}, None, None)
     assert two_gpus.set_device == [cuda(1)]
@@ -799,6 +802,7 @@ def test_baseline_worker_binds_its_gpu_and_uses_nccl(two_gpus, monkeypatch):
 def test_baseline_worker_on_cuda_build_without_gpu(cuda_no_gpu, monkeypatch):
     from paratrain.bench import worker
     from paratrain.bench.matrix import BASELINE, Cell
+    from paratrain.config import TrainConfig
 
     calls = []
 
@@ -810,7 +814,7 @@ def test_baseline_worker_on_cuda_build_without_gpu(cuda_no_gpu, monkeypatch):
     monkeypatch.setattr(worker, "preload_dynamo", lambda: None)
     cell = Cell(strategy=BASELINE, world_size=2, global_batch=64, group="baseline")
     with pytest.raises(_Stop):
-        worker._run_baseline(1, worker.cell_config({}, cell, epochs=1), cell, {"warmup_steps": 1}, None, None)
+        worker._run_baseline(1, worker.cell_config(TrainConfig(), cell, epochs=1), cell, {"warmup_steps": 1}, None, None)
     assert calls == [(("gloo",), {})] and cuda_no_gpu.set_device == []
 
 

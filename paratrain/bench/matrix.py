@@ -16,7 +16,6 @@ A cell that cannot run on this machine keeps its place, with ``skip`` saying why
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -24,7 +23,8 @@ import torch
 
 from .. import precision as _precision
 from .. import strategies as _strategies
-from ..config import TrainConfig, apply_overrides, from_dict
+from ..config import TrainConfig
+from ..data.sampler import check_dataset_fits
 from ..env.process import available_accelerator
 from ..strategies.ddp import COMM_HOOKS
 
@@ -193,10 +193,10 @@ def _probe_precision(precision: str, device: str) -> str | None:
     return None
 
 
-def _config_error(base: dict[str, Any], cell: Cell) -> str | None:
+def _config_error(base: TrainConfig, cell: Cell) -> str | None:
     """The one-line config validation error this cell would hit (pipeline + fp16 ...), or None."""
     try:
-        from_dict(TrainConfig, apply_overrides(copy.deepcopy(base), cell.overrides()))
+        base.with_overrides(cell.overrides())
     except (ValueError, FileNotFoundError) as e:
         return str(e)
     return None
@@ -217,15 +217,23 @@ def _machine_skip(cell: Cell, gpus: int) -> str | None:
     return None
 
 
+def _fit_error(train_size: int, global_batch: int) -> str | None:
+    """Why the training set cannot fill one of the cell's global batches, or None."""
+    try:
+        check_dataset_fits(train_size, global_batch)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 def _steps_per_epoch(train_size: int, global_batch: int) -> int:
     return train_size // global_batch
 
 
-def build_matrix(spec: BenchSpec, base: dict[str, Any], train_size: int) -> list[Cell]:
-    """Every cell of ``spec`` on top of the base config dict ``base``, skipped ones included."""
-    base_cfg = from_dict(TrainConfig, copy.deepcopy(base))
-    batch = base_cfg.parallel.global_batch
-    gpus = cuda_devices(base_cfg.parallel.accelerator)
+def build_matrix(spec: BenchSpec, base: TrainConfig, train_size: int) -> list[Cell]:
+    """Every cell of ``spec`` on top of the base config ``base``, skipped ones included."""
+    batch = base.parallel.global_batch
+    gpus = cuda_devices(base.parallel.accelerator)
     device = "cuda" if gpus else "cpu"
     cells: list[Cell] = []
     worlds = sorted(set(spec.world_sizes))
@@ -272,8 +280,8 @@ def build_matrix(spec: BenchSpec, base: dict[str, Any], train_size: int) -> list
         if why is None and cell.precision not in probes:
             probes[cell.precision] = _probe_precision(cell.precision, device)
         why = why or probes.get(cell.precision) or _config_error(base, cell)
-        if why is None and _steps_per_epoch(train_size, cell.global_batch) < 1:
-            why = f"the training set ({train_size} samples) is smaller than one global batch of {cell.global_batch}"
+        if why is None:
+            why = _fit_error(train_size, cell.global_batch)
         if why is None and cell.strategy == BASELINE and cell.global_batch % cell.world_size:
             why = f"global batch {cell.global_batch} does not split over {cell.world_size} workers"
         out.append(replace(cell, skip=why) if why else cell)

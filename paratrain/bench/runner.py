@@ -17,12 +17,11 @@ from typing import Any, Callable
 
 import torch
 
-from ..config import TrainConfig, from_dict
-from ..data.datasets import build_dataset
+from ..config import TrainConfig
 from ..launch.spawn import LaunchError, launch
 from .matrix import BASELINE, BenchSpec, Cell, build_matrix, cuda_devices
 from .measure import load_avg
-from .worker import run_cell
+from .worker import cell_config, run_cell
 
 __all__ = ["CellResult", "BenchResult", "run_bench", "run_cells", "recommend", "reference"]
 
@@ -90,15 +89,13 @@ def _machine() -> dict[str, Any]:
 
 
 def _job_data(cfg: TrainConfig) -> Any:
-    d = cfg.data
-    if d.dataset not in _SMALL_DATA:
+    if cfg.data.dataset not in _SMALL_DATA:
         return None
-    return (build_dataset(d.dataset, True, d.data_dir, d.synthetic_size, cfg.parallel.seed),
-            build_dataset(d.dataset, False, d.data_dir, d.synthetic_size, cfg.parallel.seed))
+    return cfg.dataset(train=True), cfg.dataset(train=False)
 
 
-def _run_one(cell: Cell, spec: BenchSpec, base: dict[str, Any], data: Any) -> CellResult:
-    job = {"cell": cell, "base": base, "epochs": spec.epochs, "warmup_steps": spec.warmup_steps,
+def _run_one(cell: Cell, spec: BenchSpec, base: TrainConfig, data: Any) -> CellResult:
+    job = {"cell": cell, "config": cell_config(base, cell, spec.epochs), "warmup_steps": spec.warmup_steps,
            "threads": spec.threads, "data": data, "timeout": spec.cell_timeout}
     env = {"OMP_NUM_THREADS": str(spec.threads)}
     nprocs = cell.world_size
@@ -136,7 +133,7 @@ def _run_one(cell: Cell, spec: BenchSpec, base: dict[str, Any], data: Any) -> Ce
     )
 
 
-def run_cells(cells: list[Cell], spec: BenchSpec, base: dict[str, Any], data: Any = None,
+def run_cells(cells: list[Cell], spec: BenchSpec, base: TrainConfig, data: Any = None,
               progress: bool = True, on_result: Callable[[CellResult], None] | None = None) -> list[CellResult]:
     """Run ``cells`` one after the other (skipped ones are only recorded), with a progress bar."""
     from tqdm.auto import tqdm
@@ -189,21 +186,19 @@ def recommend(results: list[CellResult], tolerance: float) -> CellResult | None:
     return min(keep, key=lambda r: r.seconds_per_epoch, default=None)  # type: ignore[arg-type,return-value]
 
 
-def run_bench(spec: BenchSpec, base: dict[str, Any], progress: bool = True,
+def run_bench(spec: BenchSpec, cfg: TrainConfig, progress: bool = True,
               on_result: Callable[[CellResult], None] | None = None) -> BenchResult:
-    """Build the matrix for ``spec`` over the base config dict ``base`` and run it."""
-    cfg = from_dict(TrainConfig, dict(base))
+    """Build the matrix for ``spec`` over the base config ``cfg`` and run it."""
     data = _job_data(cfg)
-    train_size = len(data[0]) if data is not None else len(build_dataset(  # type: ignore[arg-type]
-        cfg.data.dataset, True, cfg.data.data_dir, cfg.data.synthetic_size, cfg.parallel.seed))
-    cells = build_matrix(spec, base, train_size)
+    train_size = len(data[0] if data is not None else cfg.dataset(train=True))  # type: ignore[arg-type]
+    cells = build_matrix(spec, cfg, train_size)
     start = time.perf_counter()
-    results = run_cells(cells, spec, base, data, progress, on_result)
+    results = run_cells(cells, spec, cfg, data, progress, on_result)
     meta = {
         "machine": {**_machine(), "load_avg_end": load_avg()},
         "model": cfg.model, "dataset": cfg.data.dataset, "train_size": train_size,
         "global_batch": cfg.parallel.global_batch, "optimizer": cfg.optim.name, "lr": cfg.optim.lr,
-        "spec": dataclasses.asdict(spec), "base_config": base, "runs_per_cell": 1,
+        "spec": dataclasses.asdict(spec), "base_config": cfg.to_dict(), "runs_per_cell": 1,
         "bench_seconds": time.perf_counter() - start,
         "memory": next((r.mem_method for r in results if r.mem_method), None),
         "timing": "mean step of a synchronised window" if cuda_devices(cfg.parallel.accelerator) else "median step",

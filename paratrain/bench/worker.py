@@ -8,7 +8,6 @@ cell runs the built-in job's own pieces (``Parallel``, ``fit``) with the cell's 
 from __future__ import annotations
 
 import contextlib
-import copy
 import faulthandler
 import io
 import math
@@ -20,9 +19,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..config import TrainConfig, apply_overrides, from_dict
+from ..config import TrainConfig
 from ..data.augment import augment_for, eval_augment_for
-from ..data.datasets import build_dataset, dataset_info
+from ..data.datasets import dataset_info
 from ..env.process import destroy, preload_dynamo, select_device
 from ..models import build_model
 from .matrix import BASELINE, Cell
@@ -31,12 +30,10 @@ from .measure import CommCounter, PeakMemory, ddp_bucket_bytes, sync
 __all__ = ["run_cell", "cell_config"]
 
 
-def cell_config(base: dict[str, Any], cell: Cell, epochs: int) -> TrainConfig:
+def cell_config(base: TrainConfig, cell: Cell, epochs: int) -> TrainConfig:
     """The :class:`TrainConfig` a cell trains: the base config with the cell's settings, no files."""
-    data = apply_overrides(copy.deepcopy(base), cell.overrides())
-    apply_overrides(data, {"epochs": epochs, "max_steps": None, "log_dir": None, "progress": False,
-                           "checkpoint_every": 0, "checkpoint_dir": None, "resume": False})
-    return from_dict(TrainConfig, data)
+    return base.with_overrides({**cell.overrides(), "epochs": epochs, "max_steps": None, "log_dir": None,
+                                "progress": False, "checkpoint_every": 0, "checkpoint_dir": None, "resume": False})
 
 
 class _Clock:
@@ -80,9 +77,7 @@ class _Clock:
 def _datasets(cfg: TrainConfig, data: Any) -> tuple[Any, Any]:
     if data is not None:  # built once by the parent (small data sets): no per-process loading cost
         return data
-    d = cfg.data
-    return (build_dataset(d.dataset, True, d.data_dir, d.synthetic_size, cfg.parallel.seed),
-            build_dataset(d.dataset, False, d.data_dir, d.synthetic_size, cfg.parallel.seed))
+    return cfg.dataset(train=True), cfg.dataset(train=False)
 
 
 def run_cell(local_rank: int, job: dict[str, Any]) -> dict[str, Any]:
@@ -94,7 +89,7 @@ def run_cell(local_rank: int, job: dict[str, Any]) -> dict[str, Any]:
     try:
         with contextlib.redirect_stdout(io.StringIO()):
             cell: Cell = job["cell"]
-            cfg = cell_config(job["base"], cell, job["epochs"])
+            cfg: TrainConfig = job["config"]  # cell_config, built and validated by the runner
             train_set, test_set = _datasets(cfg, job.get("data"))
             if cell.strategy == BASELINE:
                 return _run_baseline(local_rank, cfg, cell, job, train_set, test_set)

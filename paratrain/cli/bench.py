@@ -17,7 +17,7 @@ import dataclasses
 import sys
 from typing import Any
 
-from ..config import TrainConfig, apply_overrides, from_dict, load_config
+from ..config import TrainConfig, parse_set
 
 # flag -> dotted key of the base TrainConfig
 _JOB_FLAGS: dict[str, tuple[str, Any, str]] = {
@@ -67,18 +67,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
-def base_config(args: argparse.Namespace) -> dict[str, Any]:
-    """The job's config dict (file, then flags, then --set), validated."""
-    data = load_config(args.config)
-    apply_overrides(data, {key: getattr(args, key) for key, *_ in _JOB_FLAGS.values()
-                           if getattr(args, key) is not None})
-    for item in args.overrides:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ValueError(f"--set {item!r} is not KEY=VALUE, e.g. --set optim.momentum=0.8")
-        apply_overrides(data, {key: value})
-    from_dict(TrainConfig, data)  # one-line error on a bad value, before any process starts
-    return data
+def base_config(args: argparse.Namespace) -> TrainConfig:
+    """The job's config (file, then flags, then --set), validated: a one-line error before any process starts."""
+    flags = {key: getattr(args, key) for key, *_ in _JOB_FLAGS.values() if getattr(args, key) is not None}
+    return TrainConfig.load(args.config, {**flags, **parse_set(args.overrides)})
 
 
 def build_spec(args: argparse.Namespace) -> Any:

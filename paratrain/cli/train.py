@@ -12,9 +12,9 @@ import argparse
 import os
 from typing import Any
 
-from ..config import TrainConfig, apply_overrides, from_dict, load_config, to_toml
-from ..data.datasets import DATASET_NAMES, build_dataset
-from ..data.sampler import BatchPlan
+from ..config import TrainConfig, parse_set, to_toml
+from ..data.datasets import DATASET_NAMES
+from ..data.sampler import BatchPlan, check_dataset_fits
 from ..env.detect import detect_process
 from ..env.process import select_backend, select_device
 from ..launch.torchrun import torchrun
@@ -85,19 +85,14 @@ def _default(cfg: TrainConfig, dotted: str) -> Any:
 
 
 def build_config(args: argparse.Namespace) -> TrainConfig:
-    data = load_config(args.config)
+    """The job's config: the ``--config`` file, then the flags, then ``--set`` items, validated once."""
     flags = {key: getattr(args, key) for key, *_ in _FLAGS.values()}
     flags["parallel.sync_batchnorm"] = getattr(args, "parallel.sync_batchnorm")
     flags["progress"] = args.progress
     flags["tensorboard"] = getattr(args, "tensorboard", None)  # verify and bench reuse this without the flag
     flags["resume"] = args.resume
-    apply_overrides(data, {k: v for k, v in flags.items() if v is not None})
-    for item in args.overrides:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ValueError(f"--set {item!r} is not KEY=VALUE, e.g. --set parallel.global_batch=128")
-        apply_overrides(data, {key: value})
-    return from_dict(TrainConfig, data)
+    overrides = {k: v for k, v in flags.items() if v is not None}
+    return TrainConfig.load(args.config, {**overrides, **parse_set(args.overrides)})
 
 
 def main(args: argparse.Namespace) -> int:
@@ -151,8 +146,5 @@ def _check_machine(cfg: TrainConfig) -> None:
 
 def _check_dataset_fits(cfg: TrainConfig, world: int) -> None:
     """Fail before starting workers when the training set cannot fill one global batch."""
-    d = cfg.data
-    n = len(build_dataset(d.dataset, True, d.data_dir, d.synthetic_size, cfg.parallel.seed))  # type: ignore[arg-type]
-    if n < cfg.parallel.global_batch:
-        raise ValueError(f"the dataset has {n} samples, fewer than one global batch of {cfg.parallel.global_batch} "
-                         f"over {world} process(es): lower the global batch or use more data")
+    check_dataset_fits(len(cfg.dataset(train=True)), cfg.parallel.global_batch,  # type: ignore[arg-type]
+                       f" over {world} process(es)")

@@ -56,9 +56,6 @@ def main(args: argparse.Namespace) -> int:
     if args.entry:
         report = verify_entry(args.entry, opts)
     else:
-        cfg = _train.build_config(args)
-        import dataclasses
-
-        report = verify_config(dataclasses.asdict(cfg), opts)
+        report = verify_config(_train.build_config(args), opts)
     print(format_report(report), flush=True)
     return 0 if report.passed else 1

@@ -24,7 +24,20 @@ from typing import Iterator
 import torch
 from torch.utils.data import Sampler
 
-__all__ = ["BatchPlan", "GlobalBatchSampler", "ShardedEvalSampler", "epoch_permutation"]
+__all__ = ["BatchPlan", "GlobalBatchSampler", "ShardedEvalSampler", "epoch_permutation", "check_dataset_fits"]
+
+
+def check_dataset_fits(dataset_size: int, global_batch: int, where: str = "") -> None:
+    """Refuse a data set that cannot fill one global batch (it would train no step), in one line.
+
+    The one such check: ``Parallel.train_loader`` (the built-in job, verify's and bench's runs),
+    the sampler, ``paratrain train`` before it starts workers, bench's matrix (as a cell's skip
+    reason) and the parameter server call it. ``where`` follows the batch in the message, e.g.
+    ``" over 4 process(es)"``.
+    """
+    if dataset_size < global_batch:
+        raise ValueError(f"the dataset has {dataset_size} samples, fewer than one global batch of {global_batch}"
+                         f"{where}: lower the global batch or use more data")
 
 
 @dataclass(frozen=True)
@@ -102,11 +115,7 @@ class GlobalBatchSampler(Sampler[list[int]]):
     ) -> None:
         if not 0 <= rank < plan.world_size:
             raise ValueError(f"rank {rank} is outside world size {plan.world_size}")
-        if dataset_size < plan.global_batch:
-            raise ValueError(
-                f"the dataset has {dataset_size} samples, fewer than one global batch of "
-                f"{plan.global_batch}: lower the global batch"
-            )
+        check_dataset_fits(dataset_size, plan.global_batch)
         self.n = dataset_size
         self.plan = plan
         self.rank = rank

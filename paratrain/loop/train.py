@@ -16,7 +16,7 @@ from torch.distributed import DistError
 from ..checkpoint import CheckpointError, load_latest
 from ..config import TrainConfig
 from ..data.augment import augment_for, eval_augment_for
-from ..data.datasets import build_dataset, dataset_info
+from ..data.datasets import dataset_info
 from ..env.process import explain_timeout
 from ..models import build_model
 from ..parallel import Parallel
@@ -52,8 +52,7 @@ def run_training(cfg: TrainConfig) -> dict[str, Any]:
     pt = Parallel(cfg.parallel)
     try:
         d = cfg.data
-        train_set = build_dataset(d.dataset, True, d.data_dir, d.synthetic_size, cfg.parallel.seed)
-        test_set = build_dataset(d.dataset, False, d.data_dir, d.synthetic_size, cfg.parallel.seed)
+        train_set, test_set = cfg.dataset(train=True), cfg.dataset(train=False)
         model, optimizer, scheduler = setup_task(pt, cfg, planned_steps(pt, train_set, cfg.epochs, cfg.max_steps))
         resumed, extra = _maybe_resume(pt, cfg, model, optimizer, scheduler)
         if resumed is not None and resumed >= planned_steps(pt, train_set, cfg.epochs, cfg.max_steps):

@@ -51,7 +51,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from ..data.loaders import GlobalBatchLoader
-from ..data.sampler import BatchPlan
+from ..data.sampler import BatchPlan, check_dataset_fits
 from ..env.detect import detect_process
 from ..env.process import seed_everything, select_device, store_init_method
 from .server import SERVER, PSOptions, ServerState, abort, call_server, fetch, finish, push_async, push_sync, set_server
@@ -117,9 +117,7 @@ def run_parameter_server(
     if steps < 1:
         raise ValueError(f"steps {steps} must be at least 1")
     plan = BatchPlan.derive(global_batch, workers)  # one-line error when workers do not divide it
-    n = len(dataset)  # type: ignore[arg-type]
-    if n < global_batch:
-        raise ValueError(f"the dataset has {n} samples, fewer than one global batch of {global_batch}")
+    check_dataset_fits(len(dataset), global_batch)  # type: ignore[arg-type]
 
     # env:// where torchrun's agent already serves MASTER_PORT; on one node a store that listens on
     # loopback only (env:// would listen on every interface).

@@ -9,12 +9,11 @@ runs in one process).
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 from typing import Any
 
 from .. import strategies as _strategies
-from ..config import TrainConfig, apply_overrides, from_dict
+from ..config import TrainConfig
 from ..data.sampler import BatchPlan
 from ..launch.spawn import LaunchError, launch
 from .compare import Comparison, compare_runs
@@ -127,33 +126,27 @@ def _finish(title: str, ref: RunView, main: RunView, extra: list[tuple[RunView, 
     return report
 
 
-def verify_config(config: dict[str, Any], opts: VerifyOptions) -> VerifyReport:
-    """Verify a built-in job (a :class:`TrainConfig` dict, as ``paratrain train`` reads it)."""
-
-    cfg = from_dict(TrainConfig, copy.deepcopy(config))
+def verify_config(cfg: TrainConfig, opts: VerifyOptions) -> VerifyReport:
+    """Verify a built-in job (a :class:`TrainConfig`, as ``paratrain train`` builds it)."""
     n = opts.world_size
     strategy = cfg.parallel.strategy
     if cfg.parallel.strategy_class.processes == "one":  # N processes need one that runs on N
         strategy = _strategies.data_parallel_reference()
-    base = apply_overrides(copy.deepcopy(config), {"log_dir": None, "progress": False, "checkpoint_every": 0,
-                                                   "checkpoint_dir": None, "resume": False})
+    base = cfg.with_overrides({"log_dir": None, "progress": False, "checkpoint_every": 0, "checkpoint_dir": None,
+                               "resume": False})
     p = cfg.parallel
     BatchPlan.derive(p.global_batch, n, p.accumulation, p.micro_batch)  # one-line error if N does not divide it
     if opts.accumulation > 1:
         BatchPlan.derive(p.global_batch, 1, opts.accumulation)
 
     def job(**overrides: Any) -> dict[str, Any]:
-        c = apply_overrides(copy.deepcopy(base), overrides)
-        from_dict(TrainConfig, copy.deepcopy(c))
-        return {"kind": "builtin", "config": c, "steps": opts.steps, "threads": opts.threads, "data": data,
-                "timeout": opts.timeout}
+        # the run's TrainConfig, validated here: a bad combination fails before any process starts
+        return {"kind": "builtin", "config": base.with_overrides(overrides), "steps": opts.steps,
+                "threads": opts.threads, "data": data, "timeout": opts.timeout}
 
     data = None
     if cfg.data.dataset in _SMALL_DATA:  # built once here instead of in every process
-        from ..data.datasets import build_dataset
-
-        d = cfg.data
-        data = build_dataset(d.dataset, True, d.data_dir, d.synthetic_size, p.seed)
+        data = cfg.dataset(train=True)
     single = {"parallel.strategy": _strategies.reference(), "parallel.accumulation": None, "parallel.micro_batch": None}
     ref = _launch("world size 1", 1, job(**single), opts)
     main = _launch(f"world size {n} ({strategy})", n, job(**{"parallel.strategy": strategy}), opts)

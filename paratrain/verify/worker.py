@@ -139,20 +139,19 @@ class _LossLog:
 
 
 def _run_builtin(job: dict[str, Any], probe: Probe) -> tuple[dict[str, torch.Tensor], list[float], nn.Module]:
-    from ..config import TrainConfig, from_dict
+    from ..config import TrainConfig
     from ..data.augment import augment_for
-    from ..data.datasets import build_dataset
     from ..loop.fit import fit
     from ..loop.train import setup_task
     from ..parallel import Parallel
 
-    cfg = from_dict(TrainConfig, job["config"])
+    cfg: TrainConfig = job["config"]
     pt = Parallel(cfg.parallel)
     try:
         d = cfg.data
         train_set = job.get("data")
         if train_set is None:
-            train_set = build_dataset(d.dataset, True, d.data_dir, d.synthetic_size, cfg.parallel.seed)
+            train_set = cfg.dataset(train=True)
         model, optimizer, scheduler = setup_task(pt, cfg, job["steps"])
         # Count the micro-batches paratrain hands to the strategy, on one rank per data shard: the
         # ranks of a tensor-parallel group or of a pipeline read the same batch, and a pipeline's
