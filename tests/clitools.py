@@ -18,10 +18,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def cli_env(**extra: str) -> dict[str, str]:
+    """The environment for a paratrain process of a test; a ``PARATRAIN_TEST_*`` fault in ``extra``
+    puts ``tests/faults`` (its ``sitecustomize`` injects the fault) on ``PYTHONPATH``."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-    env.setdefault("OMP_NUM_THREADS", "1")
     env.update(extra)
+    faults = str(ROOT / "tests" / "faults") if any(k.startswith("PARATRAIN_TEST_") for k in extra) else None
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), faults, os.environ.get("PYTHONPATH")) if p)
+    env.setdefault("OMP_NUM_THREADS", "1")
     return env
 
 

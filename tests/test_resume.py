@@ -89,9 +89,8 @@ write_checkpoint(sys.argv[1], int(sys.argv[2]), {"w": torch.arange(100000.0), "s
 
 
 def test_killed_writer_leaves_previous_checkpoint(tmp_path):
-    env = cli_env()
-    subprocess.run([sys.executable, "-c", _WRITER, str(tmp_path), "1"], env=env, check=True, timeout=60)
-    env["PARATRAIN_TEST_CRASH_AFTER_BYTES"] = "5000"
+    subprocess.run([sys.executable, "-c", _WRITER, str(tmp_path), "1"], env=cli_env(), check=True, timeout=60)
+    env = cli_env(PARATRAIN_TEST_CRASH_AFTER_BYTES="5000")  # tests/faults: the writer dies after 5000 bytes
     died = subprocess.run([sys.executable, "-c", _WRITER, str(tmp_path), "2"], env=env, timeout=60)
     assert died.returncode != 0  # the writer really died mid-write
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step-00000001.pt"]

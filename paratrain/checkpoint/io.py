@@ -53,33 +53,12 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-class _CrashAfter:
-    """Test hook (``PARATRAIN_TEST_CRASH_AFTER_BYTES``): the writer dies after that many bytes,
-    as a killed process would."""
-
-    def __init__(self, f: IO[bytes], limit: int) -> None:
-        self.f, self.left = f, limit
-
-    def write(self, data: Any) -> int:
-        data = memoryview(data).cast("B")
-        if len(data) > self.left:
-            self.f.write(data[: self.left])
-            self.f.flush()
-            os._exit(137)
-        self.left -= len(data)
-        return self.f.write(data)
-
-    def flush(self) -> None:
-        self.f.flush()
-
-
 def _write_atomic(path: Path, write: Callable[[IO[bytes]], Any]) -> None:
     """``write(f)`` into ``path.tmp-<pid>``, fsync, rename over ``path``: all or nothing."""
     tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
-    crash_after = int(os.environ.get("PARATRAIN_TEST_CRASH_AFTER_BYTES", "-1"))
     try:
         with open(tmp, "wb") as f:
-            write(_CrashAfter(f, crash_after) if crash_after >= 0 else f)  # type: ignore[arg-type]
+            write(f)
             f.flush()
             os.fsync(f.fileno())
     except BaseException:  # e.g. an object torch.save cannot serialize: leave nothing behind

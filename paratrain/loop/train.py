@@ -6,7 +6,6 @@ import dataclasses
 import json
 import math
 import os
-import signal
 import time
 from typing import Any
 
@@ -79,7 +78,7 @@ def run_training(cfg: TrainConfig) -> dict[str, Any]:
                      eval_transform=_eval_transform(d.dataset), logger=logger, log_every=cfg.log_every,
                      progress_bar=cfg.progress, loader_kwargs=loader_kwargs, checkpoint_dir=cfg.checkpoint_dir,
                      checkpoint_every=cfg.checkpoint_every, checkpoint_extra={"config": dataclasses.asdict(cfg)},
-                     keep_checkpoints=cfg.keep_checkpoints, on_step=_fault_injection(),
+                     keep_checkpoints=cfg.keep_checkpoints,
                      max_nonfinite_steps=cfg.max_nonfinite_steps)
         train_loss = result.train_loss
         if result.steps == resumed:  # restarted after the last checkpoint: its logged loss is the run's
@@ -186,26 +185,6 @@ def _other_run(cfg: TrainConfig, extra: dict[str, Any] | None) -> str | None:
 def _restarts() -> int:
     """How often torchrun has restarted this worker group (0: first attempt)."""
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-
-
-def _fault_injection() -> Any:
-    """Test hooks, first attempt only: ``PARATRAIN_TEST_KILL_AT=rank:step`` SIGKILLs that rank at
-    that step, ``PARATRAIN_TEST_HANG_AT`` makes it sleep (it stops arriving at collectives) and
-    ``PARATRAIN_TEST_STOP_AT`` SIGSTOPs it (a frozen process)."""
-    faults = {"KILL": lambda: os.kill(os.getpid(), signal.SIGKILL), "HANG": lambda: time.sleep(3600),
-              "STOP": lambda: os.kill(os.getpid(), signal.SIGSTOP)}
-    chosen = [(act, os.environ[f"PARATRAIN_TEST_{name}_AT"]) for name, act in faults.items()
-              if os.environ.get(f"PARATRAIN_TEST_{name}_AT")]
-    if not chosen or _restarts():
-        return None
-    act, spec = chosen[0]
-    rank, step = (int(v) for v in spec.split(":"))
-
-    def maybe_fail(pt: Parallel) -> None:
-        if pt.rank == rank and pt.global_step == step:
-            act()
-
-    return maybe_fail
 
 
 def _eval_transform(dataset: str) -> Any:

@@ -1,0 +1,71 @@
+"""Fault injection for the tests, from outside paratrain: every Python process the tests start
+(``clitools.cli_env`` puts this folder on ``PYTHONPATH``) imports this file at startup, and it
+patches paratrain only when a ``PARATRAIN_TEST_*`` variable asks for a fault:
+
+* ``PARATRAIN_TEST_KILL_AT=rank:step`` SIGKILLs that rank after that optimizer step,
+  ``PARATRAIN_TEST_HANG_AT`` makes it sleep (it stops arriving at collectives),
+  ``PARATRAIN_TEST_STOP_AT`` SIGSTOPs it (a frozen process); first attempt only (a restarted
+  group trains on), through ``fit``'s ``on_step`` in ``paratrain train``;
+* ``PARATRAIN_TEST_CRASH_AFTER_BYTES=N``: a checkpoint writer dies after N bytes, as a killed
+  process would.
+"""
+
+import os
+
+_FAULTS = ("KILL", "HANG", "STOP")
+
+
+def _install_step_fault(name: str, spec: str) -> None:
+    import signal
+    import time
+
+    import paratrain.loop.train as train
+
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")):
+        return
+    act = {"KILL": lambda: os.kill(os.getpid(), signal.SIGKILL), "HANG": lambda: time.sleep(3600),
+           "STOP": lambda: os.kill(os.getpid(), signal.SIGSTOP)}[name]
+    rank, step = (int(v) for v in spec.split(":"))
+    fit = train.fit
+
+    def faulty_fit(*args, on_step=None, **kwargs):
+        def hook(pt):
+            if on_step is not None:
+                on_step(pt)
+            if pt.rank == rank and pt.global_step == step:
+                act()
+
+        return fit(*args, on_step=hook, **kwargs)
+
+    train.fit = faulty_fit
+
+
+def _install_write_crash(limit: int) -> None:
+    import paratrain.checkpoint.io as io
+
+    class CrashAfter:
+        def __init__(self, f):
+            self.f, self.left = f, limit
+
+        def write(self, data):
+            data = memoryview(data).cast("B")
+            if len(data) > self.left:
+                self.f.write(data[: self.left])
+                self.f.flush()
+                os._exit(137)
+            self.left -= len(data)
+            return self.f.write(data)
+
+        def flush(self):
+            self.f.flush()
+
+    write_atomic = io._write_atomic
+    io._write_atomic = lambda path, write: write_atomic(path, lambda f: write(CrashAfter(f)))
+
+
+for _name in _FAULTS:
+    if os.environ.get(f"PARATRAIN_TEST_{_name}_AT"):
+        _install_step_fault(_name, os.environ[f"PARATRAIN_TEST_{_name}_AT"])
+        break
+if os.environ.get("PARATRAIN_TEST_CRASH_AFTER_BYTES"):
+    _install_write_crash(int(os.environ["PARATRAIN_TEST_CRASH_AFTER_BYTES"]))
