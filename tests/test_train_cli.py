@@ -43,6 +43,12 @@ def test_config_file_and_overrides(tmp_path):
     assert result["config"]["model"] == "cnn" and result["config"]["parallel"]["accumulation"] == 2
     lrs = [json.loads(line)["lr"] for line in (tmp_path / "out" / "train.jsonl").read_text().splitlines()]
     assert lrs[-1] == pytest.approx(0.2)  # linear scaling: 0.1 x 32/16, warmup done (default rel 1e-6: float arithmetic)
+    # what produced the run is recorded, and its config.toml re-runs it
+    prov = result["provenance"]
+    assert prov["command"].startswith("paratrain train --config") and prov["torch"] and prov["python"]
+    assert prov["world"]["world_size"] == 1 and prov["devices"] and prov["host"]
+    again = run_cli(["train", "--config", str(tmp_path / "out" / "config.toml"), "--print-config"], timeout=60)
+    assert again.returncode == 0 and (tmp_path / "out" / "config.toml").read_text() == again.stdout
 
 
 @pytest.mark.parametrize(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import shlex
 import sys
 import warnings
 from typing import Any, NoReturn, Sequence
@@ -89,6 +90,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parse(parser, argv)
     args.argv = argv  # subcommands that re-launch themselves under torchrun pass it on
+    os.environ.setdefault("PARATRAIN_COMMAND", shlex.join(["paratrain", *argv]))  # the workers' provenance
     try:
         return int(args.func(args) or 0)
     except USER_ERRORS as e:

@@ -57,6 +57,11 @@ class RunLogger:
             self._tb.close()
             self._tb = None
 
+    def write_text(self, name: str, text: str) -> None:
+        """Write ``text`` as ``<log_dir>/<name>``, atomically (main process only)."""
+        if self.enabled and self.log_dir is not None:
+            write_atomic(os.path.join(self.log_dir, name), text)
+
     def write_json(self, name: str, obj: Any) -> None:
         """Write ``obj`` as ``<log_dir>/<name>``, atomically: a reader or a crash sees the old file or the new one."""
         if self.enabled:

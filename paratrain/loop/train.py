@@ -13,10 +13,11 @@ import torch
 from torch.distributed import DistError
 
 from ..checkpoint import CheckpointError, load_latest
-from ..config import TrainConfig
+from ..config import TrainConfig, to_toml
 from ..data.augment import augment_for, eval_augment_for
 from ..data.datasets import dataset_info
 from ..env.process import explain_timeout
+from ..env.provenance import provenance
 from ..models import build_model
 from ..parallel import Parallel
 from .fit import fit, planned_steps
@@ -67,6 +68,7 @@ def run_training(cfg: TrainConfig) -> dict[str, Any]:
                      + (f" (restart {_restarts()})" if _restarts() else ""))
         logger = RunLogger(cfg.log_dir, enabled=pt.is_main_process, append=resumed is not None,
                            tensorboard=cfg.tensorboard)
+        logger.write_text("config.toml", to_toml(cfg))  # `paratrain train --config <run>/config.toml` re-runs it
         pt.print(f"paratrain: {cfg.parallel.strategy} on {pt.world_size} process(es), {pt.device}, "
                  f"precision {cfg.parallel.precision}; global batch {pt.plan.global_batch} = "
                  f"{pt.plan.micro_batch} per worker x {pt.plan.world_size} data-parallel workers x {pt.accumulation} accumulation")
@@ -97,6 +99,9 @@ def run_training(cfg: TrainConfig) -> dict[str, Any]:
             "seconds": time.perf_counter() - start,
             **result.throughput,
             **pt.strategy.report(),
+            "provenance": provenance({"world_size": pt.world_size, "data_parallel_size": pt.plan.world_size,
+                                      "strategy": cfg.parallel.strategy, "backend": pt.dist.backend,
+                                      "device": str(pt.device)}),
         }
         logger.write_json("result.json", summary)
         logger.close()
