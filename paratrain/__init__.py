@@ -18,7 +18,7 @@ from .launch.spawn import launch
 from .parallel import Parallel, ParallelOptimizer, ParallelScheduler
 from .threads import configure_threads, fork, fork_map, wait
 
-__version__ = "0.1.0"
+from ._version import __version__ as __version__
 
 __all__ = [
     "Parallel", "ParallelOptimizer", "ParallelScheduler", "ParallelConfig", "TrainConfig", "DataConfig", "OptimConfig",

@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
         description="Take a PyTorch training job from one device to N workers without changing its result.",
     )
-    from .. import __version__
+    from .._version import __version__
 
     parser.add_argument("--version", action="version", version=f"paratrain {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")

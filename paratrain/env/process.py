@@ -29,7 +29,7 @@ from .base import ProcessInfo
 from .detect import detect_process
 
 __all__ = [
-    "Dist", "UnavailableError", "CollectiveTimeoutError", "explain_timeout", "init", "is_loopback", "loopback_store", "store_init_method", "die_with_launcher", "destroy", "preload_dynamo", "available_accelerator", "select_device", "select_backend", "rank", "world_size",
+    "Dist", "UnavailableError", "free_port", "CollectiveTimeoutError", "explain_timeout", "init", "is_loopback", "loopback_store", "store_init_method", "die_with_launcher", "destroy", "preload_dynamo", "available_accelerator", "select_device", "select_backend", "rank", "world_size",
     "local_rank", "is_main_process", "barrier", "print_once", "save_on_main",
     "main_process_first", "seed_everything",
 ]
@@ -212,6 +212,13 @@ def _join(info: ProcessInfo, device: torch.device, chosen: str, timeout_s: float
         **({"store": store} if store is not None else {"init_method": "env://"}),
         **kwargs,
     )
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """Return a TCP port that is free on ``host`` right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def is_loopback(host: str) -> bool:

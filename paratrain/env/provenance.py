@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from .._version import __version__
+
 __all__ = ["provenance", "git_commit"]
 
 
@@ -44,8 +46,6 @@ def provenance(world: dict[str, Any] | None = None) -> dict[str, Any]:
     """The facts of this process's run: versions of paratrain, torch (and its CUDA), python; the
     git commit of the working directory; host, platform and devices; ``world`` (the layout the
     caller knows); the command line as typed."""
-    from .. import __version__
-
     return {
         "paratrain": __version__,
         "torch": torch.__version__,

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import socket
 import tempfile
 import time
 from typing import Any, Callable, Sequence
@@ -17,18 +16,13 @@ from typing import Any, Callable, Sequence
 import torch.multiprocessing as mp
 from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
 
+from ..env.process import free_port  # re-exported: the launch API's port picker
+
 __all__ = ["launch", "free_port", "LaunchError"]
 
 
 class LaunchError(RuntimeError):
     """A launched worker failed, or the launch ran past its time limit."""
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """Return a TCP port that is free on ``host`` right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _worker(local_rank: int, fn: Callable, nprocs: int, env: dict[str, str], args: tuple, out_dir: str) -> None:

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..env.process import is_loopback
-from .spawn import free_port
+from ..env.process import free_port
 
 __all__ = ["LaunchConfig", "torchrun"]
 

@@ -11,6 +11,7 @@ from torch import nn
 
 from ..checkpoint.sharded import full_state_dict as sharded_full_state_dict
 from ..env.process import Dist
+from ..nn.syncbn import convert_sync_batchnorm
 from ..precision import MASTER_WEIGHTS
 
 __all__ = ["Strategy"]
@@ -106,8 +107,6 @@ class Strategy:
     def convert_batchnorm(self, model: nn.Module) -> nn.Module:
         if self.proc.world_size == 1:
             return model  # one process: plain BatchNorm already sees the whole batch
-        from ..nn.syncbn import convert_sync_batchnorm
-
         return convert_sync_batchnorm(model)
 
     def wrap(self, model: nn.Module) -> nn.Module:

@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.distributed.rpc as rpc
 from torch import nn
 
-from ..env.process import Dist, store_init_method
+from ..env.process import Dist, free_port, store_init_method
 from .base import Strategy
 from ..ps.dedicated import PSResult, run_parameter_server
 from ..ps.server import (MODES, SERVER, PSOptions, ServerState, abort, call_server, get_server, push_async, push_sync,
@@ -83,8 +83,6 @@ class ParameterServerStrategy(Strategy):
         return self.proc.backend is not None and self.proc.world_size > 1
 
     def _start_rpc(self) -> None:
-        from ..launch.spawn import free_port
-
         host = self.proc.info.master_addr if self._distributed() else "127.0.0.1"
         where: list[Any] = [free_port(host) if self.proc.rank == 0 else None]
         if self._distributed():
