@@ -756,6 +756,7 @@ def test_runner_dp_cell_sees_its_gpus(two_gpus, monkeypatch, visible, want):
     regardless of CUDA_VISIBLE_DEVICES."""
     from paratrain.bench import runner
     from paratrain.bench.matrix import BenchSpec, Cell
+    from paratrain.config import TrainConfig
 
     if visible is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = visible
@@ -766,11 +767,11 @@ def test_runner_dp_cell_sees_its_gpus(two_gpus, monkeypatch, visible, want):
         return [{"status": "skipped", "reason": "recorded"}] * nprocs
 
     monkeypatch.setattr(runner, "launch", launch)
-    result = runner._run_one(Cell(strategy="dp", world_size=2, global_batch=64), BenchSpec(), {}, None)
+    result = runner._run_one(Cell(strategy="dp", world_size=2, global_batch=64), BenchSpec(), TrainConfig(), None)
     assert result.reason == "recorded"
     (nprocs, env), = launches
     assert nprocs == 1 and env["CUDA_VISIBLE_DEVICES"] == want
-    runner._run_one(Cell(strategy="ddp", world_size=2, global_batch=64), BenchSpec(), {}, None)
+    runner._run_one(Cell(strategy="ddp", world_size=2, global_batch=64), BenchSpec(), TrainConfig(), None)
     assert launches[1][0] == 2 and "CUDA_VISIBLE_DEVICES" not in launches[1][1]
 
 
