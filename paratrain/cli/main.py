@@ -90,7 +90,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parse(parser, argv)
     args.argv = argv  # subcommands that re-launch themselves under torchrun pass it on
-    os.environ.setdefault("PARATRAIN_COMMAND", shlex.join(["paratrain", *argv]))  # the workers' provenance
+    os.environ["PARATRAIN_COMMAND"] = shlex.join(["paratrain", *argv])  # the workers' provenance (the same argv)
     try:
         return int(args.func(args) or 0)
     except USER_ERRORS as e:
