@@ -9,18 +9,26 @@ operation is big enough to be split). In float64, 1 vs 2 threads must agree to 1
 ``FLOAT64_RTOL``. Run with ``-s`` to see the measured gaps. Single process, a few seconds.
 """
 
+import os
+import sys
+
 import pytest
 import torch
 
-import test_devices
-import test_fsdp
-import test_invariance
-import test_pipeline
-import test_ps
-import test_resume
-import test_syncbn
-import test_tensor
-from parity import FLOAT64_RTOL, num_threads, state_error
+# The suites measured here live beside the code they test (tests/strategies, tests/ps, ...).
+_HERE = os.path.dirname(os.path.abspath(__file__))
+for _sub in ("strategies", "ps", "checkpoint", "nn"):
+    sys.path.insert(0, os.path.join(_HERE, _sub))
+
+import test_devices  # noqa: E402
+import test_fsdp  # noqa: E402
+import test_invariance  # noqa: E402
+import test_pipeline  # noqa: E402
+import test_ps  # noqa: E402
+import test_resume  # noqa: E402
+import test_syncbn  # noqa: E402
+import test_tensor  # noqa: E402
+from parity import FLOAT64_RTOL, num_threads, state_error  # noqa: E402
 
 F64 = torch.float64
 MODULES = [test_invariance, test_fsdp, test_tensor, test_pipeline, test_devices, test_ps, test_resume]

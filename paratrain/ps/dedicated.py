@@ -19,7 +19,7 @@ Modes (:class:`PSOptions`):
   for DDP (epoch permutation by ``(seed, epoch)``, worker ``r`` takes slice ``r - 1``). The server
   waits for every worker's gradient of step ``s``, averages them (in worker order, so the result is
   deterministic), takes one optimizer step and answers all workers with the new parameters. The
-  parameters equal a one-process loop over the same global batches (``tests/test_ps.py``).
+  parameters equal a one-process loop over the same global batches (``tests/ps/test_ps.py``).
 * ``async``: each gradient is applied as soon as it arrives, under a lock (one update at a time,
   Hogwild-style otherwise: no worker waits for another). A worker's gradient was computed on the
   parameters of some server version; *staleness* = versions applied since then. The server counts

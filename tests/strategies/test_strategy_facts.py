@@ -149,7 +149,7 @@ def name_comparisons(root: pathlib.Path) -> list[str]:
 
 def test_no_strategy_name_is_compared_outside_the_strategies() -> None:
     """Issue 11: ask the class for a capability (``strategy_class.processes == "one"``), never its name."""
-    assert name_comparisons(pathlib.Path(__file__).resolve().parents[1]) == []
+    assert name_comparisons(pathlib.Path(__file__).resolve().parents[2]) == []
 
 
 def test_the_name_scan_finds_what_it_looks_for(tmp_path: pathlib.Path) -> None:
