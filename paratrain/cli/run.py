@@ -9,17 +9,25 @@ node with ``--nnodes N --node-rank K --master-addr A --master-port P`` (static r
 from __future__ import annotations
 
 import argparse
+import copy
 import os
+import shutil
 from typing import Any
 
-from ..launch.torchrun import LaunchConfig, torchrun
+from ..launch.torchrun import PASSTHROUGH, LaunchConfig, nproc_per_node, torchrun
 
 
-def add_launch_arguments(p: argparse.ArgumentParser) -> None:
-    """Add torchrun's launch flags (workers, nodes, rendezvous, restarts) to ``p``; see :func:`launch_config`."""
+def add_launch_arguments(p: argparse.ArgumentParser, *, program: bool = False) -> None:
+    """Add torchrun's launch flags (workers, nodes, rendezvous, restarts) to ``p``; see :func:`launch_config`.
+
+    ``program``: the command runs the user's program (``paratrain run``), so torchrun's
+    ``--no-python`` applies too."""
     g = p.add_argument_group("launch (torchrun)")
-    g.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=1, metavar="N",
-                   help="workers on this node (default 1)")
+    g.add_argument("--nproc-per-node", "--nproc_per_node", type=_nproc, default=1, metavar="N|auto|cpu|gpu",
+                   help="workers on this node: a number, or auto (one per GPU, else per CPU core), cpu, gpu "
+                        "(default %(default)s)")
+    g.add_argument("--standalone", action="store_true",
+                   help="one node, rendezvous on this machine only (the default when no address is given)")
     g.add_argument("--nnodes", default="1", metavar="M|MIN:MAX", help="number of nodes (default 1)")
     g.add_argument("--node-rank", "--node_rank", type=int, default=0, metavar="K",
                    help="this node's rank, for static rendezvous (default 0)")
@@ -37,6 +45,48 @@ def add_launch_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--monitor-interval", "--monitor_interval", type=float, default=None, metavar="S",
                    help="seconds between worker health checks")
     g.add_argument("--local-addr", "--local_addr", default=None, metavar="A", help="this node's address")
+    _add_torchrun_flags(g, PASSTHROUGH + (("--no-python",) if program else ()))
+
+
+def _nproc(value: str) -> int:
+    try:
+        return nproc_per_node(value)
+    except ValueError as e:  # argparse prints an ArgumentTypeError's own text
+        raise argparse.ArgumentTypeError(str(e).removeprefix(f"--nproc-per-node {value!r} ")) from None
+
+
+def _add_torchrun_flags(group: Any, names: tuple[str, ...]) -> None:
+    """torchrun's own definitions of ``names`` (help, choices, defaults), their values handed to
+    torchrun's parser as given: ``args.torchrun_flags`` lists ``(flag, value)`` in order."""
+    import torch.distributed.run as trun
+
+    actions = trun.get_args_parser()._option_string_actions
+    for name in names:
+        if name not in actions:  # an older torch without this flag
+            continue
+        action = copy.copy(actions[name])
+        if action.nargs != 0:
+            action.metavar = action.metavar or action.dest.upper()
+        action.dest = "torchrun_" + action.dest
+        action.default = argparse.SUPPRESS
+        if action.help:
+            action.help = action.help.split(". ")[0].rstrip(".") + " (torchrun's flag, passed to it)"
+        group._add_action(action)
+
+
+def torchrun_flags(args: argparse.Namespace) -> list[str]:
+    """``--flag=value`` (``--flag`` for switches) for each of torchrun's own flags given on the command line."""
+    import torch.distributed.run as trun
+
+    out = []
+    for action in trun.get_args_parser()._actions:
+        value = getattr(args, "torchrun_" + action.dest, None)
+        if value is None or value is False or not action.option_strings:
+            continue
+        flag = action.option_strings[-1] if action.option_strings[-1].startswith("--") else action.option_strings[0]
+        flag = next((o for o in action.option_strings if o.startswith("--") and "_" not in o), flag)
+        out.append(flag if value is True else f"{flag}={value}")
+    return out
 
 
 def launch_config(args: argparse.Namespace, *, log_dir: str | None = None) -> LaunchConfig:
@@ -54,6 +104,8 @@ def launch_config(args: argparse.Namespace, *, log_dir: str | None = None) -> La
         monitor_interval=args.monitor_interval,
         local_addr=args.local_addr,
         log_dir=log_dir,
+        standalone=args.standalone,
+        torchrun_args=torchrun_flags(args),
     )
 
 
@@ -65,7 +117,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    add_launch_arguments(p)
+    add_launch_arguments(p, program=True)
     p.add_argument("--log-dir", "--log_dir", default=None, metavar="DIR", help="torchrun log directory")
     p.add_argument("-m", "--module", action="store_true", help="run the program as a module, like python -m")
     p.add_argument("script", help="the training script (or module with -m)")
@@ -103,6 +155,11 @@ def main(args: argparse.Namespace) -> int:
     cfg = launch_config(args, log_dir=args.log_dir)
     if not args.script:
         raise ValueError("no script given: paratrain run [launch flags] script.py [script args]")
-    if not args.module and not os.path.isfile(args.script):
+    if getattr(args, "torchrun_no_python", False):
+        if args.module:
+            raise ValueError("--no-python and -m both given: -m runs a Python module, --no-python a program; use one")
+        if not (os.path.isfile(args.script) or shutil.which(args.script)):
+            raise FileNotFoundError(f"program {args.script!r} is neither a file nor on PATH: give a path or a command")
+    elif not args.module and not os.path.isfile(args.script):
         raise FileNotFoundError(f"script {args.script!r} does not exist: give the path to a Python file (or use -m)")
     return torchrun(cfg, [args.script, *args.script_args], module=args.module)

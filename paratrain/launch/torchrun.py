@@ -30,13 +30,17 @@ import sys
 import tempfile
 import threading
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..env.process import is_loopback
 from ..env.process import free_port
 
-__all__ = ["LaunchConfig", "torchrun"]
+__all__ = ["LaunchConfig", "PASSTHROUGH", "nproc_per_node", "torchrun"]
+
+# torchrun's own flags that paratrain hands to its parser unchanged (``--no-python`` only where
+# the user's program is run: ``paratrain run``).
+PASSTHROUGH = ("--rdzv-conf", "--start-method", "--tee", "--redirects", "--local-ranks-filter")
 
 _PREFIX = "paratrain run: error:"  # the default; paratrain train passes its own
 _NOT_AVAILABLE = "<N/A>"  # ProcessFailure.error_file when the worker wrote no error file
@@ -54,6 +58,25 @@ def _min_max_nodes(nnodes: str) -> tuple[int, int]:
     if not 0 < lo <= hi:
         raise ValueError(f"nnodes={nnodes!r} needs 0 < MIN <= MAX: use e.g. 2 or 1:4")
     return lo, hi
+
+
+def nproc_per_node(value: str) -> int:
+    """Workers per node from ``N``, ``auto``, ``cpu`` or ``gpu``, resolved as torchrun resolves
+    them (its own ``determine_local_world_size``); ``ValueError`` in one line otherwise."""
+    if value.strip().lstrip("-").isdigit():
+        n = int(value)
+        if n < 1:
+            raise ValueError(f"--nproc-per-node {value!r} must be at least 1")
+        return n
+    if value not in ("auto", "cpu", "gpu"):
+        raise ValueError(f"--nproc-per-node {value!r} is not a number of workers: use N, auto, cpu or gpu")
+    from torch.distributed.run import determine_local_world_size
+
+    logging.getLogger("torch.distributed.run").setLevel(logging.ERROR)
+    try:
+        return int(determine_local_world_size(value))
+    except ValueError as e:  # "Cuda is not available."
+        raise ValueError(f"--nproc-per-node {value}: {_one_line(e).rstrip('.')}: use a number or cpu") from None
 
 
 def _endpoint_host(endpoint: str) -> str:
@@ -84,6 +107,8 @@ class LaunchConfig:
     monitor_interval: float | None = None
     local_addr: str | None = None
     log_dir: str | None = None
+    standalone: bool = False  # torchrun's --standalone: one node, rendezvous on this machine only
+    torchrun_args: list[str] = field(default_factory=list)  # torchrun's own flags, as --flag=value
 
     def __post_init__(self) -> None:
         if isinstance(self.nnodes, int):  # tolerate LaunchConfig(nnodes=2)
@@ -101,6 +126,9 @@ class LaunchConfig:
             raise ValueError(
                 f"rdzv_endpoint={self.rdzv_endpoint!r} and master_addr/master_port both given: use one of them"
             )
+        if self.standalone and (max_nodes > 1 or self.master_addr or self.master_port or self.rdzv_endpoint):
+            raise ValueError("--standalone is one node with its rendezvous on this machine: leave out --nnodes, "
+                             "--master-addr/--master-port and --rdzv-endpoint, or drop --standalone")
         if self.max_restarts < 0:
             raise ValueError(f"max_restarts={self.max_restarts} must be >= 0")
         if self.monitor_interval is not None and self.monitor_interval <= 0:
@@ -152,7 +180,8 @@ def _torchrun_argv(cfg: LaunchConfig, program: list[str], module: bool, supporte
         else:
             backend, rdzv_id = "c10d", rdzv_id or f"paratrain-{uuid.uuid4().hex}"
             if store_dir is not None:
-                argv += [f"--rdzv-endpoint={os.path.join(store_dir, 'rendezvous')}", "--rdzv-conf=store_type=file"]
+                conf = ",".join(["store_type=file", *_user_rdzv_conf(cfg)])
+                argv += [f"--rdzv-endpoint={os.path.join(store_dir, 'rendezvous')}", f"--rdzv-conf={conf}"]
             else:
                 argv.append(f"--rdzv-endpoint=127.0.0.1:{free_port('127.0.0.1')}")
     elif cfg.rdzv_endpoint:
@@ -177,7 +206,15 @@ def _torchrun_argv(cfg: LaunchConfig, program: list[str], module: bool, supporte
         argv.append(f"--log-dir={cfg.log_dir}")
     if module:
         argv.append("--module")
+    if any(a.startswith("--rdzv-conf=store_type=file") for a in argv):  # the user's conf is merged into ours
+        argv += [a for a in cfg.torchrun_args if not a.startswith("--rdzv-conf=")]
+    else:
+        argv += cfg.torchrun_args
     return argv + list(program)
+
+
+def _user_rdzv_conf(cfg: LaunchConfig) -> list[str]:
+    return [a.split("=", 1)[1] for a in cfg.torchrun_args if a.startswith("--rdzv-conf=") and a != "--rdzv-conf="]
 
 
 def _one_line(text: Any) -> str:
@@ -318,7 +355,7 @@ def torchrun(cfg: LaunchConfig, program: list[str], module: bool = False, comman
         logging.getLogger("torch.distributed.run").setLevel(logging.ERROR)
     if is_loopback(cfg.rendezvous_host):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    if "--rdzv-conf=store_type=file" not in argv:  # the agent's rendezvous is torch's TCPStore server
+    if not any(a.startswith("--rdzv-conf=store_type=file") for a in argv):  # the agent's rendezvous is torch's TCPStore server
         print(f"paratrain: note: the rendezvous store at {cfg.rendezvous_host} listens on all interfaces and accepts "
               "any client (torch's TCPStore): run multi-node jobs on a trusted network", file=sys.stderr, flush=True)
     try:

@@ -111,3 +111,63 @@ def test_argv_single_node_binds_loopback() -> None:
     multi = _torchrun_argv(LaunchConfig(nnodes="2", master_addr="10.0.0.1", master_port=29500), ["t.py"], True, set())
     assert "--master-addr=10.0.0.1" in multi and "--master-port=29500" in multi
     assert not any(a.startswith(("--rdzv", "--local-addr")) for a in multi) and "--module" in multi
+
+
+def test_torchrun_flags_pass_through_to_torchrun() -> None:
+    """torchrun's own flags reach its parser unchanged; a --rdzv-conf is merged into the private
+    file store's conf of a single-node job instead of replacing it."""
+    import argparse
+
+    import torch.distributed.run as trun
+
+    from paratrain.cli.run import add_launch_arguments, launch_config
+
+    p = argparse.ArgumentParser()
+    add_launch_arguments(p, program=True)
+    args = p.parse_args(["--standalone", "--nproc-per-node", "cpu", "--tee", "3", "-r", "1",
+                         "--local-ranks-filter", "0", "--start-method", "fork", "--rdzv-conf", "join_timeout=60",
+                         "--no-python"])
+    cfg = launch_config(args)
+    assert cfg.nproc_per_node >= 1 and cfg.standalone
+    argv = _torchrun_argv(cfg, ["prog"], False, set(trun.get_args_parser()._option_string_actions), "/tmp/x")
+    ns = trun.get_args_parser().parse_args(argv)
+    assert (ns.tee, ns.redirects, ns.local_ranks_filter, ns.start_method, ns.no_python) == ("3", "1", "0", "fork", True)
+    assert ns.rdzv_conf == "store_type=file,join_timeout=60"
+    assert "--no-python" not in {a.option_strings[-1] for a in _parser_actions("train")}  # run's flag only
+
+
+def _parser_actions(command: str) -> list:
+    from paratrain.cli.main import build_parser
+
+    sub = next(a for a in build_parser()._actions if a.choices and command in a.choices)
+    return sub.choices[command]._actions
+
+
+@pytest.mark.parametrize("value, message", [("gpu", "--nproc-per-node gpu: "), ("seven", "not a number of workers"),
+                                            ("0", "must be at least 1")])
+def test_nproc_per_node_words_and_errors(value: str, message: str) -> None:
+    from paratrain.launch.torchrun import nproc_per_node
+
+    assert nproc_per_node("3") == 3 and nproc_per_node("cpu") >= 1 and nproc_per_node("auto") >= 1
+    with pytest.raises(ValueError, match=message) as e:
+        if value == "gpu":
+            import torch
+
+            if torch.cuda.is_available():
+                pytest.skip("a GPU is here: gpu resolves")
+        nproc_per_node(value)
+    assert "\n" not in str(e.value)
+
+
+def test_standalone_with_an_address_is_refused() -> None:
+    with pytest.raises(ValueError, match="--standalone is one node"):
+        LaunchConfig(standalone=True, nnodes="2", master_addr="10.0.0.1")
+
+
+def test_no_python_tee_and_rank_filter_run_a_program(tmp_path: Path) -> None:
+    """``--no-python`` runs a program that is not Python; ``--tee 3 --local-ranks-filter 1`` shows
+    only local rank 1's output, prefixed as torchrun prefixes it."""
+    r = run_cli(["--standalone", "--nproc-per-node", "2", "--no-python", "--tee", "3", "--local-ranks-filter", "1",
+                 "--log-dir", str(tmp_path), "sh", "-c", "echo hello from rank $RANK"])
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert "hello from rank 1" in r.stdout and "hello from rank 0" not in r.stdout, r.stdout
