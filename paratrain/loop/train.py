@@ -99,9 +99,10 @@ def run_training(cfg: TrainConfig) -> dict[str, Any]:
             "seconds": time.perf_counter() - start,
             **result.throughput,
             **pt.strategy.report(),
+            # Only the main process writes result.json: the others skip provenance's git calls.
             "provenance": provenance({"world_size": pt.world_size, "data_parallel_size": pt.plan.world_size,
                                       "strategy": cfg.parallel.strategy, "backend": pt.dist.backend,
-                                      "device": str(pt.device)}),
+                                      "device": str(pt.device)}) if pt.is_main_process else None,
         }
         logger.write_json("result.json", summary)
         logger.close()
