@@ -1,6 +1,6 @@
 """``Parallel``: the small API that takes a user's own training loop to N workers.
 
-Seed 000's loop converts by changing a few lines::
+A hand-written DDP loop converts by changing a few lines::
 
     pt = paratrain.Parallel(strategy="ddp", precision="fp16-mixed", global_batch=256)
     model, optimizer = pt.setup(model, optimizer)      # device, SyncBN, DDP, autocast
@@ -30,16 +30,16 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
 
 from . import checkpoint as checkpoint_lib
+from . import evaluation
 from . import metrics as metrics_lib
 from . import precision as precision_lib
 from . import strategies
 from .config import ParallelConfig
-from .data.batch import batch_size, map_tensors, to_device
 from .data.loaders import EvalLoader, GlobalBatchLoader
 from .data.stream import StreamLoader
 from .data.sampler import BatchPlan, check_dataset_fits
 from .env import process
-from .metrics import batch_targets, is_classification, model_loss, predictions
+from .metrics import batch_targets, model_loss, predictions
 from .optim import ParallelOptimizer, ParallelScheduler
 
 # What train_loader keeps of a user's DataLoader (its sampler, batch size and drop_last are paratrain's).
@@ -74,7 +74,7 @@ class ParallelModule(nn.Module):
             return self.module(*args, **kwargs)
         with self._precision.forward_context():
             out = self.module(*args, **kwargs)
-        return _to_float32(out)
+        return evaluation.to_float32(out)
 
     def checkpointed_module(self) -> nn.Module:
         """The module whose parameters this rank holds and checkpoints (a pipeline's stage, the
@@ -379,7 +379,6 @@ class Parallel:
                           self.strategy.data_parallel_size, self.strategy.data_parallel_rank, self.device,
                           transform, **dataloader_kwargs)
 
-    @torch.no_grad()
     def evaluate(self, model: nn.Module, loader: EvalLoader, loss_fn: Callable[..., torch.Tensor] | None = None,
                  *, step_fn: Callable[[nn.Module, Any], Any] | None = None,
                  metrics: Mapping[str, Any] | None = None) -> dict[str, Any]:
@@ -407,109 +406,8 @@ class Parallel:
         pipeline) run the same number of forwards on every rank, padding with batches that are
         not counted. One all-reduce of the sums at the end.
         """
-        net = self.unwrap(model)
-        was_training = net.training
-        net.eval()
-        metrics = dict(metrics or {})
-        stateful = {k: m for k, m in metrics.items() if hasattr(m, "update") and hasattr(m, "compute")}
-        # loss sum, samples with a loss, correct, targets classified, samples, then each metric's sum
-        totals = torch.zeros(5 + len(metrics), dtype=torch.float64, device=self.device)
-        for batch, counted in self._eval_batches(loader):
-            loss, preds, targets = self._eval_step(net, batch, loss_fn, step_fn)
-            if not counted or (loss is None and preds is None):  # padding, or not the last pipeline stage
-                continue
-            n = len(targets) if targets is not None and targets.dim() else batch_size(batch)
-            totals[4] += n
-            if loss is not None:
-                totals[0] += loss.detach().double() * n
-                totals[1] += n
-            if is_classification(preds, targets):
-                valid = targets != -100  # HuggingFace's ignore_index
-                totals[2] += ((preds.argmax(1) == targets) & valid).sum()
-                totals[3] += valid.sum()
-            for i, (name, metric) in enumerate(metrics.items()):
-                if name in stateful:
-                    metric.update(preds, targets)
-                else:
-                    totals[5 + i] += torch.as_tensor(metric(preds, targets), dtype=torch.float64).to(self.device) * n
-        net.train(was_training)
-        self.strategy.all_reduce_sum(totals)
-        sums = totals.tolist()
-        result: dict[str, Any] = {}
-        if sums[1]:
-            result["loss"] = sums[0] / sums[1]
-        if sums[3]:
-            result["accuracy"] = sums[2] / sums[3]
-        result["count"] = int(sums[4])
-        for i, (name, metric) in enumerate(metrics.items()):
-            if name in stateful:
-                value = metric.compute()
-                result[name] = value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
-            else:
-                result[name] = sums[5 + i] / max(sums[4], 1)
-        return result
-
-    def _eval_step(self, net: nn.Module, batch: Any, loss_fn: Callable[..., torch.Tensor] | None,
-                   step_fn: Callable[[nn.Module, Any], Any] | None) -> tuple[Any, Any, Any]:
-        """(loss or None, predictions or None, targets or None) of one evaluation batch."""
-        with self.precision.forward_context():
-            if step_fn is not None:
-                out = _to_float32(step_fn(net, batch))
-                if isinstance(out, torch.Tensor):
-                    return out, None, None
-                preds, targets = out
-                return (loss_fn(preds, targets) if loss_fn is not None else _default_loss(preds, targets)), preds, targets
-            if isinstance(batch, Mapping):
-                out, targets = net(**batch), batch_targets(batch)
-            else:
-                out, targets = self.strategy.eval_forward(net, batch[0]), batch[1]
-            if out is None:  # not the last pipeline stage
-                return None, None, None
-            out = _to_float32(out)
-        preds = predictions(out)
-        loss: torch.Tensor | None
-        if loss_fn is not None:
-            loss = loss_fn(preds, targets)
-        else:
-            loss = model_loss(out)
-            if loss is None:
-                loss = _default_loss(preds, targets)
-        return loss, preds, targets
-
-    def _eval_batches(self, loader: EvalLoader) -> Any:
-        if not self.strategy.collective_forward:
-            yield from ((batch, True) for batch in loader)
-            return
-        if loader.stream:  # unknown lengths: agree on each forward (one small all-reduce a batch)
-            batches, pad = iter(loader), None
-            while True:
-                batch = next(batches, None)
-                more = torch.tensor([float(batch is not None)], device=self.device)
-                if self.strategy.all_reduce_max(more).item() == 0:
-                    return
-                if batch is not None:
-                    pad = map_tensors(lambda t: t[:1] if t.dim() else t, batch)
-                    yield batch, True
-                else:
-                    pad = pad if pad is not None else self._first_sample(loader)
-                    yield pad, False
-        n = torch.tensor([len(loader)], device=self.device)
-        self.strategy.all_reduce_max(n)
-        pad = None
-        for batch in loader:
-            pad = map_tensors(lambda t: t[:1] if t.dim() else t, batch)
-            yield batch, True
-        if pad is None:  # an empty shard (more ranks than samples) still joins every forward
-            pad = self._first_sample(loader)
-        for _ in range(int(n.item()) - len(loader)):
-            yield pad, False
-
-    def _first_sample(self, loader: EvalLoader) -> Any:
-        """The evaluation set's first sample as a batch of one, on the device (a padding forward)."""
-        data = loader.dataloader
-        source = getattr(data.dataset, "dataset", data.dataset) if loader.stream else data.dataset
-        first = next(iter(source)) if loader.stream else source[0]
-        return to_device(data.collate_fn([first]), self.device)
+        return evaluation.evaluate(self.strategy, self.precision, self.device, self.unwrap(model), loader, loss_fn,
+                                   step_fn=step_fn, metrics=metrics)
 
     # --- collectives for metrics -----------------------------------------------------------
     def all_gather(self, obj: Any) -> Any:
@@ -596,19 +494,3 @@ def _uncompiled(model: Any) -> Any:
     while _is_compiled(model):
         model = model._orig_mod
     return model
-
-
-def _to_float32(out: Any) -> Any:
-    """Half-precision floating tensors of a model's output in fp32 (float64 stays float64);
-    every container keeps its type."""
-    return map_tensors(lambda t: t.float() if t.is_floating_point() and t.element_size() < 4 else t, out)
-
-
-def _default_loss(preds: Any, targets: Any) -> torch.Tensor | None:
-    """Cross-entropy for classification targets, MSE for float targets shaped like the predictions."""
-    if is_classification(preds, targets):
-        return nn.functional.cross_entropy(preds, targets)
-    if (isinstance(preds, torch.Tensor) and isinstance(targets, torch.Tensor) and targets.is_floating_point()
-            and preds.shape == targets.shape):
-        return nn.functional.mse_loss(preds, targets)
-    return None
