@@ -42,8 +42,8 @@ class SyncBatchNorm(_BatchNorm):
     """BatchNorm over ``(N, C, *)`` inputs whose training statistics span all ranks of ``process_group``.
 
     Training with a process group of more than one rank: per-channel sum, sum of squares and count
-    are all-reduced in one collective (in float64, from float32 local statistics, whatever the input
-    dtype), then the input is normalised with the global mean and biased variance; running stats get
+    are all-reduced in one collective (in float64; the local statistics are computed in float32
+    for half-precision inputs and in the input's own dtype for float32 and float64), then the input is normalised with the global mean and biased variance; running stats get
     the global unbiased variance, as ``nn.BatchNorm`` would on the whole batch. Every rank must call
     forward (and backward) the same number of times. Evaluation, or no process group / a world of
     one, runs the plain ``nn.BatchNorm`` code and never communicates. Output has the input's dtype.
