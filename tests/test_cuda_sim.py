@@ -897,11 +897,21 @@ def test_rng_from_a_gpu_run_loads_on_a_cuda_build_without_gpu(cuda_no_gpu, monke
     set_rng_state({**state, "cuda": torch.tensor([1], dtype=torch.uint8)})  # the CPU streams still resume
 
 
-@pytest.mark.xfail(strict=True, reason="checkpoint/rng.py saves only the current GPU's generator: dp and devices "
-                                       "draw on every GPU of the process (dropout in replicas on cuda:1), which "
-                                       "then restarts from the seed on resume; see the gpusim report")
 def test_rng_one_process_over_two_gpus_resumes_both(two_gpus, fake_cuda_rng):
     from paratrain.checkpoint.rng import rng_state, set_rng_state
 
     set_rng_state(rng_state())
     assert {i: s.tolist() for i, s in fake_cuda_rng} == {0: [10], 1: [11]}
+
+
+def test_rng_of_more_gpus_resumes_the_ones_here_and_old_checkpoints_their_one(two_gpus, fake_cuda_rng):
+    from paratrain.checkpoint.rng import rng_state, set_rng_state
+
+    state = rng_state()
+    u8 = torch.uint8
+    set_rng_state({**state, "cuda_all": [torch.tensor([20 + i], dtype=u8) for i in range(4)]})  # saved on 4 GPUs
+    assert {i: s.tolist() for i, s in fake_cuda_rng} == {0: [20], 1: [21]}
+    fake_cuda_rng.clear()
+    old = {k: v for k, v in state.items() if k != "cuda_all"}  # written before every GPU was saved
+    set_rng_state({**old, "cuda": torch.tensor([7], dtype=u8)})
+    assert [(i, s.tolist()) for i, s in fake_cuda_rng] == [(torch.cuda.current_device(), [7])]

@@ -22,7 +22,9 @@ def rng_state() -> dict[str, Any]:
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()
+        state["cuda"] = torch.cuda.get_rng_state()  # this process's device
+        # every visible GPU: dp and devices draw on several GPUs from one process
+        state["cuda_all"] = list(torch.cuda.get_rng_state_all())
     return state
 
 
@@ -32,5 +34,10 @@ def set_rng_state(state: dict[str, Any]) -> None:
     n = state["numpy"]
     np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
+    if not torch.cuda.is_available():
+        return  # a GPU run resumed on a machine without one: the CPU streams still resume
+    if "cuda_all" in state:  # as many GPUs as are here (a run may resume on a smaller machine)
+        for index, gpu_state in enumerate(state["cuda_all"][:torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(gpu_state, index)
+    elif "cuda" in state:  # a checkpoint written before every GPU was saved
         torch.cuda.set_rng_state(state["cuda"])
