@@ -274,7 +274,8 @@ class PipelineStrategy(Strategy):
             def micro_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
                 # Each micro-batch's mean divided by n (and the accumulation steps): the summed
                 # gradients are those of one forward over the whole batch.
-                return loss_fn(out.float(), target) / (n * divisor)
+                # half outputs in fp32, float64 stays float64
+                return loss_fn(out.to(torch.promote_types(out.dtype, torch.float32)), target) / (n * divisor)
 
             losses = pipe.train_step(x, y, n, micro_loss)
             if losses:
