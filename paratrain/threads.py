@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import functools
 import os
 import re
 import sys
@@ -75,8 +76,25 @@ __all__ = ["fork", "wait", "fork_map", "configure_threads", "ThreadSettings", "u
 
 BACKENDS = ("auto", "threads", "jit", "sequential")
 _MAX_JIT_ARGS = 4
-_NOT_COMPILED = torch.compiler.disable(reason="paratrain runs branches on threads, outside the compiled graph: "
-                                       "compile the branch functions and fork those")
+_NOT_COMPILED_REASON = ("paratrain runs branches on threads, outside the compiled graph: compile the branch "
+                        "functions and fork those")
+
+
+def _NOT_COMPILED(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``torch.compiler.disable(fn)``, applied when the function is first called with
+    ``torch._dynamo`` loaded: disabling at import would import ``torch._dynamo`` (seconds) in every
+    process, and without it nothing can be compiling."""
+    disabled: list[Callable[..., Any]] = []
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if not disabled:
+            if "torch._dynamo" not in sys.modules:
+                return fn(*args, **kwargs)
+            disabled.append(torch.compiler.disable(fn, reason=_NOT_COMPILED_REASON))
+        return disabled[0](*args, **kwargs)
+
+    return call
 
 
 # --- thread-local state carried into a branch ----------------------------------------------------
