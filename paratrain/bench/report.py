@@ -108,18 +108,9 @@ def format_table(res: BenchResult) -> str:
 
 
 def _overhead_lines(res: BenchResult) -> list[str]:
-    out = []
-    for base in res.results:
-        if base.cell.strategy != BASELINE or base.status != "ok":
-            continue
-        ours = next((r for r in res.results if r.status == "ok" and r.cell.group == "matrix"
-                     and r.cell.strategy_class.plain_data_parallel and r.cell.world_size == base.cell.world_size
-                     and r.cell.precision == "32" and r.cell.comm_hook == "none" and r.cell.backend == "auto"), None)
-        if ours and ours.seconds_per_epoch and base.seconds_per_epoch:
-            ratio = ours.seconds_per_epoch / base.seconds_per_epoch
-            out.append(f"overhead: paratrain ddp x{base.cell.world_size} takes {ratio:.2f}x the hand-written "
-                       "loop's time per epoch (one run each: on a shared CPU, differences of several % are noise)")
-    return out
+    return [f"overhead: paratrain ddp x{r.cell.world_size} takes {r.overhead.describe()} the hand-written loop's "
+            "step time, the two interleaved in the same processes" for r in res.results
+            if r.cell.strategy == BASELINE and r.status == "ok" and r.overhead is not None]
 
 
 def write_json(res: BenchResult, path: str) -> None:
