@@ -55,6 +55,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--world-sizes", type=_csv(int), help="e.g. 1,2,4")
     p.add_argument("--precisions", type=_csv(str), help="e.g. 32,fp16-mixed,bf16-mixed")
     p.add_argument("--comm-hooks", type=_csv(str), help="ddp hooks, e.g. none,fp16,bf16,powersgd")
+    p.add_argument("--micro-batches", type=int,
+                   help="chunks per batch of the pipelined cells of devices (1: sequential only; default 4)")
     p.add_argument("--epochs", type=int, help="epochs per cell")
     p.add_argument("--warmup-steps", type=int, help="untimed first steps per cell")
     p.add_argument("--tolerance", type=float, help="accuracy tolerance of the recommendation (0.02 = 2 points)")
@@ -78,7 +80,7 @@ def build_spec(args: argparse.Namespace) -> Any:
 
     spec = quick_spec() if args.quick else full_spec()
     changes = {"strategies": args.strategies, "world_sizes": args.world_sizes, "precisions": args.precisions,
-               "comm_hooks": args.comm_hooks, "epochs": args.epochs, "warmup_steps": args.warmup_steps,
+               "comm_hooks": args.comm_hooks, "micro_batches": args.micro_batches, "epochs": args.epochs, "warmup_steps": args.warmup_steps,
                "tolerance": args.tolerance, "threads": args.threads, "cell_timeout": args.cell_timeout}
     changes = {k: v for k, v in changes.items() if v is not None}
     if args.no_baseline:
