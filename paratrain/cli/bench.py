@@ -44,7 +44,7 @@ def _csv(tp: Any) -> Any:
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser("bench", help="compare strategies, world sizes and precisions on one job",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="small matrix: world sizes 1,2, fp32, hook fp16, 2 epochs (under 90 s on 2 cores)")
+    p.add_argument("--quick", action="store_true", help="small matrix: world sizes 1,2, fp32, no comm hooks, 2 epochs (about a minute on 2 cores)")
     p.add_argument("--out", default="runs/bench", metavar="DIR", help="where results.json/.csv and chart.png go")
     p.add_argument("--config", metavar="FILE", help="TOML or YAML config of the job (as for paratrain train)")
     for flag, (key, tp, help_) in _JOB_FLAGS.items():
