@@ -169,12 +169,12 @@ class BenchSpec:
 
 
 def quick_spec() -> BenchSpec:
-    """``--quick``: under 90 s on a 2-core CPU. Every cell is a launch of fresh processes, whose
-    start-up (python, torch, the process group) costs more than the few dozen steps it times, so
-    the quick matrix is cut in cells, not steps: world sizes 1 and 2, fp32 only, no comm hooks,
-    the baseline and the trap: 6 launches on a CPU."""
-    return BenchSpec(strategies=_strategies.bench_defaults(quick=True), world_sizes=[1, 2], precisions=["32"],
-                     comm_hooks=["none"], epochs=2, warmup_steps=3, cell_timeout=120.0)
+    """``--quick``: about 20 s on a 2-core CPU: world sizes 1 and 2, fp32 and bf16, the fp16 and
+    PowerSGD hooks, the baseline and the trap, 2 epochs each (11 launches; each cell forks from a
+    server that imported the worker once, see :mod:`paratrain.bench.runner`)."""
+    return BenchSpec(strategies=_strategies.bench_defaults(quick=True), world_sizes=[1, 2],
+                     precisions=["32", "bf16-mixed"], comm_hooks=["none", "fp16", "powersgd"], epochs=2, warmup_steps=3,
+                     cell_timeout=120.0)
 
 
 def full_spec() -> BenchSpec:
