@@ -24,7 +24,8 @@ How
     it is timed with ``time.perf_counter()``, data loading included. After ``--warmup`` untimed
     steps of each (DDP's first-iteration setup, allocator warm-up), the variants alternate in
     blocks of ``--block`` steps in ABBA order until each has ``--steps`` timed steps, so that
-    background load and drift hit both alike. A step's time is the slowest rank's. ``--rounds``
+    background load and drift hit both alike (``paratrain.bench.overhead``: the same generators
+    and interleaving that ``paratrain bench``'s hand-written baseline cell uses). A step's time is the slowest rank's. ``--rounds``
     repeats this in fresh launches, alternating which variant is set up and run first. The ratio
     is median(paratrain) / median(plain) over all timed steps of all rounds; the per-round ratios
     are printed too, and the same ratio of per-step process CPU time (``time.process_time()``,
@@ -46,7 +47,6 @@ import os
 import platform
 import statistics
 import sys
-import time
 import warnings
 from typing import Iterator
 
@@ -57,10 +57,11 @@ if _ROOT not in sys.path:
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from torch import nn, optim  # noqa: E402
+from torch import optim  # noqa: E402
 
 import paratrain  # noqa: E402
 from paratrain.bench.baseline import plain_ddp_steps  # noqa: E402
+from paratrain.bench.overhead import VARIANTS, Overhead, interleave, parallel_steps  # noqa: E402
 from paratrain.data.datasets import synthetic  # noqa: E402
 from paratrain.env.process import destroy  # noqa: E402
 from paratrain.models import build_model  # noqa: E402
@@ -71,7 +72,6 @@ warnings.filterwarnings("ignore", message=".*broadcast_buffers.*deprecated", cat
 
 INPUT_SHAPE = (3, 32, 32)
 NUM_CLASSES = 10
-VARIANTS = ("plain", "paratrain")
 
 
 def _dataset(cfg: dict):
@@ -100,25 +100,15 @@ def plain_steps(cfg: dict, trainset) -> Iterator[None]:
 # --------------------------------------------------------------------------- paratrain
 
 def paratrain_steps(cfg: dict, trainset) -> Iterator[None]:
-    """The same loop through paratrain.Parallel (joins the process group if one exists)."""
+    """The same loop through paratrain.Parallel (``paratrain.bench.overhead.parallel_steps``; joins
+    the process group if one exists)."""
     world_size = int(os.environ["WORLD_SIZE"])
     pt = paratrain.Parallel(strategy="ddp", precision="32", global_batch=cfg["batch"] * world_size,
                             backend="gloo", accelerator="cpu", seed=cfg["seed"])
+    torch.manual_seed(cfg["seed"])
     net = build_model(cfg["model"], INPUT_SHAPE, NUM_CLASSES)
-    criterion = nn.CrossEntropyLoss()
-    optimizer = optim.SGD(net.parameters(), lr=0.001, momentum=0.9)
-    net, optimizer = pt.setup(net, optimizer)
-    trainloader = pt.train_loader(trainset)
-    yield  # set up
-
-    while True:
-        for images, labels in trainloader:  # already on the device; the next pass is the next epoch
-            optimizer.zero_grad()
-            outputs = net(images)
-            loss = criterion(outputs, labels)
-            pt.backward(loss)
-            optimizer.step()
-            yield
+    for _ in parallel_steps(pt, net, optim.SGD(net.parameters(), lr=0.001, momentum=0.9), trainset):
+        yield
 
 
 STEPS = {"plain": plain_steps, "paratrain": paratrain_steps}
@@ -135,19 +125,9 @@ def _worker(local_rank: int, first: str, cfg: dict) -> dict:
     loops = {v: STEPS[v](cfg, trainset) for v in order}
     for v in order:
         next(loops[v])  # setup (untimed)
-    for _ in range(cfg["warmup"]):
-        for v in order:
-            next(loops[v])  # warm-up steps (untimed)
-    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
-    cpu: dict[str, list[float]] = {v: [] for v in VARIANTS}
-    block = cfg["block"]
-    for b in range(-(-cfg["steps"] // block)):
-        for v in (order if b % 2 == 0 else order[::-1]):  # ABBA at block level
-            for _ in range(min(block, cfg["steps"] - len(times[v]))):
-                t, c = time.perf_counter(), time.process_time()
-                next(loops[v])
-                times[v].append(time.perf_counter() - t)
-                cpu[v].append(time.process_time() - c)
+    timed = interleave(loops, cfg["steps"], cfg["block"], cfg["warmup"], first=first)  # ABBA at block level
+    times = {v: [s for block in timed["wall"][v] for s in block] for v in VARIANTS}
+    cpu = {v: [s for block in timed["cpu"][v] for s in block] for v in VARIANTS}
     for loop in loops.values():
         loop.close()
     del loops
@@ -261,14 +241,15 @@ def main(argv: list[str] | None = None) -> int:
 
     med = {v: statistics.median(flat(times[v])) for v in VARIANTS}
     cpu_med = {v: statistics.median(flat(cpu_times[v])) for v in VARIANTS}
-    round_ratios = [statistics.median(a) / statistics.median(b) for a, b in zip(times["paratrain"], times["plain"])]
-    ratio = med["paratrain"] / med["plain"]
-    cpu_ratio = cpu_med["paratrain"] / cpu_med["plain"]
+    # One round per launch here; paratrain bench's baseline cell counts one round per ABBA block pair.
+    overhead = Overhead.from_rounds(times["paratrain"], times["plain"], cpu_times["paratrain"], cpu_times["plain"])
+    round_ratios, ratio, cpu_ratio = overhead.rounds, overhead.ratio, overhead.cpu_ratio
     print()
     print(f"per-round ratios: {', '.join(f'{x:.3f}' for x in round_ratios)} "
           f"(median {statistics.median(round_ratios):.3f})")
     print(f"CPU-time ratio paratrain/plain = {cpu_ratio:.3f} (process CPU per step, less sensitive to other load)")
     print(f"ratio paratrain/plain = {ratio:.3f} (target <= 1.01)")
+    print(f"paratrain ddp takes {overhead.describe()} the hand-written loop's step time")
 
     if args.json:
         out = {

@@ -762,7 +762,7 @@ def test_runner_dp_cell_sees_its_gpus(two_gpus, monkeypatch, visible, want):
         os.environ["CUDA_VISIBLE_DEVICES"] = visible
     launches = []
 
-    def launch(fn, nprocs, args=(), timeout=None, env=None):
+    def launch(fn, nprocs, args=(), timeout=None, env=None, **how):
         launches.append((nprocs, dict(env)))
         return [{"status": "skipped", "reason": "recorded"}] * nprocs
 

@@ -79,7 +79,8 @@ def test_verify_three_steps() -> None:
 def test_bench_one_cell_per_strategy(tmp_path: Path) -> None:
     # One cell per strategy: the one-process ones at world 1, the others at world 2.
     res = run_cli(["bench", "--strategies", ",".join(STRATEGIES), "--world-sizes", "2", "--precisions", "32",
-                   "--comm-hooks", "none", "--epochs", "1", "--no-baseline", "--no-trap", "--no-progress",
+                   "--comm-hooks", "none", "--micro-batches", "1", "--epochs", "1", "--no-baseline", "--no-trap",
+                   "--no-progress",
                    "--out", str(tmp_path)], timeout=190)
     assert res.returncode == 0, res.stderr[-3000:]
     cells = json.loads((tmp_path / "results.json").read_text())["cells"]

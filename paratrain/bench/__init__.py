@@ -6,6 +6,7 @@ precisions × comm hooks, a hand-written DDP baseline, and the effective-batch t
 * :mod:`~paratrain.bench.worker`: what one process of a cell does (timing after warm-up);
 * :mod:`~paratrain.bench.measure`: bytes communicated and peak memory;
 * :mod:`~paratrain.bench.baseline`: the hand-written plain-PyTorch DDP loop;
+* :mod:`~paratrain.bench.overhead`: paratrain's ddp and that loop interleaved (ABBA), the overhead line;
 * :mod:`~paratrain.bench.report`: the table, JSON, CSV and PNG chart.
 """
 

@@ -4,6 +4,8 @@ Cells are, in order:
 
 * ``matrix``: every strategy × world size × precision (strategies that run in one process only at
   world size 1, the others at world sizes above 1), plus DDP comm hooks × world sizes at fp32;
+  a strategy that pipelines micro-batches inside its one process (``devices``) runs sequential and
+  pipelined (``micro_batches`` chunks per batch);
 * ``baseline``: a hand-written plain-PyTorch DDP loop (:mod:`paratrain.bench.baseline`) at each world
   size above 1, the overhead reference for paratrain's ``ddp``;
 * ``trap``: seed 000's effective-batch trap at the largest world size N: the same global batch,
@@ -45,6 +47,8 @@ class Cell:
     comm_hook: str = "none"
     """DDP gradient compression: none, fp16, bf16, powersgd."""
     backend: str = "auto"
+    micro_batches: int = 1
+    """In-process pipelining (strategies with ``in_process_micro_batches``): chunks per batch; 1: none."""
     global_batch: int
     base_batch: int | None = None
     """Linear scaling rule: lr × global_batch / base_batch (None: lr unchanged)."""
@@ -64,6 +68,8 @@ class Cell:
             parts.append(self.precision)
         if self.comm_hook != "none":
             parts.append(f"hook={self.comm_hook}")
+        if self.micro_batches != 1:
+            parts.append(f"pipelined x{self.micro_batches} micro-batches")
         if self.backend != "auto":
             parts.append(self.backend)
         if self.group == "trap":
@@ -84,8 +90,8 @@ class Cell:
 
     def run_key(self) -> tuple[Any, ...]:
         """Cells with the same key train identically; the runner runs such a cell once."""
-        return (self.strategy, self.world_size, self.precision, self.comm_hook, self.backend, self.global_batch,
-                self.base_batch, self.lr_warmup_steps)
+        return (self.strategy, self.world_size, self.precision, self.comm_hook, self.backend, self.micro_batches,
+                self.global_batch, self.base_batch, self.lr_warmup_steps)
 
     def overrides(self) -> dict[str, Any]:
         """Dotted config keys this cell sets on the base :class:`~paratrain.config.TrainConfig`."""
@@ -96,6 +102,8 @@ class Cell:
             "parallel.backend": self.backend,
             "parallel.ddp.comm_hook": self.comm_hook,
         }
+        if self.micro_batches != 1:  # the strategy's own section: [parallel.<name>] micro_batches
+            out[f"parallel.{self.config_strategy}.micro_batches"] = self.micro_batches
         if self.group == "trap":  # the trap cells set the lr rule themselves; other cells keep the config's
             out["optim.base_batch"] = self.base_batch
             out["optim.warmup_steps"] = self.lr_warmup_steps
@@ -108,11 +116,14 @@ class BenchSpec:
 
     strategies: list[str] = field(default_factory=_strategies.bench_defaults)
     """Strategies to try: names from paratrain's registry (an unknown name is an error up front).
-    By default those whose class sets ``bench_default`` to quick or full (all but devices)."""
+    By default those whose class sets ``bench_default`` to quick or full (all of them)."""
     world_sizes: list[int] = field(default_factory=lambda: [1, 2, 4])
     precisions: list[str] = field(default_factory=lambda: ["32", "fp16-mixed", "bf16-mixed"])
     comm_hooks: list[str] = field(default_factory=lambda: ["none", "fp16", "bf16", "powersgd"])
     """DDP comm hooks; each one other than none adds a ddp cell per world size (fp32)."""
+    micro_batches: int = 4
+    """Strategies that pipeline micro-batches inside one process (``in_process_micro_batches``:
+    devices) get a pipelined cell with this many chunks per batch beside the sequential one; 1: none."""
     epochs: int = 3
     """Every cell trains this many epochs (so a grown global batch makes fewer steps)."""
     warmup_steps: int = 5
@@ -145,6 +156,8 @@ class BenchSpec:
             raise ValueError(f"world sizes {self.world_sizes} must be positive integers")
         if self.epochs < 1:
             raise ValueError(f"bench epochs {self.epochs} must be at least 1")
+        if self.micro_batches < 1:
+            raise ValueError(f"bench micro_batches {self.micro_batches} must be at least 1")
         if self.warmup_steps < 0:
             raise ValueError(f"bench warmup_steps {self.warmup_steps} must be >= 0")
         if self.threads < 1:
@@ -156,7 +169,9 @@ class BenchSpec:
 
 
 def quick_spec() -> BenchSpec:
-    """``--quick``: a couple of minutes on a 2-core CPU (world sizes 1 and 2, fewer precisions and hooks)."""
+    """``--quick``: about 20 s on a 2-core CPU: world sizes 1 and 2, fp32 and bf16, the fp16 and
+    PowerSGD hooks, the baseline and the trap, 2 epochs each (11 launches; each cell forks from a
+    server that imported the worker once, see :mod:`paratrain.bench.runner`)."""
     return BenchSpec(strategies=_strategies.bench_defaults(quick=True), world_sizes=[1, 2],
                      precisions=["32", "bf16-mixed"], comm_hooks=["none", "fp16", "powersgd"], epochs=2, warmup_steps=3,
                      cell_timeout=120.0)
@@ -246,9 +261,11 @@ def build_matrix(spec: BenchSpec, base: TrainConfig, train_size: int) -> list[Ce
         cls = _strategies.resolve(strategy)
         one_process = cls.processes == "one" and not cls.drives_all_local_devices
         sizes = [1] if one_process else multi
+        chunks = [1, spec.micro_batches] if cls.in_process_micro_batches and spec.micro_batches > 1 else [1]
         for w in sizes:
             for precision in spec.precisions:
-                cells.append(Cell(strategy=strategy, world_size=w, precision=precision, global_batch=batch))
+                cells += [Cell(strategy=strategy, world_size=w, precision=precision, micro_batches=k, global_batch=batch)
+                          for k in chunks]
     for hook in spec.comm_hooks:
         if hook != "none":
             cells += [Cell(strategy=name, world_size=w, comm_hook=hook, global_batch=batch)

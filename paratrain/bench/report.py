@@ -7,12 +7,13 @@ import io
 import json
 import math
 import os
+from dataclasses import dataclass, replace
 
 from ..loop.logging import write_atomic
 from .matrix import BASELINE
 from .runner import BenchResult, CellResult, reference
 
-__all__ = ["format_table", "write_json", "write_csv", "write_chart", "write_all"]
+__all__ = ["format_table", "write_json", "write_csv", "write_chart", "write_all", "Bar", "chart_bars", "legend_entries"]
 
 _COLUMNS = ("configuration", "s/epoch", "samples/s", "speed-up", "effic.", "peak MiB", "comm/step", "skips",
             "loss", "test acc")
@@ -108,18 +109,9 @@ def format_table(res: BenchResult) -> str:
 
 
 def _overhead_lines(res: BenchResult) -> list[str]:
-    out = []
-    for base in res.results:
-        if base.cell.strategy != BASELINE or base.status != "ok":
-            continue
-        ours = next((r for r in res.results if r.status == "ok" and r.cell.group == "matrix"
-                     and r.cell.strategy_class.plain_data_parallel and r.cell.world_size == base.cell.world_size
-                     and r.cell.precision == "32" and r.cell.comm_hook == "none" and r.cell.backend == "auto"), None)
-        if ours and ours.seconds_per_epoch and base.seconds_per_epoch:
-            ratio = ours.seconds_per_epoch / base.seconds_per_epoch
-            out.append(f"overhead: paratrain ddp x{base.cell.world_size} takes {ratio:.2f}x the hand-written "
-                       "loop's time per epoch (one run each: on a shared CPU, differences of several % are noise)")
-    return out
+    return [f"overhead: paratrain ddp x{r.cell.world_size} takes {r.overhead.describe()} the hand-written loop's "
+            "step time, the two interleaved in the same processes" for r in res.results
+            if r.cell.strategy == BASELINE and r.status == "ok" and r.overhead is not None]
 
 
 def write_json(res: BenchResult, path: str) -> None:
@@ -138,6 +130,55 @@ def write_csv(res: BenchResult, path: str) -> None:
     write_atomic(path, out.getvalue())
 
 
+_GROUPS = {"matrix": ("tab:blue", "matrix cells"), "baseline": ("tab:gray", "hand-written baseline"),
+           "trap": ("tab:orange", "effective-batch cells")}
+_GAP = ("none", "not run here (gap, reason on the bar's line)")
+
+
+@dataclass(frozen=True)
+class Bar:
+    """One row of chart.png: a measured cell, or a gap (``samples_per_s`` None) saying why a cell did not run."""
+
+    label: str
+    group: str
+    samples_per_s: float | None = None
+    efficiency: float | None = None
+    """Speed-up / workers, a fraction."""
+    note: str = ""
+    """Beside the efficiency bar: the test accuracy; for a gap the reason."""
+
+
+def chart_bars(results: list[CellResult], width: int = 70) -> list[Bar]:
+    """The chart's rows in table order: cells that trained identically (same run key: the trap's
+    same-batch cell is the matrix's ddp cell) are one bar with both labels; cells that did not run
+    are gaps labelled with the reason, cut to ``width`` characters."""
+    bars: list[Bar] = []
+    measured: dict[tuple[object, ...], int] = {}
+    for r in results:
+        if r.status != "ok":
+            reason = f"{r.status}: {r.reason or ''}"
+            bars.append(Bar(label=r.cell.label, group=r.cell.group,
+                            note=reason if len(reason) <= width else reason[: width - 1] + "…"))
+            continue
+        key = r.cell.run_key()
+        if key in measured:
+            i = measured[key]
+            bars[i] = replace(bars[i], label=f"{bars[i].label} = {r.cell.label}")
+            continue
+        measured[key] = len(bars)
+        bars.append(Bar(label=r.cell.label, group=r.cell.group, samples_per_s=r.samples_per_s or 0.0,
+                        efficiency=r.efficiency or 0.0,
+                        note="" if r.test_accuracy is None else f"acc {100 * r.test_accuracy:.1f}%"))
+    return bars
+
+
+def legend_entries(bars: list[Bar]) -> list[tuple[str, str]]:
+    """(colour, text) for each kind of bar the chart shows, in a fixed order; the gap last."""
+    shown = {b.group for b in bars if b.samples_per_s is not None}
+    out = [_GROUPS[g] for g in _GROUPS if g in shown]
+    return out + ([_GAP] if any(b.samples_per_s is None for b in bars) else [])
+
+
 def write_chart(res: BenchResult, path: str) -> bool:
     """Throughput and scaling efficiency per configuration as a PNG; False when matplotlib is missing."""
     try:
@@ -145,28 +186,34 @@ def write_chart(res: BenchResult, path: str) -> bool:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.patches import Patch
     except ImportError:
         return False
-    ok = [r for r in res.results if r.status == "ok"]
-    colors = {"matrix": "tab:blue", "baseline": "tab:gray", "trap": "tab:orange"}
-    labels = [r.cell.label for r in ok]
-    fig, axes = plt.subplots(1, 2, figsize=(13, 0.45 * max(len(ok), 3) + 1.6), sharey=True)
-    y = list(range(len(ok)))
-    axes[0].barh(y, [r.samples_per_s or 0 for r in ok], color=[colors[r.cell.group] for r in ok])
+    bars = chart_bars(res.results)
+    fig, axes = plt.subplots(1, 2, figsize=(14, 0.42 * max(len(bars), 3) + 2.2), sharey=True)
+    y = list(range(len(bars)))
+    color = [_GROUPS[b.group][0] for b in bars]
+    axes[0].barh(y, [b.samples_per_s or 0 for b in bars], color=color)
     axes[0].set_xlabel("samples/s (higher is better)")
-    axes[0].set_yticks(y, labels)
+    axes[0].set_yticks(y, [b.label for b in bars])
     axes[0].invert_yaxis()
-    axes[1].barh(y, [100 * (r.efficiency or 0) for r in ok], color=[colors[r.cell.group] for r in ok])
+    axes[1].barh(y, [100 * (b.efficiency or 0) for b in bars], color=color)
     axes[1].axvline(100, color="k", lw=0.8, ls="--")
     axes[1].set_xlabel("scaling efficiency % (speed-up / workers)")
-    for i, r in enumerate(ok):
-        if r.test_accuracy is not None:
-            axes[1].text(100 * (r.efficiency or 0) + 1, i, f"acc {100 * r.test_accuracy:.1f}%", va="center", fontsize=8)
-    skipped = len(res.results) - len(ok)
+    for i, b in enumerate(bars):
+        if b.samples_per_s is None:  # a gap: the reason where the bars would be
+            axes[0].text(0, i, f" {b.note}", va="center", fontsize=7, color="0.35", style="italic")
+            axes[0].get_yticklabels()[i].set_color("0.45")
+        elif b.note:
+            axes[1].text(100 * (b.efficiency or 0) + 1, i, b.note, va="center", fontsize=8)
+    handles = [Patch(facecolor=c, edgecolor="0.5" if c == "none" else c, label=t) for c, t in legend_entries(bars)]
+    if handles:
+        fig.legend(handles=handles, loc="lower center", ncol=len(handles), frameon=False, fontsize=9)
+    skipped = sum(b.samples_per_s is None for b in bars)
     m = res.meta
     fig.suptitle(f"paratrain bench: {m['model']} on {m['dataset']}, global batch {m['global_batch']}"
-                 + (f" ({skipped} cell(s) not run: see the table)" if skipped else ""))
-    fig.tight_layout()
+                 + (f" ({skipped} cell(s) not run here: gaps)" if skipped else ""))
+    fig.tight_layout(rect=(0, 0.06 if handles else 0, 1, 1))
     png = io.BytesIO()
     fig.savefig(png, format="png", dpi=100)
     write_atomic(path, png.getvalue())

@@ -2,7 +2,11 @@
 
 Each runnable cell is one :func:`paratrain.launch` of ``world_size`` new processes (one for ``dp``):
 nothing is shared between cells, so one cell's allocator, threads or process group cannot make
-the next look faster or slower. Past ``cell_timeout`` every process of the cell is killed and the
+the next look faster or slower. The processes fork from a ``forkserver`` that imported this
+package's worker (and so torch) once, before any cell ran: a cell does not pay python's and
+torch's start-up again, which was most of a small cell's time on a CPU (``--quick`` went from
+115 s to 14 s of CPU time). The server only imports (importing torch does not initialise CUDA),
+so each worker still initialises CUDA, its threads and its process group itself. Past ``cell_timeout`` every process of the cell is killed and the
 cell is reported as failed. Cells that train identically (same :meth:`Cell.run_key`) run once.
 """
 
@@ -21,6 +25,7 @@ from ..config import TrainConfig
 from ..launch.spawn import LaunchError, launch
 from .matrix import BASELINE, BenchSpec, Cell, build_matrix, cuda_devices
 from .measure import load_avg
+from .overhead import Overhead
 from .worker import cell_config, run_cell
 
 __all__ = ["CellResult", "BenchResult", "run_bench", "run_cells", "recommend", "reference"]
@@ -59,12 +64,17 @@ class CellResult:
     """Mean step time over the timed window (``step_time_s`` is the median on CPU)."""
     wall_s: float | None = None
     """Seconds for the whole cell, process start-up and evaluation included."""
+    overhead: Overhead | None = None
+    """Baseline cells: paratrain ddp's step time over this loop's, interleaved in the same processes."""
 
     def row(self) -> dict[str, Any]:
         """Flat dict for JSON/CSV: the cell's fields, then the measurements."""
         out = {"label": self.cell.label, **dataclasses.asdict(self.cell)}
         out.pop("skip", None)
-        out.update({k: v for k, v in dataclasses.asdict(self).items() if k != "cell"})
+        out.update({k: v for k, v in dataclasses.asdict(self).items() if k not in ("cell", "overhead")})
+        o = self.overhead
+        out.update({"overhead_ratio": o and o.ratio, "overhead_rounds": o and o.rounds,
+                    "overhead_cpu_ratio": o and o.cpu_ratio, "overhead_within_noise": o and o.within_noise})
         return out
 
 
@@ -106,7 +116,10 @@ def _run_one(cell: Cell, spec: BenchSpec, base: TrainConfig, data: Any) -> CellR
     start = time.perf_counter()
     for attempt in (1, 2):
         try:
-            ranks = launch(run_cell, nprocs, args=(job,), timeout=spec.cell_timeout, env=env)
+            # Fresh processes, forked from a server that imported the worker once: a cell's start-up
+            # is not python's and torch's again (most of a small cell's time on a CPU).
+            ranks = launch(run_cell, nprocs, args=(job,), timeout=spec.cell_timeout, env=env,
+                           start_method="forkserver", preload=["paratrain.bench.worker"])
             break
         except LaunchError as e:
             # torch 2.13's gloo threads now and then abort a worker as it exits (SIGABRT, "terminate
@@ -129,8 +142,24 @@ def _run_one(cell: Cell, spec: BenchSpec, base: TrainConfig, data: Any) -> CellR
         comm_bytes_per_step=max(r["comm_bytes_per_step"] for r in ranks), skipped_steps=r0["skipped_steps"],
         final_loss=r0["final_loss"], test_loss=r0["test_loss"], test_accuracy=r0["test_accuracy"],
         steps=r0["steps"], timed_steps=r0["timed_steps"], step_mean_s=max(r["step_mean_s"] for r in ranks),
-        wall_s=wall,
+        wall_s=wall, overhead=_overhead(ranks),
     )
+
+
+def _overhead(ranks: list[dict[str, Any]]) -> Overhead | None:
+    """The interleaved rounds of a baseline cell, a step as slow as its slowest rank (CPU: mean over ranks)."""
+    if "overhead" not in ranks[0]:
+        return None
+
+    def steps(kind: str, variant: str, combine: Callable[[tuple[float, ...]], float]) -> list[list[float]]:
+        per_rank = [r["overhead"][kind][variant] for r in ranks]
+        return [[combine(step) for step in zip(*blocks)] for blocks in zip(*per_rank)]
+
+    def mean(xs: tuple[float, ...]) -> float:
+        return sum(xs) / len(xs)
+
+    return Overhead.from_rounds(steps("wall", "paratrain", max), steps("wall", "plain", max),
+                                steps("cpu", "paratrain", mean), steps("cpu", "plain", mean))
 
 
 def run_cells(cells: list[Cell], spec: BenchSpec, base: TrainConfig, data: Any = None,

@@ -159,9 +159,13 @@ def _train_paratrain(pt: Any, counter: CommCounter, cfg: TrainConfig, job: dict[
 
 def _run_baseline(local_rank: int, cfg: TrainConfig, cell: Cell, job: dict[str, Any], train_set: Any,
                   test_set: Any) -> dict[str, Any]:
-    """The hand-written loop, timed the same way. No paratrain in the training path."""
+    """The hand-written loop, and in the same processes the same loop through paratrain's ``ddp``,
+    interleaved block by block (:mod:`paratrain.bench.overhead`): the row is the hand-written
+    loop's, and the per-round ratios are the overhead line's. No paratrain in the hand-written path."""
     from ..loop.train import build_optimizer
+    from ..parallel import Parallel
     from .baseline import plain_ddp_steps
+    from .overhead import interleave, parallel_steps
 
     device = select_device(local_rank, cfg.parallel.accelerator)
     if device.type == "cuda":
@@ -171,41 +175,50 @@ def _run_baseline(local_rank: int, cfg: TrainConfig, cell: Cell, job: dict[str, 
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     try:
         world = dist.get_world_size()
-        torch.manual_seed(cfg.parallel.seed)  # same initial weights as paratrain's cells
         info = dataset_info(cfg.data.dataset)
-        net = build_model(cfg.model, tuple(info["input_shape"]), info["num_classes"]).to(device)
+        shape, classes = tuple(info["input_shape"]), info["num_classes"]
+        torch.manual_seed(cfg.parallel.seed)  # same initial weights as paratrain's cells
+        net = build_model(cfg.model, shape, classes).to(device)
         per_worker = cell.global_batch // world
         steps = plain_ddp_steps(net, train_set, per_worker, seed=cfg.parallel.seed, device=device,
                                 make_optimizer=lambda m: build_optimizer(m.parameters(), cfg))
         ddp = next(steps)  # setup
+        pt = Parallel(cfg.parallel)  # joins the group above
+        torch.manual_seed(cfg.parallel.seed)
+        twin = build_model(cfg.model, shape, classes)
+        ours = parallel_steps(pt, twin, build_optimizer(twin.parameters(), cfg), train_set)
+        next(ours)
         steps_per_epoch = math.ceil(len(train_set) / world) // per_worker  # DistributedSampler pads shards
         total = cfg.epochs * steps_per_epoch
         warm = min(job["warmup_steps"], total - 1)
-        clock = _Clock(device, warm, total, PeakMemory(device))
-        clock.on_step(0)
-        last_epoch = []
-        for step in range(1, total + 1):
-            loss = next(steps)
-            if step > total - steps_per_epoch:
-                last_epoch.append(loss)
-            clock.on_step(step)
+        memory = PeakMemory(device)
+        memory.reset()
+        timed = interleave({"plain": steps, "paratrain": ours}, total - warm, job.get("overhead_block", 4), warm,
+                           sync=(lambda: sync(device)) if device.type == "cuda" else None)
+        peak = memory.read()
+        plain_s = [s for block in timed["wall"]["plain"] for s in block]
+        last_epoch = timed["outputs"]["plain"][-steps_per_epoch:]
         bucket = ddp_bucket_bytes(ddp)  # the built-in C++ all-reduce: all buckets once per step
         steps.close()
+        ours.close()
         final = torch.stack(last_epoch).mean()
         dist.all_reduce(final)
         accuracy, test_loss = _plain_evaluate(net, test_set, device) if dist.get_rank() == 0 else (None, None)
         result = {
             "status": "ok", "rank": dist.get_rank(), "device": str(device), "threads": torch.get_num_threads(),
             "steps": total, "steps_per_epoch": steps_per_epoch, "timed_steps": total - warm,
-            **clock.summary(), "global_batch": per_worker * world,
+            "timed_s": sum(plain_s), "step_mean_s": statistics.fmean(plain_s),
+            "step_time_s": statistics.fmean(plain_s) if device.type == "cuda" else statistics.median(plain_s),
+            "global_batch": per_worker * world,
             "final_loss": final.item() / world, "test_loss": test_loss, "test_accuracy": accuracy,
-            "skipped_steps": 0, "peak_mem_bytes": clock.peak, "mem_method": clock.memory.method,
+            "skipped_steps": 0, "peak_mem_bytes": peak, "mem_method": memory.method,
             "comm_bytes_per_step": float(bucket), "lr": cfg.optim.lr,
+            "overhead": {k: timed[k] for k in ("wall", "cpu")},
         }
     except BaseException:
         destroy(wait_for_peers=False)  # peers may be gone: no barrier
         raise
-    del ddp, steps, net  # free DDP's reducer while the group is alive
+    del ddp, steps, net, ours, twin  # free the DDP reducers while the group is alive
     destroy(wait_for_peers=True)  # a barrier first: see paratrain.env.process.destroy
     return result
 

@@ -216,7 +216,7 @@ class DevicesStrategy(Strategy):
     processes = "one"
     master_weights = True
     in_process_micro_batches = True  # options.micro_batches pipelines the parts in this process
-    bench_default = "no"  # without GPUs its parts share the CPU: single's run again (--strategies devices asks)
+    bench_default = "full"  # sequential and pipelined (micro_batches) cells: on a CPU the parts are threads
 
     def __init__(self, dist_info: Dist, sync_batchnorm: bool = False, options: DevicesOptions | None = None, **common: Any) -> None:
         super().__init__(dist_info, sync_batchnorm, options or DevicesOptions(), **common)

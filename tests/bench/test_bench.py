@@ -186,3 +186,16 @@ def test_report_from_results_without_running(tmp_path):
     assert "dp x2" in table and "skipped: DataParallel over 2 GPUs" in table and "recommendation: single" in table
     paths = write_all(res, str(tmp_path))
     assert json.loads(open(paths["json"]).read())["cells"][1]["reason"].startswith("DataParallel")
+
+
+def test_full_matrix_has_devices_sequential_and_pipelined_quick_has_neither():
+    cells = {c.label: c for c in build_matrix(BenchSpec(), TrainConfig(), train_size=1438)}
+    assert cells["devices"].micro_batches == 1 and cells["devices"].skip is None
+    piped = cells["devices pipelined x4 micro-batches"]
+    assert piped.skip is None and piped.overrides()["parallel.devices.micro_batches"] == 4
+    assert piped.run_key() != cells["devices"].run_key()
+    assert "parallel.devices.micro_batches" not in cells["devices"].overrides()
+    assert not any(c.micro_batches != 1 for label, c in cells.items() if not label.startswith("devices"))
+    assert not any(c.strategy == "devices" for c in build_matrix(quick_spec(), TrainConfig(), train_size=1438))
+    none = build_matrix(BenchSpec(strategies=["devices"], micro_batches=1), TrainConfig(), train_size=1438)
+    assert none and all(c.micro_batches == 1 for c in none)

@@ -39,3 +39,23 @@ def _hang(local_rank):
 def test_timeout_kills_workers():
     with pytest.raises(LaunchError, match="timed out"):
         paratrain.launch(_hang, nprocs=2, timeout=3)
+
+
+def _where(local_rank):
+    import os
+    import sys
+
+    return os.getpid(), os.environ["PARATRAIN_TEST_VALUE"], os.environ["RANK"], "paratrain.bench.worker" in sys.modules
+
+
+def test_forkserver_launch_gives_fresh_processes_with_preloaded_modules_and_env():
+    """bench's launches: new processes each time, forked from a server that imported the worker once."""
+    runs = [paratrain.launch(_where, nprocs=2, timeout=90, env={"PARATRAIN_TEST_VALUE": str(i)},
+                             start_method="forkserver", preload=["paratrain.bench.worker"]) for i in range(2)]
+    pids = {pid for run in runs for pid, *_ in run}
+    assert len(pids) == 4
+    assert [(value, rank) for run in runs for _, value, rank, _ in run] == [("0", "0"), ("0", "1"), ("1", "0"),
+                                                                            ("1", "1")]
+    assert all(preloaded for run in runs for *_, preloaded in run)
+    with pytest.raises(ValueError, match="start_method 'fork' is unknown"):
+        paratrain.launch(_where, nprocs=1, start_method="fork")

@@ -67,7 +67,7 @@ def test_devices_on_two_processes_is_refused_before_workers_start() -> None:
     ("fsdp", "any", False, False, False, False, "quick"),
     ("tensor", "any", False, False, False, False, "full"),
     ("pipeline", "any", False, False, False, False, "full"),
-    ("devices", "one", False, False, False, False, "no"),
+    ("devices", "one", False, False, False, False, "full"),
     ("ps", "any", False, False, False, False, "full"),
 ])
 def test_capabilities_per_strategy(name: str, processes: str, all_devices: bool, reference: bool, plain: bool,
@@ -92,7 +92,7 @@ def test_registry_names_the_strategy_declaring_a_fact() -> None:
     assert strategies.reference() == "single" == ParallelConfig().strategy
     assert strategies.data_parallel_reference() == "ddp"
     assert strategies.resolve("ddp").comm_hooks == COMM_HOOKS
-    assert strategies.bench_defaults() == ["single", "dp", "ddp", "fsdp", "tensor", "pipeline", "ps"]
+    assert strategies.bench_defaults() == ["single", "dp", "ddp", "fsdp", "tensor", "pipeline", "devices", "ps"]
     assert strategies.bench_defaults(quick=True) == ["single", "dp", "ddp", "fsdp"]
 
 
