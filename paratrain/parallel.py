@@ -506,10 +506,7 @@ class Parallel:
 
     def _first_sample(self, loader: EvalLoader) -> Any:
         """The evaluation set's first sample as a batch of one, on the device (a padding forward)."""
-        data = loader.dataloader
-        source = getattr(data.dataset, "dataset", data.dataset) if loader.stream else data.dataset
-        first = next(iter(source)) if loader.stream else source[0]
-        return to_device(data.collate_fn([first]), self.device)
+        return to_device(loader.first_sample(), self.device)
 
     # --- collectives for metrics -----------------------------------------------------------
     def all_gather(self, obj: Any) -> Any:
