@@ -99,3 +99,30 @@ def test_workload_and_table():
     text = format_predictions(w, SLOW, predict(w, SLOW, ["ddp", "fsdp"], [2, 4]))
     assert "1,000 parameters" in text and "ddp" in text and "fsdp" in text
     assert len(text.splitlines()) == 4 + 2
+
+
+def test_bench_flags_and_the_prediction_from_a_bench_result(tmp_path):
+    import argparse
+
+    from paratrain.bench.matrix import Cell
+    from paratrain.bench.runner import BenchResult, CellResult
+    from paratrain.bench.scaling import exposed_fraction, predict_from_bench
+    from paratrain.cli.bench import add_parser
+    from paratrain.config import TrainConfig
+
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    args = parser.parse_args(["bench", "--predict", "--link", "1gbit,1ms", "--exposed", "0.5"])
+    assert (args.predict, args.link, args.exposed) == (True, "1gbit,1ms", 0.5)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["bench", "--link", "fast"])
+
+    single = CellResult(cell=Cell(strategy="single", global_batch=64), status="ok", step_time_s=1.0)
+    ddp2 = CellResult(cell=Cell(strategy="ddp", world_size=2, global_batch=64), status="ok", step_time_s=0.75)
+    result = BenchResult(meta={}, results=[single, ddp2])
+    # 1M float32 gradients over 1 ms, 4 MB/s: 2 ms + 1 s at 2 workers; 0.75 = 1.0/2 + 0.25 -> exposed ~0.25
+    w = Workload(1.0, 64, ((1000, 1000),))
+    assert exposed_fraction(result, w, Link(1e-3, 4e6)) == pytest.approx(0.25 / 1.002)
+    cfg = TrainConfig.load(None, {"model": "mlp", "data.dataset": "synthetic"})
+    text = predict_from_bench(result, cfg, "1gbit,1ms", 0.5, str(tmp_path))
+    assert "exposed fraction 0.50: given" in text and "1024 |" in text
