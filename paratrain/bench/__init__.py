@@ -6,7 +6,9 @@ precisions × comm hooks, a hand-written DDP baseline, and the effective-batch t
 * :mod:`~paratrain.bench.worker`: what one process of a cell does (timing after warm-up);
 * :mod:`~paratrain.bench.measure`: bytes communicated and peak memory;
 * :mod:`~paratrain.bench.baseline`: the hand-written plain-PyTorch DDP loop;
-* :mod:`~paratrain.bench.report`: the table, JSON, CSV and PNG chart.
+* :mod:`~paratrain.bench.report`: the table, JSON, CSV and PNG chart;
+* :mod:`~paratrain.bench.predict`: the scaling model (``--predict``): compute + ring communication;
+* :mod:`~paratrain.bench.scaling`: its inputs measured here (gloo all-reduces, the bench's cells).
 """
 
 from .matrix import BenchSpec, Cell, build_matrix, full_spec, quick_spec

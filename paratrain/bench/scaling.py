@@ -17,6 +17,7 @@ import time
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ..config import TrainConfig
 from ..data.datasets import dataset_info
@@ -32,8 +33,6 @@ SIZES = (2**12, 2**16, 2**20, 2**22, 2**24)
 
 
 def _all_reduce_worker(rank: int, port: int, sizes: tuple[int, ...], repeats: int, out: Any) -> None:
-    import torch.distributed as dist
-
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)

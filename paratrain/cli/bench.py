@@ -42,7 +42,7 @@ def _csv(tp: Any) -> Any:
 
 
 def _link(text: str) -> str:
-    from ..bench.predict import Link  # no torch: checked before any cell runs
+    from ..bench.predict import Link  # startup time: paid only when --link is given, before any cell runs
 
     try:
         Link.parse(text)
