@@ -132,10 +132,7 @@ def _batches(strategy: Strategy, device: torch.device, loader: EvalLoader) -> It
 
 def _first_sample(device: torch.device, loader: EvalLoader) -> Any:
     """The evaluation set's first sample as a batch of one, on the device (a padding forward)."""
-    data = loader.dataloader
-    source = getattr(data.dataset, "dataset", data.dataset) if loader.stream else data.dataset
-    first = next(iter(source)) if loader.stream else source[0]
-    return to_device(data.collate_fn([first]), device)
+    return to_device(loader.first_sample(), device)
 
 
 def to_float32(out: Any) -> Any:

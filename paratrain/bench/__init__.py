@@ -1,4 +1,4 @@
-"""``paratrain bench``: seed 000's comparison table for any model — strategies × world sizes ×
+"""``paratrain bench``: the strategies' comparison table for any model — strategies × world sizes ×
 precisions × comm hooks, a hand-written DDP baseline, and the effective-batch trap.
 
 * :mod:`~paratrain.bench.matrix`: the cells, and why a cell cannot run here;
@@ -7,7 +7,9 @@ precisions × comm hooks, a hand-written DDP baseline, and the effective-batch t
 * :mod:`~paratrain.bench.measure`: bytes communicated and peak memory;
 * :mod:`~paratrain.bench.baseline`: the hand-written plain-PyTorch DDP loop;
 * :mod:`~paratrain.bench.overhead`: paratrain's ddp and that loop interleaved (ABBA), the overhead line;
-* :mod:`~paratrain.bench.report`: the table, JSON, CSV and PNG chart.
+* :mod:`~paratrain.bench.report`: the table, JSON, CSV and PNG chart;
+* :mod:`~paratrain.bench.predict`: the scaling model (``--predict``): compute + ring communication;
+* :mod:`~paratrain.bench.scaling`: its inputs measured here (gloo all-reduces, the bench's cells).
 """
 
 from .matrix import BenchSpec, Cell, build_matrix, full_spec, quick_spec

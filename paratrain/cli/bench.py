@@ -41,6 +41,16 @@ def _csv(tp: Any) -> Any:
     return parse
 
 
+def _link(text: str) -> str:
+    from ..bench.predict import Link  # startup time: paid only when --link is given, before any cell runs
+
+    try:
+        Link.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser("bench", help="compare strategies, world sizes and precisions on one job",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -65,6 +75,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--no-baseline", action="store_true", help="leave out the hand-written DDP loop")
     p.add_argument("--no-trap", action="store_true", help="leave out the effective-batch trap cells")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--predict", action="store_true",
+                   help="also predict samples/s and scaling efficiency at 2-1024 workers for ddp, fsdp, fp16 and "
+                        "PowerSGD compression (compute measured here + communication over the link)")
+    p.add_argument("--link", metavar="BW,LAT", type=_link, help="the link to predict for, e.g. 100gbit,5us (default: fitted to "
+                                                    "gloo all-reduces between 2 local processes)")
+    p.add_argument("--exposed", type=float, metavar="F", help="fraction of communication not hidden behind the "
+                                                            "backward, 0-1 (default: measured from the ddp 2-worker cell)")
     p.set_defaults(func=main)
     return p
 
@@ -99,5 +116,9 @@ def main(args: argparse.Namespace) -> int:
     print(format_table(result))
     paths = write_all(result, args.out)
     print("wrote " + ", ".join(paths.values()) + ("" if "chart" in paths else " (no chart: pip install matplotlib)"))
+    if args.predict:
+        from ..bench.scaling import predict_from_bench
+
+        print(predict_from_bench(result, base, args.link, args.exposed, args.out))
     sys.stdout.flush()
     return 0 if any(r.status == "ok" for r in result.results) else 1

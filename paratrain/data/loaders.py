@@ -1,4 +1,12 @@
-"""DataLoaders built on the global-batch samplers; batches arrive on the training device."""
+"""DataLoaders built on the global-batch samplers; batches arrive on the training device.
+
+A micro-batch of a dataset that can index many samples at once is read with one indexing
+operation per tensor instead of one ``__getitem__`` per sample plus ``default_collate``
+(:func:`batch_view`): a ``TensorDataset`` (every built-in dataset is one) or a ``Subset`` of one.
+The batches are the same (values, dtypes, a list of tensors as ``default_collate`` gives for a
+tuple sample). A dataset with ``__getitems__`` (torch's protocol) is already read with one call per
+micro-batch by the DataLoader, followed by its collate.
+"""
 
 from __future__ import annotations
 
@@ -6,18 +14,86 @@ import hashlib
 from typing import Any, Callable, Iterator
 
 import torch
-from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
+from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, Subset, TensorDataset, get_worker_info
+from torch.utils.data._utils.collate import default_collate, default_convert
 
 from .batch import to_device
 from .sampler import BatchPlan, GlobalBatchSampler, ShardedEvalSampler
 
-__all__ = ["to_device", "GlobalBatchLoader", "EvalLoader", "step_seed"]
+__all__ = ["to_device", "GlobalBatchLoader", "EvalLoader", "step_seed", "batch_view", "TensorBatchView"]
 
 
 def step_seed(seed: int, global_step: int, micro_step: int) -> int:
     """A seed for the random augmentation of one micro-step, the same on every rank."""
     digest = hashlib.blake2b(f"{seed}:{global_step}:{micro_step}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & (2**63 - 1)
+
+
+class TensorBatchView(Dataset):
+    """Rows of ``tensors`` read a batch at a time: ``view[indices]`` is ``[t[rows] for t in tensors]``
+    where ``rows`` are ``indices`` mapped through ``index`` (a ``Subset``'s indices) when given.
+
+    Used with ``DataLoader(view, sampler=<a sampler of index lists>, batch_size=None)``: workers,
+    pinning and prefetching still apply, to whole batches.
+    """
+
+    def __init__(self, tensors: tuple[torch.Tensor, ...], index: torch.Tensor | None = None) -> None:
+        self.tensors, self.index = tensors, index
+
+    def __len__(self) -> int:
+        return len(self.index) if self.index is not None else len(self.tensors[0])
+
+    def __getitem__(self, indices: Any) -> list[torch.Tensor]:
+        rows = torch.as_tensor(indices, dtype=torch.int64)
+        if self.index is not None:
+            rows = self.index[rows]
+        return [_select_rows(t, rows) for t in self.tensors]
+
+
+def _select_rows(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    out = None
+    if get_worker_info() is not None:
+        # In a worker, write straight into shared memory as default_collate does: the batch then
+        # crosses to the main process without another copy.
+        storage = t._typed_storage()._new_shared(len(rows) * t[0].numel(), device=t.device)
+        out = t.new(storage).resize_(len(rows), *t.shape[1:])
+    # index_select copies whole rows: about 3x faster than advanced indexing (t[rows]) on images
+    return torch.index_select(t, 0, rows, out=out)
+
+
+def _overrides(obj: object, base: type, *names: str) -> bool:
+    return any(getattr(type(obj), n, None) is not getattr(base, n, None) for n in names)
+
+
+def batch_view(dataset: Dataset, collate_fn: Callable[..., Any] | None = None) -> TensorBatchView | None:
+    """A view of ``dataset`` that reads a whole micro-batch with one indexing operation, or None.
+
+    Only where the batch is provably what per-sample reads + ``default_collate`` give: a
+    ``TensorDataset`` or a (nested) ``Subset`` of one, neither overriding how items are read, and
+    no collate function of the user's.
+    """
+    if collate_fn not in (None, default_collate):
+        return None
+    index: torch.Tensor | None = None
+    while isinstance(dataset, Subset) and not _overrides(dataset, Subset, "__getitem__", "__getitems__"):
+        rows = torch.as_tensor(dataset.indices, dtype=torch.int64)
+        index = rows if index is None else rows[index]
+        dataset = dataset.dataset
+    if not isinstance(dataset, TensorDataset) or _overrides(dataset, TensorDataset, "__getitem__", "__getitems__"):
+        return None
+    if any(t.layout != torch.strided or t.is_nested for t in dataset.tensors):
+        return None  # default_collate refuses these: so does the per-sample path
+    return TensorBatchView(tuple(dataset.tensors), index)
+
+
+def _batch_loader(dataset: Dataset, batches: Any, kwargs: dict[str, Any]) -> DataLoader:
+    """A DataLoader over ``batches`` (a sampler of index lists): one read per batch where
+    :func:`batch_view` allows it, else per-sample reads and the collate function."""
+    view = batch_view(dataset, kwargs.get("collate_fn"))
+    if view is None:
+        return DataLoader(dataset, batch_sampler=batches, **kwargs)
+    kwargs = {**kwargs, "collate_fn": default_convert}  # what a DataLoader without batching uses
+    return DataLoader(view, sampler=batches, batch_size=None, **kwargs)
 
 
 class GlobalBatchLoader:
@@ -49,7 +125,7 @@ class GlobalBatchLoader:
         # A private generator: each new DataLoader iterator draws a worker base seed from it, which
         # would otherwise advance the global RNG (dropout) differently in a resumed run.
         dataloader_kwargs.setdefault("generator", torch.Generator().manual_seed(seed))
-        self.dataloader = DataLoader(dataset, batch_sampler=self.sampler, **dataloader_kwargs)
+        self.dataloader = _batch_loader(dataset, self.sampler, dataloader_kwargs)
 
     @property
     def steps_per_epoch(self) -> int:
@@ -63,8 +139,10 @@ class GlobalBatchLoader:
         start = self.position()
         self.sampler.set_position(start)
         p = self.plan
+        on_cpu = self.device.type == "cpu"  # batches are read on the CPU: no copy to make
         for i, batch in enumerate(self.dataloader):
-            batch = to_device(batch, self.device, non_blocking=self.pin_memory)
+            if not on_cpu:
+                batch = to_device(batch, self.device, non_blocking=self.pin_memory)
             if self.transform is not None:
                 step, micro = start + i // p.accumulation, i % p.accumulation
                 x = self.transform(
@@ -97,18 +175,26 @@ class EvalLoader:
                  transform: Callable[[torch.Tensor], torch.Tensor] | None = None, **dataloader_kwargs: Any) -> None:
         self.device = device
         self.transform = transform
+        self.dataset = dataset
+        self.collate_fn = dataloader_kwargs.get("collate_fn") or default_collate
         self.stream = isinstance(dataset, IterableDataset)
         if self.stream:
             self.dataloader = DataLoader(StridedStream(dataset, world_size, rank), batch_size=batch_size,  # type: ignore[arg-type]
                                          **dataloader_kwargs)
         else:
             self.sampler = ShardedEvalSampler(len(dataset), world_size, rank)  # type: ignore[arg-type]
-            self.dataloader = DataLoader(dataset, batch_size=batch_size, sampler=self.sampler, **dataloader_kwargs)
+            batches = BatchSampler(self.sampler, batch_size, drop_last=False)
+            self.dataloader = _batch_loader(dataset, batches, dataloader_kwargs)
 
     def __len__(self) -> int:
         if self.stream:
             raise TypeError("an evaluation stream has no length: iterate it")
         return len(self.dataloader)
+
+    def first_sample(self) -> Any:
+        """The evaluation set's first sample as a batch of one, on the CPU (a padding forward)."""
+        first = next(iter(self.dataset)) if self.stream else self.dataset[0]
+        return self.collate_fn([first])
 
     def __iter__(self) -> Iterator[Any]:
         for batch in self.dataloader:

@@ -1,0 +1,147 @@
+"""``paratrain bench --predict``: the inputs of :mod:`~paratrain.bench.predict` measured here.
+
+* the link: median times of gloo all-reduces of a few sizes between 2 local processes (hard time
+  limit), fitted by :func:`~paratrain.bench.predict.fit_link`, unless ``--link`` gives one;
+* compute: the bench's reference (single-device fp32) step time and batch;
+* the exposed fraction: ``(t_ddp2 − t_single/2) / t_comm(2)`` from the bench's 2-worker ``ddp``
+  cell (each of its workers computes half the batch), clipped to 0–1, unless ``--exposed`` gives it.
+"""
+
+from __future__ import annotations
+
+import io
+import multiprocessing as mp
+import os
+import statistics
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..config import TrainConfig
+from ..data.datasets import dataset_info
+from ..env.process import free_port
+from ..models import build_model
+from .predict import Link, Prediction, Workload, fit_link, format_predictions, predict, scheme_comm_s
+from .runner import BenchResult, reference
+
+__all__ = ["measure_all_reduce", "measured_link", "exposed_fraction", "predict_from_bench"]
+
+SIZES = (2**12, 2**16, 2**20, 2**22, 2**24)
+"""Bytes per measured all-reduce: 4 KiB to 16 MiB."""
+
+
+def _all_reduce_worker(rank: int, port: int, sizes: tuple[int, ...], repeats: int, out: Any) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        result = []
+        for nbytes in sizes:
+            t = torch.ones(nbytes // 4)
+            times = []
+            for i in range(repeats + 2):
+                dist.barrier()
+                t0 = time.perf_counter()
+                dist.all_reduce(t)
+                if i >= 2:  # the first two warm up gloo's buffers
+                    times.append(time.perf_counter() - t0)
+            result.append((float(nbytes), statistics.median(times)))
+        if rank == 0:
+            out.put(result)
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_all_reduce(sizes: tuple[int, ...] = SIZES, repeats: int = 15,
+                       timeout: float = 120.0) -> list[tuple[float, float]]:
+    """``(bytes, median seconds)`` of gloo all-reduces between 2 processes on this machine."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_all_reduce_worker, args=(r, port, sizes, repeats, out), daemon=True) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    try:
+        return out.get(timeout=timeout)  # type: ignore[no-any-return]
+    except Exception:
+        raise RuntimeError(f"the gloo all-reduce measurement did not finish in {timeout:.0f} s: pass --link") from None
+    finally:
+        for p in procs:
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+
+
+def measured_link() -> Link:
+    return fit_link(measure_all_reduce(), 2, "fitted to gloo all-reduces of 4 KiB–16 MiB between 2 local processes")
+
+
+def exposed_fraction(result: BenchResult, w: Workload, link: Link) -> float | None:
+    """The fraction of the 2-worker ddp cell's communication that its step time shows, or None."""
+    ref = reference(result.results)
+    ddp2 = next((r for r in result.results if r.status == "ok" and r.cell.strategy == "ddp"
+                 and r.cell.world_size == 2 and r.cell.precision == "32" and r.cell.comm_hook == "none"
+                 and r.cell.group == "matrix"), None)
+    if ref is None or ddp2 is None or not ref.step_time_s or not ddp2.step_time_s:
+        return None
+    comm = scheme_comm_s("ddp", w, 2, link)
+    if comm < 0.05 * ddp2.step_time_s:  # within the noise of one run: no overlap to read off
+        return None
+    return min(1.0, max(0.0, (ddp2.step_time_s - ref.step_time_s / 2) / comm))
+
+
+def predict_from_bench(result: BenchResult, cfg: TrainConfig, link_text: str | None, exposed: float | None,
+                       out_dir: str) -> str:
+    """The prediction table for the bench's job (and predict.png in ``out_dir`` with matplotlib)."""
+    ref = reference(result.results)
+    if ref is None or not ref.step_time_s:
+        return "--predict: no single-device cell ran, so there is no compute time to scale"
+    info = dataset_info(cfg.data.dataset)
+    model = build_model(cfg.model, tuple(info["input_shape"]), info["num_classes"])
+    shapes = tuple(tuple(p.shape) for p in model.parameters() if p.requires_grad)
+    link = Link.parse(link_text) if link_text else measured_link()
+    w = Workload(ref.step_time_s, ref.cell.global_batch, shapes, 1.0, cfg.parallel.ddp.powersgd_rank)
+    how = "given"
+    if exposed is None:
+        exposed, how = exposed_fraction(result, w, link), "measured from the 2-worker ddp cell"
+        if exposed is None:
+            exposed, how = 1.0, ("assumed (no 2-worker ddp cell ran, or its communication is under 5% of its "
+                                 "step, too little to read the overlap from; --exposed sets it)")
+    w = Workload(w.compute_s, w.batch_per_worker, shapes, exposed, w.powersgd_rank)
+    preds = predict(w, link)
+    text = format_predictions(w, link, preds) + f"\nexposed fraction {exposed:.2f}: {how}"
+    chart = os.path.join(out_dir, "predict.png")
+    if write_prediction_chart(preds, chart, f"{cfg.model}: {link.describe()}"):
+        text += f"\nwrote {chart}"
+    return text
+
+
+def write_prediction_chart(preds: list[Prediction], path: str, title: str) -> bool:
+    """Scaling efficiency against workers per scheme; False when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for scheme in dict.fromkeys(p.scheme for p in preds):
+        rows = [p for p in preds if p.scheme == scheme]
+        ax.plot([p.workers for p in rows], [100 * p.efficiency for p in rows], marker="o", label=scheme)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("workers")
+    ax.set_ylabel("predicted scaling efficiency %")
+    ax.set_ylim(0, 105)
+    ax.legend()
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=100)
+    with open(path, "wb") as f:
+        f.write(png.getvalue())
+    plt.close(fig)
+    return True

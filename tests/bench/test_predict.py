@@ -1,0 +1,128 @@
+"""The scaling predictor's arithmetic against cases worked out by hand (no timing)."""
+
+import math
+
+import pytest
+
+from paratrain.bench.predict import (BUCKET_BYTES, Link, Workload, fit_link, format_predictions, predict,
+                                     ring_all_reduce_s, ring_gather_s, scheme_comm_s)
+
+# 1 ms latency, 1 MB/s: the hand computations below are in milliseconds and megabytes.
+SLOW = Link(1e-3, 1e6)
+
+
+def test_link_parse():
+    link = Link.parse("100gbit,5us")
+    assert link.bandwidth == pytest.approx(12.5e9) and link.latency_s == pytest.approx(5e-6)
+    link = Link.parse("2ms, 1.5GB/s")
+    assert link.bandwidth == pytest.approx(1.5e9) and link.latency_s == pytest.approx(2e-3)
+    assert Link.parse("25gbps,10us").bandwidth == pytest.approx(25e9 / 8)
+    for bad in ("100gbit", "5us", "100 furlongs,5us", "100gbit,5us,7us"):
+        with pytest.raises(ValueError, match="--link"):
+            Link.parse(bad)
+
+
+def test_ring_collectives_by_hand():
+    # all-reduce of 3 MB over 4 workers: 2*3 steps of 1 ms + 2*3/4 * 3 MB at 1 MB/s = 6 ms + 4.5 s
+    assert ring_all_reduce_s(3e6, 4, SLOW) == pytest.approx(0.006 + 4.5)
+    # at 2 workers the factor 2(N-1)/N is 1: 2 ms + 3 s
+    assert ring_all_reduce_s(3e6, 2, SLOW) == pytest.approx(3.002)
+    # all-gather of 3 MB over 4 workers: 3 ms + 3/4 * 3 s
+    assert ring_gather_s(3e6, 4, SLOW) == pytest.approx(0.003 + 2.25)
+    assert ring_all_reduce_s(3e6, 1, SLOW) == ring_gather_s(3e6, 1, SLOW) == 0.0
+
+
+def test_schemes_by_hand():
+    # 1M parameters in a 1000x1000 matrix: 4 MB of fp32 gradients, one bucket
+    w = Workload(compute_s=1.0, batch_per_worker=32, shapes=((1000, 1000),), powersgd_rank=2)
+    n = 4
+    assert scheme_comm_s("ddp", w, n, SLOW) == pytest.approx(0.006 + 1.5 * 4.0)
+    assert scheme_comm_s("ddp+fp16", w, n, SLOW) == pytest.approx(0.006 + 1.5 * 2.0)
+    # PowerSGD rank 2: P (1000x2) and Q (1000x2) = 4000 floats = 16 kB, in two all-reduces
+    assert w.powersgd_floats() == 4000
+    assert scheme_comm_s("ddp+powersgd", w, n, SLOW) == pytest.approx(2 * 0.006 + 1.5 * 0.016)
+    # FSDP: two all-gathers and a reduce-scatter of 4 MB, each 3 ms + 3/4 * 4 s
+    assert scheme_comm_s("fsdp", w, n, SLOW) == pytest.approx(3 * (0.003 + 3.0))
+    with pytest.raises(ValueError, match="unknown"):
+        scheme_comm_s("zero", w, n, SLOW)
+
+
+def test_buckets_pay_latency_each():
+    # 100M parameters = 400 MB = 16 buckets of 25 MiB: latency 16 times, bytes once
+    w = Workload.from_params(100_000_000, 1.0, 32)
+    assert w.buckets(4e8) == math.ceil(4e8 / BUCKET_BYTES) == 16
+    link = Link(1e-3, 1e9)
+    assert scheme_comm_s("ddp", w, 8, link) == pytest.approx(16 * 2 * 7 * 1e-3 + 2 * 7 / 8 * 0.4)
+
+
+def test_powersgd_keeps_vectors_and_conv_weights_as_matrices():
+    w = Workload(1.0, 1, ((64, 3, 3, 3), (64,), (10, 64)), powersgd_rank=4)
+    # conv 64 x 27: 4*(64+27) = 364; bias 64 whole; 10x64: 4*74 = 296 > 640? no: min(296, 640) = 296
+    assert w.powersgd_floats() == 364 + 64 + 296
+    assert Workload(1.0, 1, ((3, 3),), powersgd_rank=4).powersgd_floats() == 9  # never more than plain
+
+
+def test_predict_samples_and_efficiency():
+    w = Workload(compute_s=2.0, batch_per_worker=10, shapes=((1000, 1000),), exposed=0.5)
+    (p,) = predict(w, SLOW, ["ddp"], [4])
+    comm = 0.006 + 6.0
+    assert p.comm_s == pytest.approx(comm)
+    assert p.step_s == pytest.approx(2.0 + 0.5 * comm)
+    assert p.samples_per_s == pytest.approx(40 / (2.0 + 0.5 * comm))
+    assert p.efficiency == pytest.approx(2.0 / (2.0 + 0.5 * comm))
+    hidden = predict(Workload(2.0, 10, ((1000, 1000),), exposed=0.0), SLOW, ["fsdp"], [1024])[0]
+    assert hidden.efficiency == 1.0 and hidden.samples_per_s == pytest.approx(1024 * 10 / 2.0)
+
+
+def test_efficiency_falls_with_workers_and_compression_helps():
+    w = Workload.from_params(25_600_000, 0.2, 32)
+    link = Link.parse("25gbit,10us")
+    preds = {(p.scheme, p.workers): p for p in predict(w, link, ["ddp", "ddp+fp16", "fsdp"])}
+    effs = [preds[("ddp", n)].efficiency for n in (2, 4, 8, 1024)]
+    assert effs == sorted(effs, reverse=True)
+    assert preds[("ddp+fp16", 64)].efficiency > preds[("ddp", 64)].efficiency > preds[("fsdp", 64)].efficiency
+
+
+def test_fit_link_recovers_a_known_link():
+    link = Link(20e-6, 2e9)
+    samples = [(s, ring_all_reduce_s(s, 2, link)) for s in (4e3, 1e6, 16e6)]
+    fitted = fit_link(samples, 2)
+    assert fitted.latency_s == pytest.approx(20e-6) and fitted.bandwidth == pytest.approx(2e9)
+    with pytest.raises(ValueError, match="two sizes"):
+        fit_link([(1e6, 0.1), (1e6, 0.2)])
+
+
+def test_workload_and_table():
+    with pytest.raises(ValueError, match="exposed"):
+        Workload(1.0, 1, ((1,),), exposed=1.5)
+    w = Workload(0.5, 8, ((100, 10),))
+    text = format_predictions(w, SLOW, predict(w, SLOW, ["ddp", "fsdp"], [2, 4]))
+    assert "1,000 parameters" in text and "ddp" in text and "fsdp" in text
+    assert len(text.splitlines()) == 4 + 2
+
+
+def test_bench_flags_and_the_prediction_from_a_bench_result(tmp_path):
+    import argparse
+
+    from paratrain.bench.matrix import Cell
+    from paratrain.bench.runner import BenchResult, CellResult
+    from paratrain.bench.scaling import exposed_fraction, predict_from_bench
+    from paratrain.cli.bench import add_parser
+    from paratrain.config import TrainConfig
+
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    args = parser.parse_args(["bench", "--predict", "--link", "1gbit,1ms", "--exposed", "0.5"])
+    assert (args.predict, args.link, args.exposed) == (True, "1gbit,1ms", 0.5)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["bench", "--link", "fast"])
+
+    single = CellResult(cell=Cell(strategy="single", global_batch=64), status="ok", step_time_s=1.0)
+    ddp2 = CellResult(cell=Cell(strategy="ddp", world_size=2, global_batch=64), status="ok", step_time_s=0.75)
+    result = BenchResult(meta={}, results=[single, ddp2])
+    # 1M float32 gradients over 1 ms, 4 MB/s: 2 ms + 1 s at 2 workers; 0.75 = 1.0/2 + 0.25 -> exposed ~0.25
+    w = Workload(1.0, 64, ((1000, 1000),))
+    assert exposed_fraction(result, w, Link(1e-3, 4e6)) == pytest.approx(0.25 / 1.002)
+    cfg = TrainConfig.load(None, {"model": "mlp", "data.dataset": "synthetic"})
+    text = predict_from_bench(result, cfg, "1gbit,1ms", 0.5, str(tmp_path))
+    assert "exposed fraction 0.50: given" in text and "1024 |" in text

@@ -1,0 +1,159 @@
+"""The batched data path reads the same batches as per-sample reads + ``default_collate``."""
+
+import pytest
+import torch
+from torch.utils.data import Dataset, Subset, TensorDataset
+
+from paratrain.data import BatchPlan, EvalLoader, GlobalBatchLoader
+from paratrain.data.datasets import synthetic
+from paratrain.data.loaders import TensorBatchView, batch_view
+
+CPU = torch.device("cpu")
+
+
+class PerSample(Dataset):
+    """``dataset`` read one sample at a time: the reference path."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, i):
+        return self.dataset[i]
+
+
+class Dicts(Dataset):
+    """Dict samples with ``__getitems__`` (torch's protocol); counts per-sample reads."""
+
+    def __init__(self, n):
+        self.x = torch.randn(n, 3, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+        self.single_reads = 0
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        self.single_reads += 1
+        return {"x": self.x[i], "y": i % 3}
+
+    def __getitems__(self, indices):
+        rows = self.x[torch.as_tensor(indices)]
+        return [{"x": r, "y": i % 3} for r, i in zip(rows, indices)]
+
+
+def tensors(n=40):
+    g = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.randn(n, 3, 4, 4, generator=g), torch.randint(0, 10, (n,), generator=g),
+                         torch.rand(n, 2, generator=g, dtype=torch.float64))
+
+
+def assert_same(a, b):
+    assert type(a) is type(b)
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert_same(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_same(x, y)
+    else:
+        assert a == b
+
+
+def train_batches(dataset, start, **kwargs):
+    """Rank 1's micro-batches of two epochs from global step ``start`` (world 2, accumulation 2)."""
+    step = [start]
+    loader = GlobalBatchLoader(dataset, BatchPlan.derive(8, 2, accumulation=2), 1, CPU, seed=5,
+                               position=lambda: step[0], **kwargs)
+    first = list(loader)
+    step[0] = loader.steps_per_epoch
+    return loader, first + list(loader)
+
+
+DATASETS = {
+    "TensorDataset": tensors,
+    "built-in synthetic": lambda: synthetic(40, (1, 4, 4), 3, seed=2),
+    "Subset of a Subset": lambda: Subset(Subset(tensors(60), list(range(59, 4, -1))), list(range(39, -1, -1))),
+    "__getitems__": lambda: Dicts(40),
+}
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("start", [0, 3])
+@pytest.mark.parametrize("name", list(DATASETS))
+def test_train_batches_equal_per_sample_reads(name, start, workers):
+    dataset = DATASETS[name]()
+    loader, got = train_batches(dataset, start, num_workers=workers)
+    single_reads = getattr(dataset, "single_reads", 0)
+    _, want = train_batches(PerSample(dataset), start, num_workers=workers)
+    assert len(got) == len(want) == (5 - start + 5) * 2
+    assert_same(got, want)
+    batched = isinstance(loader.dataloader.dataset, TensorBatchView)
+    assert batched == (name != "__getitems__")  # that one is read by its own __getitems__
+    if workers == 0 and name == "__getitems__":
+        assert single_reads == 0
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("name", list(DATASETS))
+def test_eval_batches_equal_per_sample_reads(name, workers):
+    dataset = DATASETS[name]()
+    loader = EvalLoader(dataset, 7, 3, 1, CPU, num_workers=workers)
+    reference = EvalLoader(PerSample(dataset), 7, 3, 1, CPU, num_workers=workers)
+    assert len(loader) == len(reference) == 2  # 13 or 14 samples of the shard, in batches of 7
+    assert_same(list(loader), list(reference))
+    assert_same(loader.first_sample(), reference.first_sample())
+    assert isinstance(loader.dataloader.dataset, TensorBatchView) == (name != "__getitems__")
+
+
+def test_transform_applies_to_batched_reads():
+    dataset = tensors()
+    plus_one = lambda x, seed, offset, total: x + 1  # noqa: E731
+    _, got = train_batches(dataset, 0, transform=plus_one)
+    _, want = train_batches(PerSample(dataset), 0, transform=plus_one)
+    assert_same(got, want)
+
+
+class Doubled(TensorDataset):
+    def __getitem__(self, i):
+        return tuple(2 * t[i] for t in self.tensors)
+
+
+def test_per_sample_reads_where_a_batch_could_differ():
+    data = tensors()
+    assert batch_view(data) is not None and batch_view(data, torch.utils.data.default_collate) is not None
+    assert batch_view(data, collate_fn=lambda samples: samples) is None  # the user's collate sees samples
+    assert batch_view(Doubled(*data.tensors)) is None  # its own __getitem__
+    assert batch_view(PerSample(data)) is None
+    loader, got = train_batches(Doubled(*data.tensors), 0)
+    assert loader.dataloader.dataset.__class__ is Doubled
+    _, plain = train_batches(data, 0)
+    assert_same(got, [[2 * t for t in b] for b in plain])
+
+
+def test_view_maps_subset_indices():
+    data = tensors(10)
+    view = batch_view(Subset(Subset(data, [9, 8, 7, 6, 5]), [4, 0]))
+    assert view is not None and len(view) == 2
+    x, y, z = view[[0, 1, 1]]
+    assert torch.equal(x, data.tensors[0][[5, 9, 9]]) and torch.equal(y, data.tensors[1][[5, 9, 9]])
+
+
+class Stream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        return iter([(torch.tensor([1.0, 2.0]), 3), (torch.tensor([4.0, 5.0]), 6)])
+
+
+def test_first_sample_is_a_batch_of_one():
+    """What an empty shard forwards to keep a collective forward in step (Parallel.evaluate)."""
+    x, y = EvalLoader(Stream(), 2, 2, 1, CPU).first_sample()
+    assert torch.equal(x, torch.tensor([[1.0, 2.0]])) and torch.equal(y, torch.tensor([3]))
+    data = tensors(2)
+    loader = EvalLoader(data, 4, 3, 0, CPU)  # rank 0 of 3 gets no sample of 2
+    assert list(loader) == []
+    assert_same(loader.first_sample(), [t[:1] for t in data.tensors])
