@@ -33,7 +33,7 @@ class MLflowTracker(Tracker):
         # function-local: startup time (mlflow's import takes over a second), and it is optional
         from mlflow.tracking import MlflowClient
 
-        uri = self.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+        uri = self.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or None  # empty: unset
         if uri is None:
             uri = "file:" + os.path.abspath(os.path.join(self.log_dir or ".", "mlruns"))
             # MLflow 3 refuses a file store unless asked for: this local default is one on purpose
