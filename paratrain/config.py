@@ -31,6 +31,8 @@ from .strategies.fsdp import FSDPOptions
 from .strategies.pipeline import PipelineOptions
 from .strategies.ps import PSOptions
 from .strategies.tensor import TensorOptions
+from .tracking import parse_log_to
+from .tracking.runs import LATEST
 
 __all__ = ["ParallelConfig", "DataConfig", "OptimConfig", "TrainConfig", "load_config", "apply_overrides", "from_dict",
            "parse_set"]
@@ -211,12 +213,18 @@ class TrainConfig:
     epochs: int = 10
     max_steps: int | None = None
     """Stop after this many optimizer steps (overrides epochs when reached first)."""
-    log_dir: str | None = "runs/latest"
-    """CSV/JSONL logs and result.json go here (main process only). None: no files."""
+    log_dir: str | None = "runs/{name}"
+    """CSV/JSONL logs and result.json go here (main process only). ``{name}`` is the run's name
+    (``name``, else the start time), and its parent gets a ``latest`` link to the newest run. None: no files."""
+    name: str | None = None
+    """The run's name: its folder under runs/ (default: the start time, 20250101-120000)."""
     log_every: int = 10
     progress: bool = True
+    log_to: list[str] = field(default_factory=lambda: ["csv"])
+    """Where the logged metrics go: csv (CSV + JSONL in log_dir), tensorboard (<log_dir>/tensorboard),
+    wandb, mlflow (<log_dir>/mlruns unless MLFLOW_TRACKING_URI is set); comma-separated on the command line."""
     tensorboard: bool = False
-    """Also write the logged metrics as TensorBoard events to <log_dir>/tensorboard (pip install tensorboard)."""
+    """Also log to TensorBoard (the same as adding tensorboard to log_to; pip install tensorboard)."""
     checkpoint_every: int = 0
     """Write a checkpoint every this many optimizer steps (0: only at the end, if checkpoint_dir is set)."""
     checkpoint_dir: str | None = None
@@ -249,6 +257,11 @@ class TrainConfig:
             raise ValueError(f"max_nonfinite_steps {self.max_nonfinite_steps} must be at least 1")
         if self.keep_checkpoints < 1:
             raise ValueError(f"keep_checkpoints {self.keep_checkpoints} must be at least 1")
+        self.log_to = parse_log_to(self.log_to)  # unknown or not installed: the one-line error, before any process starts
+        if self.tensorboard and "tensorboard" not in self.log_to:
+            self.log_to.append("tensorboard")
+        if self.name is not None and (not self.name.strip() or os.sep in self.name or self.name in (".", "..", LATEST)):
+            raise ValueError(f"name {self.name!r} cannot be a run folder's name: use letters, digits, '-', '_'")
         if self.checkpoint_dir is None and (self.checkpoint_every or self.resume) and self.log_dir is not None:
             self.checkpoint_dir = os.path.join(self.log_dir, "checkpoints")
         if self.resume and self.checkpoint_dir is None:
@@ -273,6 +286,11 @@ class TrainConfig:
         override both to change both.
         """
         return from_dict(type(self), apply_overrides(self.to_dict(), overrides))
+
+    def for_run(self, name: str) -> TrainConfig:
+        """This config with ``{name}`` in ``log_dir`` and ``checkpoint_dir`` replaced by ``name``."""
+        fill = lambda path: None if path is None else path.replace("{name}", name)  # noqa: E731
+        return dataclasses.replace(self, name=name, log_dir=fill(self.log_dir), checkpoint_dir=fill(self.checkpoint_dir))
 
     def dataset(self, train: bool = True) -> Dataset:
         """The configured training (or test) split: ``data.dataset`` read from ``data.data_dir``, the

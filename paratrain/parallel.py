@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import sys
 import warnings
-from dataclasses import fields
-from collections.abc import Mapping
+from dataclasses import asdict, fields
+from collections.abc import Iterable, Mapping
 from typing import Any, Callable
 
 import torch
@@ -34,11 +34,13 @@ from . import evaluation
 from . import metrics as metrics_lib
 from . import precision as precision_lib
 from . import strategies
+from . import tracking
 from .config import ParallelConfig
 from .data.loaders import EvalLoader, GlobalBatchLoader
 from .data.stream import StreamLoader
 from .data.sampler import BatchPlan, check_dataset_fits
 from .env import process
+from .env.provenance import provenance
 from .metrics import batch_targets, model_loss, predictions
 from .optim import ParallelOptimizer, ParallelScheduler
 
@@ -101,9 +103,13 @@ class Parallel:
     """Process setup + strategy + precision + global-batch data, for a loop the user writes.
 
     Pass a :class:`~paratrain.config.ParallelConfig`, or its fields as keyword arguments.
+    ``log_to`` (``["csv", "tensorboard", "wandb", "mlflow"]``, or ``"csv,wandb"``) and ``loggers``
+    (:class:`~paratrain.tracking.Tracker` instances) are where :meth:`log` writes, into
+    ``log_dir`` (default: a new ``runs/<start time>``), on the main process only.
     """
 
-    def __init__(self, config: ParallelConfig | None = None, **kwargs: Any) -> None:
+    def __init__(self, config: ParallelConfig | None = None, *, log_to: str | Iterable[str] | None = None,
+                 log_dir: str | None = None, loggers: Iterable[tracking.Tracker] = (), **kwargs: Any) -> None:
         if config is not None and kwargs:
             raise ValueError("pass either a ParallelConfig or keyword arguments, not both")
         known = {f.name for f in fields(ParallelConfig)}
@@ -127,6 +133,8 @@ class Parallel:
         self._auto_schedulers: list[tuple[Any, torch.optim.Optimizer]] = []  # stepped by paratrain
         self._lrs_at_start: list[float] | None = None
         self._warned_lr_change = False
+        # checked on every rank (a bad name fails everywhere alike); opened on the main process only
+        self.trackers = tracking.Trackers(log_to, log_dir, loggers, enabled=self.is_main_process, config=self._run_config)
 
     # --- who am I --------------------------------------------------------------------------
     @property
@@ -149,6 +157,21 @@ class Parallel:
         """``print`` on the main process only."""
         if self.is_main_process:
             print(*args, **kwargs)
+
+    # --- tracking --------------------------------------------------------------------------
+    def log(self, metrics: Mapping[str, Any], step: int | None = None, kind: str = "train") -> None:
+        """Record ``metrics`` (numbers or one-element tensors) at ``step`` (default: the optimizer
+        steps taken, ``global_step``) with every tracker of ``log_to``/``loggers``, as
+        ``<kind>/<name>`` (CSV: a row of ``<log_dir>/<kind>.csv``). Main process only: elsewhere,
+        and without trackers, nothing happens. The first call starts the backends' runs, with
+        this job's parallel config and provenance as their config."""
+        self.trackers.log(metrics, self.global_step if step is None else int(step), kind)
+
+    def _run_config(self) -> dict[str, Any]:
+        return {"parallel": asdict(self.config),
+                "provenance": provenance({"world_size": self.world_size, "data_parallel_size": self.plan.world_size,
+                                          "strategy": self.config.strategy, "backend": self.dist.backend,
+                                          "device": str(self.device)})}
 
     # --- model and optimizer ---------------------------------------------------------------
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, scheduler: Any = None) -> Any:
@@ -475,9 +498,13 @@ class Parallel:
         return self._schedulers[0]
 
     def close(self, wait_for_peers: bool = True) -> None:
-        """Leave the process group; by default after a barrier (pass ``False`` after an error)."""
+        """Finish the trackers and leave the process group; by default after a barrier (pass
+        ``False`` after an error: the trackers' runs are marked failed)."""
         try:
-            self.strategy.close(wait_for_peers)
+            try:
+                self.trackers.close(ok=wait_for_peers)
+            finally:
+                self.strategy.close(wait_for_peers)
         finally:
             process.destroy(wait_for_peers)
 

@@ -28,11 +28,11 @@ def cli_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def start_cli(args: list[str], **env: str) -> subprocess.Popen:
-    """Start ``python -m paratrain ARGS`` from the repo root in a new process group."""
+def start_cli(args: list[str], cwd: Path = ROOT, **env: str) -> subprocess.Popen:
+    """Start ``python -m paratrain ARGS`` in ``cwd`` (default: the repo root) in a new process group."""
     return subprocess.Popen(
         [sys.executable, "-m", "paratrain", *args],
-        cwd=ROOT, env=cli_env(**env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=cwd, env=cli_env(**env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         start_new_session=True,
     )
 
@@ -57,5 +57,5 @@ def finish(proc: subprocess.Popen, timeout: float) -> subprocess.CompletedProces
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
-def run_cli(args: list[str], timeout: float = 60, **env: str) -> subprocess.CompletedProcess:
-    return finish(start_cli(args, **env), timeout)
+def run_cli(args: list[str], timeout: float = 60, cwd: Path = ROOT, **env: str) -> subprocess.CompletedProcess:
+    return finish(start_cli(args, cwd, **env), timeout)

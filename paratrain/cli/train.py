@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import time
 from typing import Any
 
 from ..config import TrainConfig, parse_set, to_toml
@@ -19,6 +20,7 @@ from ..env.detect import detect_process
 from ..env.process import select_backend, select_device
 from ..launch.torchrun import torchrun
 from ..models.registry import MODEL_NAMES
+from ..tracking.runs import LATEST, latest_run, new_run_dir
 from .run import add_launch_arguments, launch_config
 
 # flag -> dotted config key
@@ -62,12 +64,18 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         p.add_argument(flag, dest=key, type=tp, default=None, help=f"{help_} [{key}; default {_default(defaults, key)}]")
     p.add_argument("--sync-bn", dest="parallel.sync_batchnorm", action="store_const", const=True, default=None,
                    help="synchronise BatchNorm statistics across workers")
-    p.add_argument("--resume", dest="resume", action="store_const", const=True, default=None,
-                   help="continue from the newest checkpoint (automatic after a torchrun restart)")
+    p.add_argument("--name", dest="name", default=None,
+                   help="the run's name: it writes to runs/<name> (default: the start time, runs/20250101-120000)")
+    p.add_argument("--resume", dest="resume", nargs="?", const=True, default=None, metavar="RUN",
+                   help="continue the run in folder RUN (default: runs/latest, or runs/<--name>) from its newest "
+                        "checkpoint (automatic after a torchrun restart)")
     p.add_argument("--no-progress", dest="progress", action="store_const", const=False, default=None,
                    help="no progress bar")
+    p.add_argument("--log-to", dest="log_to", default=None, metavar="LIST",
+                   help="where metrics go, comma-separated: csv, tensorboard, wandb, mlflow [log_to; default csv]")
     p.add_argument("--tensorboard", dest="tensorboard", action="store_const", const=True, default=None,
-                   help="also write TensorBoard event files to <log-dir>/tensorboard (needs tensorboard)")
+                   help="also write TensorBoard event files to <log-dir>/tensorboard (the same as adding "
+                        "tensorboard to --log-to; needs tensorboard)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override any config field, e.g. --set parallel.ddp.bucket_cap_mb=50")
     p.add_argument("--print-config", action="store_true",
@@ -90,7 +98,13 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
     flags["parallel.sync_batchnorm"] = getattr(args, "parallel.sync_batchnorm")
     flags["progress"] = args.progress
     flags["tensorboard"] = getattr(args, "tensorboard", None)  # verify and bench reuse this without the flag
+    flags["log_to"] = getattr(args, "log_to", None)
+    flags["name"] = getattr(args, "name", None)
     flags["resume"] = args.resume
+    if isinstance(args.resume, str):  # --resume RUN: that run's folder
+        if flags["log_dir"] is not None and os.path.abspath(flags["log_dir"]) != os.path.abspath(args.resume):
+            raise ValueError(f"--resume {args.resume!r} and --log-dir {flags['log_dir']!r} name two runs: give one")
+        flags["resume"], flags["log_dir"] = True, args.resume
     overrides = {k: v for k, v in flags.items() if v is not None}
     return TrainConfig.load(args.config, {**overrides, **parse_set(args.overrides)})
 
@@ -100,10 +114,12 @@ def main(args: argparse.Namespace) -> int:
     if getattr(args, "print_config", False):
         print(to_toml(cfg), end="")
         return 0
+    launch = launch_config(args)
+    worker = "RANK" in os.environ and "WORLD_SIZE" in os.environ or detect_process().world_size > 1
+    cfg = _pick_run(cfg, worker)
     if cfg.log_dir and not os.path.isfile(cfg.log_dir):
         os.environ.setdefault("PARATRAIN_ERROR_DIR", cfg.log_dir)  # tracebacks of one-line errors go there
-    launch = launch_config(args)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ or detect_process().world_size > 1:
+    if worker:
         from ..loop.train import run_training
 
         run_training(cfg)  # we are one worker of a launched job
@@ -120,7 +136,39 @@ def main(args: argparse.Namespace) -> int:
 
         run_training(cfg)
         return 0
-    return torchrun(launch, ["paratrain", *args.argv], module=True, command="train")
+    # the workers (and their restarts) train into the folder picked here
+    run = ["--set", f"name={cfg.name}"] + (["--set", f"log_dir={cfg.log_dir}"] if cfg.log_dir else [])
+    return torchrun(launch, ["paratrain", *args.argv, *run], module=True, command="train")
+
+
+def _pick_run(cfg: TrainConfig, worker: bool) -> TrainConfig:
+    """Fill ``{name}`` in the log (``runs/{name}``) and checkpoint folders: ``--name``; with
+    ``--resume``, the run ``runs/latest`` points at; else a new folder named by the start time,
+    which ``runs/latest`` then points at. Workers of an outside launcher (torchrun, srun) agree on
+    the launcher's job id instead (pass ``--name`` where there is none)."""
+    if not any(path and "{name}" in path for path in (cfg.log_dir, cfg.checkpoint_dir)):
+        return cfg
+    root = (cfg.log_dir or cfg.checkpoint_dir or "").split("{name}")[0].rstrip("/" + os.sep) or "."
+    name = cfg.name
+    if name is None and cfg.resume:
+        latest = latest_run(root)
+        if latest is None:
+            raise ValueError(f"--resume: there is no run in {root}/ to resume ({os.path.join(root, LATEST)} does not "
+                             "exist): give the run's folder, --resume runs/<name>")
+        name = os.path.basename(latest)
+    if name is None and worker:
+        name = _launcher_job_id()
+    if not cfg.resume and cfg.log_dir and "{name}" in cfg.log_dir and (not worker or detect_process().rank == 0):
+        name = os.path.basename(new_run_dir(root, name))  # a new run: its folder, and runs/latest points at it
+    return cfg.for_run(name or time.strftime("%Y%m%d-%H%M%S"))
+
+
+def _launcher_job_id() -> str | None:
+    """An id that every worker of an outside launcher's job sees alike, or None."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    if run_id and run_id != "none":
+        return run_id
+    return f"slurm-{os.environ['SLURM_JOB_ID']}" if os.environ.get("SLURM_JOB_ID") else None
 
 
 def _check_paths(cfg: TrainConfig) -> None:

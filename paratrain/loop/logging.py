@@ -1,61 +1,49 @@
-"""Main-process-only logs (CSV + JSONL), a progress bar, and throughput accounting."""
+"""Main-process-only logs (through :mod:`paratrain.tracking`), a progress bar, and throughput accounting."""
 
 from __future__ import annotations
 
 import contextlib
-import csv
 import json
 import os
 import time
 from typing import Any, Iterable, Iterator
 
+from ..tracking import Trackers
+
 __all__ = ["RunLogger", "Throughput", "progress", "write_atomic"]
 
 
 class RunLogger:
-    """Appends one row per record to ``<kind>.csv`` and ``<kind>.jsonl`` in ``log_dir``
-    (``train`` every few steps, ``eval`` after every epoch), and with ``tensorboard=True`` each
-    numeric value as a TensorBoard scalar ``<kind>/<name>`` at the record's ``step``.
+    """The built-in job's logs: each record to every tracker of ``log_to`` (default ``csv``:
+    ``<kind>.csv`` and ``<kind>.jsonl`` in ``log_dir``, ``train`` every few steps, ``eval`` after
+    every epoch; ``tensorboard=True`` adds ``tensorboard``), and the run's summary files.
 
-    Only the main process writes; on other ranks (or with ``log_dir=None``) it does nothing.
+    Pass ``trackers`` (``pt.trackers``) to log through the same backends as ``pt.log``. Only the
+    main process writes; on other ranks (or with ``log_dir=None``) it does nothing.
     """
 
     def __init__(self, log_dir: str | None, enabled: bool = True, append: bool = False,
-                 tensorboard: bool = False) -> None:
+                 tensorboard: bool = False, log_to: Iterable[str] | None = None,
+                 trackers: Trackers | None = None) -> None:
         self.enabled = enabled and log_dir is not None
         self.append = append  # a resumed run continues the existing files
         self.log_dir = log_dir
-        self._csv_fields: dict[str, list[str]] = {}
-        self._tb: Any = None
+        if trackers is None:
+            names = list(log_to if log_to is not None else ["csv"]) + (["tensorboard"] if tensorboard else [])
+            trackers = Trackers(names, log_dir)
+        trackers.enabled = trackers.enabled and self.enabled
+        trackers.append = append
+        self.trackers = trackers
         if self.enabled:
             os.makedirs(log_dir, exist_ok=True)  # type: ignore[arg-type]
-            if tensorboard:
-                self._tb = _summary_writer(os.path.join(log_dir, "tensorboard"))  # type: ignore[arg-type]
 
     def log(self, record: dict[str, Any], kind: str = "train") -> None:
-        if not self.enabled:
-            return
-        path = os.path.join(self.log_dir, kind)  # type: ignore[arg-type]
-        first = kind not in self._csv_fields and not (self.append and os.path.exists(path + ".csv"))
-        fields = self._csv_fields.setdefault(kind, list(record))
-        with open(path + ".jsonl", "w" if first else "a") as f:
-            f.write(json.dumps(record) + "\n")
-        with open(path + ".csv", "w" if first else "a", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore", restval="")
-            if first:
-                writer.writeheader()
-            writer.writerow(record)
-        if self._tb is not None:
-            step = int(record.get("step", 0))
-            for name, value in record.items():
-                if name != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
-                    self._tb.add_scalar(f"{kind}/{name}", value, step)
+        metrics = dict(record)
+        self.trackers.log(metrics, int(metrics.pop("step", 0)), kind)
 
-    def close(self) -> None:
-        """Flush and close the TensorBoard writer (the CSV/JSONL files are closed after each record)."""
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
+    def close(self, ok: bool = True) -> None:
+        """Finish the trackers (the CSV/JSONL files are closed after each record)."""
+        self.trackers.close(ok)
 
     def write_text(self, name: str, text: str) -> None:
         """Write ``text`` as ``<log_dir>/<name>``, atomically (main process only)."""
@@ -91,15 +79,6 @@ def write_atomic(path: str | os.PathLike, text: str | bytes) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
-
-
-def _summary_writer(path: str) -> Any:
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        raise ImportError("tensorboard logging needs the tensorboard package: pip install tensorboard "
-                          "(or pip install 'paratrain[tensorboard]'), or drop --tensorboard") from None
-    return SummaryWriter(path)
 
 
 class Throughput:

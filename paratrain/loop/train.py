@@ -49,7 +49,7 @@ def setup_task(pt: Parallel, cfg: TrainConfig, total_steps: int = 1) -> tuple[An
 
 def run_training(cfg: TrainConfig) -> dict[str, Any]:
     """Train the configured built-in task on this process's share of the job; returns the summary."""
-    pt = Parallel(cfg.parallel)
+    pt = Parallel(cfg.parallel, log_to=cfg.log_to if cfg.log_dir else None, log_dir=cfg.log_dir)
     try:
         d = cfg.data
         train_set, test_set = cfg.dataset(train=True), cfg.dataset(train=False)
@@ -66,8 +66,12 @@ def run_training(cfg: TrainConfig) -> dict[str, Any]:
         if resumed is not None:
             pt.print(f"paratrain: resumed from step {resumed} in {cfg.checkpoint_dir}"
                      + (f" (restart {_restarts()})" if _restarts() else ""))
-        logger = RunLogger(cfg.log_dir, enabled=pt.is_main_process, append=resumed is not None,
-                           tensorboard=cfg.tensorboard)
+        # Only the main process writes result.json and tracker runs: the others skip provenance's git calls.
+        made_by = provenance({"world_size": pt.world_size, "data_parallel_size": pt.plan.world_size,
+                              "strategy": cfg.parallel.strategy, "backend": pt.dist.backend,
+                              "device": str(pt.device)}) if pt.is_main_process else None
+        pt.trackers.config = {**dataclasses.asdict(cfg), "provenance": made_by}  # the trackers' run config
+        logger = RunLogger(cfg.log_dir, enabled=pt.is_main_process, append=resumed is not None, trackers=pt.trackers)
         logger.write_text("config.toml", to_toml(cfg))  # `paratrain train --config <run>/config.toml` re-runs it
         pt.print(f"paratrain: {cfg.parallel.strategy} on {pt.world_size} process(es), {pt.device}, "
                  f"precision {cfg.parallel.precision}; global batch {pt.plan.global_batch} = "
@@ -99,10 +103,7 @@ def run_training(cfg: TrainConfig) -> dict[str, Any]:
             "seconds": time.perf_counter() - start,
             **result.throughput,
             **pt.strategy.report(),
-            # Only the main process writes result.json: the others skip provenance's git calls.
-            "provenance": provenance({"world_size": pt.world_size, "data_parallel_size": pt.plan.world_size,
-                                      "strategy": cfg.parallel.strategy, "backend": pt.dist.backend,
-                                      "device": str(pt.device)}) if pt.is_main_process else None,
+            "provenance": made_by,
         }
         logger.write_json("result.json", summary)
         logger.close()

@@ -1,0 +1,60 @@
+"""``Tracker``: one place a run's metrics go (files, TensorBoard, Weights & Biases, MLflow)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ["Tracker", "numeric", "flatten"]
+
+
+class Tracker:
+    """One backend. Paratrain calls it on the main process only, so a backend's run (a wandb or
+    MLflow run, an event file) is created lazily, on the first call: an instance made on every
+    rank (``Parallel(loggers=[...])``) opens nothing on the others.
+
+    ``log_dir``, ``run_name`` and ``append`` are filled in by :class:`~paratrain.tracking.Trackers`
+    when the instance was made without them (``append``: a resumed run continues its files).
+    """
+
+    name = "tracker"
+    package: str | None = None
+    """The pip package it needs (None: nothing beyond paratrain's own dependencies)."""
+
+    def __init__(self, log_dir: str | None = None, run_name: str | None = None) -> None:
+        self.log_dir = log_dir
+        self.run_name = run_name
+        self.append = False
+
+    def log_config(self, config: Mapping[str, Any]) -> None:
+        """Record the run's config and provenance where the backend has such a concept (once, before metrics)."""
+
+    def log_metrics(self, metrics: Mapping[str, Any], step: int, kind: str) -> None:
+        """Record ``metrics`` at optimizer step ``step``; ``kind`` groups them (``train``, ``eval``)."""
+        raise NotImplementedError
+
+    def close(self, ok: bool = True) -> None:
+        """Flush and finish the run (``ok=False``: the job failed)."""
+
+
+def numeric(metrics: Mapping[str, Any]) -> dict[str, float]:
+    """The values a scalar backend can plot: ints and floats (tensors of one element included), not bools."""
+    out = {}
+    for key, value in metrics.items():
+        if hasattr(value, "item") and getattr(value, "numel", lambda: 0)() == 1:
+            value = value.item()
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[key] = float(value)
+    return out
+
+
+def flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"parallel": {"seed": 0}}`` -> ``{"parallel.seed": 0}``, for backends whose config is flat."""
+    out: dict[str, Any] = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            out.update(flatten(value, name + "."))
+        else:
+            out[name] = value
+    return out

@@ -1,0 +1,43 @@
+"""``tensorboard``: each numeric value as a scalar ``<kind>/<name>`` in ``<log_dir>/tensorboard``."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from .base import Tracker, numeric
+
+__all__ = ["TensorBoardTracker"]
+
+
+class TensorBoardTracker(Tracker):
+    name = "tensorboard"
+    package = "tensorboard"
+
+    def __init__(self, log_dir: str | None = None, run_name: str | None = None) -> None:
+        super().__init__(log_dir, run_name)
+        self._writer: Any = None
+
+    @property
+    def writer(self) -> Any:
+        """torch's ``SummaryWriter``, made on first use."""
+        if self._writer is None:
+            # function-local: startup time (tensorboard's import costs about a second, and it is optional)
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._writer = SummaryWriter(os.path.join(self.log_dir or "runs", "tensorboard"))
+        return self._writer
+
+    def log_config(self, config: Mapping[str, Any]) -> None:
+        self.writer.add_text("config", "```\n" + json.dumps(config, indent=2, default=str) + "\n```")
+
+    def log_metrics(self, metrics: Mapping[str, Any], step: int, kind: str) -> None:
+        for name, value in numeric(metrics).items():
+            self.writer.add_scalar(f"{kind}/{name}", value, step)
+
+    def close(self, ok: bool = True) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None

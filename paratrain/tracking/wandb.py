@@ -1,0 +1,50 @@
+"""``wandb``: a Weights & Biases run (``WANDB_MODE=offline`` keeps it on disk, in ``<log_dir>/wandb``)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from .base import Tracker, numeric
+
+__all__ = ["WandbTracker"]
+
+
+class WandbTracker(Tracker):
+    """Metrics as ``<kind>/<name>`` at the optimizer step; the config and provenance as the run's
+    config. ``project`` and further ``wandb.init`` arguments (``entity``, ``tags``, ``mode``) as keywords."""
+
+    name = "wandb"
+    package = "wandb"
+
+    def __init__(self, log_dir: str | None = None, run_name: str | None = None, project: str = "paratrain",
+                 **init_kwargs: Any) -> None:
+        super().__init__(log_dir, run_name)
+        self.project = project
+        self.init_kwargs = init_kwargs
+        self._config: dict[str, Any] = {}
+        self._run: Any = None
+
+    @property
+    def run(self) -> Any:
+        """The ``wandb`` run, started on first use (on the main process: paratrain calls nothing elsewhere)."""
+        if self._run is None:
+            import wandb  # function-local: startup time (about a second), and it is optional
+
+            self._run = wandb.init(project=self.project, name=self.run_name, dir=self.log_dir,
+                                   config=self._config, **self.init_kwargs)
+        return self._run
+
+    def log_config(self, config: Mapping[str, Any]) -> None:
+        if self._run is None:
+            self._config = dict(config)  # goes to wandb.init: no config update after the start
+        else:
+            self._run.config.update(dict(config), allow_val_change=True)
+
+    def log_metrics(self, metrics: Mapping[str, Any], step: int, kind: str) -> None:
+        self.run.log({f"{kind}/{k}": v for k, v in numeric(metrics).items()}, step=step)
+
+    def close(self, ok: bool = True) -> None:
+        if self._run is not None:
+            self._run.finish(exit_code=0 if ok else 1)
+            self._run = None

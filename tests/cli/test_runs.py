@@ -1,0 +1,131 @@
+"""Run folders: ``runs/<name or start time>``, ``runs/latest``, and ``--resume`` of the latest run."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+import pytest
+
+from clitools import run_cli
+from paratrain.cli import train as train_cli
+
+pytestmark = pytest.mark.timeout(200)
+
+TRAIN = ["train", "--max-steps", "2", "--checkpoint-every", "2", "--no-progress"]
+
+
+def _files(folder: Path) -> dict[str, tuple[bytes, int]]:
+    return {str(p.relative_to(folder)): (p.read_bytes(), p.stat().st_mtime_ns)
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def two_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path, dict[str, tuple[bytes, int]]]:
+    """``paratrain train`` twice in one folder: once unnamed, once ``--name second`` with MLflow;
+    returns the folder, both runs, and the first run's files as they were before the second."""
+    cwd = tmp_path_factory.mktemp("cwd")
+    env = {"MLFLOW_TRACKING_URI": ""}  # MLflow's default: the run folder's mlruns
+    first = run_cli(TRAIN, timeout=90, cwd=cwd, **env)
+    assert first.returncode == 0, first.stderr[-3000:]
+    (stamp,) = [p for p in (cwd / "runs").iterdir() if p.name != "latest"]
+    before = _files(stamp)
+    log_to = "csv,mlflow" if _installed("mlflow") else "csv"
+    second = run_cli([*TRAIN, "--name", "second", "--log-to", log_to], timeout=90, cwd=cwd, **env)
+    assert second.returncode == 0, second.stderr[-3000:]
+    return cwd, stamp, cwd / "runs" / "second", before
+
+
+def _installed(name: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(name) is not None
+
+
+def test_runs_do_not_overwrite_each_other(two_runs: tuple[Path, Path, Path, dict]) -> None:
+    cwd, stamp, second, before = two_runs
+    assert len(stamp.name) == len("20250101-120000") and stamp.name[8] == "-"
+    assert sorted(p.name for p in (cwd / "runs").iterdir()) == sorted([stamp.name, "second", "latest"])
+    assert os.readlink(cwd / "runs" / "latest") == "second"  # relative: the runs folder can move
+    assert _files(stamp) == before  # the first run untouched by the second
+    for run in (stamp, second):
+        assert {"config.toml", "train.csv", "train.jsonl", "eval.csv", "result.json"} <= {p.name for p in run.iterdir()}
+        assert (run / "checkpoints").is_dir()
+
+
+def test_tracker_run_gets_the_config_and_provenance(two_runs: tuple[Path, Path, Path, dict],
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("mlflow")
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 reads a file store only when asked to
+    import json
+
+    from mlflow.tracking import MlflowClient
+
+    second = two_runs[2]
+    client = MlflowClient("file:" + str(second / "mlruns"))
+    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    provenance = json.loads((second / "result.json").read_text())["provenance"]
+    assert run.info.run_name == "second" and run.info.status == "FINISHED"
+    assert run.data.params["model"] == "mlp" and run.data.params["name"] == "second"
+    assert run.data.params["provenance.torch"] == provenance["torch"]
+    assert run.data.params["provenance.command"] == provenance["command"]
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")] == [2]
+
+
+def test_resume_of_the_finished_latest_run_changes_nothing(two_runs: tuple[Path, Path, Path, dict]) -> None:
+    cwd, _, second, _ = two_runs
+    before = _files(cwd / "runs")
+    result = (second / "result.json").read_bytes()
+    again = run_cli([*TRAIN, "--resume"], timeout=90, cwd=cwd, MLFLOW_TRACKING_URI="")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stdout.strip().splitlines() == [
+        "paratrain: this run already finished at step 2; runs/second/result.json is kept as it is "
+        "(raise --epochs or --max-steps to train on)"]
+    assert (second / "result.json").read_bytes() == result
+    assert _files(cwd / "runs") == before  # not one byte or timestamp of any run changed, no new run
+    assert os.readlink(cwd / "runs" / "latest") == "second"
+
+
+# --- choosing the folder (in-process: no training) ---------------------------------------------
+
+def _config(*argv: str) -> object:
+    parser = argparse.ArgumentParser()
+    train_cli.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["train", *argv])
+    return train_cli.build_config(args)
+
+
+def test_resume_without_runs_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError) as e:
+        train_cli._pick_run(_config("--resume"), worker=False)  # type: ignore[arg-type]
+    assert str(e.value) == ("--resume: there is no run in runs/ to resume (runs/latest does not exist): give the "
+                            "run's folder, --resume runs/<name>")
+    assert not (tmp_path / "runs").exists()
+
+
+def test_explicit_folders_and_names(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    cfg = train_cli._pick_run(_config("--log-dir", "mine"), worker=False)  # type: ignore[arg-type]
+    assert cfg.log_dir == "mine" and not (tmp_path / "runs").exists()  # --log-dir: exactly there, as before
+    cfg = train_cli._pick_run(_config("--resume", "old/run7"), worker=False)  # type: ignore[arg-type]
+    assert (cfg.log_dir, cfg.checkpoint_dir, cfg.resume) == ("old/run7", "old/run7/checkpoints", True)
+    with pytest.raises(ValueError, match="^--resume 'a' and --log-dir 'b' name two runs: give one$"):
+        _config("--resume", "a", "--log-dir", "b")
+    cfg = train_cli._pick_run(_config("--name", "exp1", "--checkpoint-every", "5"), worker=False)  # type: ignore[arg-type]
+    assert (cfg.log_dir, cfg.checkpoint_dir) == ("runs/exp1", "runs/exp1/checkpoints")
+    assert os.readlink(tmp_path / "runs" / "latest") == "exp1"
+    cfg = train_cli._pick_run(_config("--resume"), worker=False)  # type: ignore[arg-type]
+    assert cfg.log_dir == "runs/exp1" and os.readlink(tmp_path / "runs" / "latest") == "exp1"
+    with pytest.raises(ValueError, match="cannot be a run folder's name"):
+        _config("--name", "a/b")
+
+
+def test_a_latest_folder_of_an_older_paratrain_is_left_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs" / "latest").mkdir(parents=True)
+    with pytest.warns(UserWarning, match="is a folder .* not a link"):
+        cfg = train_cli._pick_run(_config(), worker=False)  # type: ignore[arg-type]
+    assert cfg.log_dir != "runs/latest" and Path(cfg.log_dir).is_dir()  # type: ignore[attr-defined]
+    assert (tmp_path / "runs" / "latest").is_dir() and not (tmp_path / "runs" / "latest").is_symlink()

@@ -1,0 +1,120 @@
+"""``pt.log`` and the trackers (csv, tensorboard, wandb, mlflow): what each backend receives, the
+one-line errors for a bad ``log_to``, and that only rank 0 opens a backend's run."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import paratrain
+from paratrain.tracking import CSVTracker, Trackers, parse_log_to
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture
+def offline(monkeypatch: pytest.MonkeyPatch) -> None:
+    """wandb offline and quiet; MLflow's default local store (no tracking server from the environment)."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+
+
+def test_a_bad_log_to_is_one_line_naming_the_value_and_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ValueError, match=r"^log_to 'neptune' is unknown: use csv, tensorboard, wandb, mlflow") as e:
+        parse_log_to("csv,neptune")
+    assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="log_to 'nope' is unknown"):
+        paratrain.TrainConfig(log_to=["nope"])
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    with pytest.raises(ValueError) as e:
+        paratrain.TrainConfig.load(None, {"log_to": "csv,wandb"})  # as --log-to csv,wandb gives it
+    assert str(e.value) == ("log_to 'wandb' needs the wandb package: pip install wandb (or pip install "
+                            "'paratrain[trackers]'), or drop 'wandb' from log_to")
+    assert parse_log_to(" CSV, tensorboard,csv ") == ["csv", "tensorboard"]
+    assert paratrain.TrainConfig(tensorboard=True).log_to == ["csv", "tensorboard"]  # --tensorboard: an alias
+
+
+def test_pt_log_writes_to_every_backend_with_the_run_config(tmp_path: Path, offline: None) -> None:
+    pytest.importorskip("wandb")
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    pt = paratrain.Parallel(strategy="single", log_to=["csv", "tensorboard", "wandb", "mlflow"], log_dir=str(tmp_path))
+    try:
+        pt.log({"loss": 0.5, "acc": torch.tensor(0.75)}, step=1)
+        pt.global_step = 2
+        pt.log({"loss": 0.25, "acc": 1.0})  # step: the optimizer steps taken
+        pt.log({"accuracy": 0.9}, step=2, kind="eval")
+        wandb_run = next(t for t in pt.trackers.open() if t.name == "wandb").run
+        # wandb commits a step's row (train and eval at step 2 are one row) once a later step arrives
+        assert wandb_run.summary["train/loss"] == 0.5 and wandb_run.summary["train/acc"] == 0.75
+        assert wandb_run.config["parallel"]["strategy"] == "single"
+        assert wandb_run.config["provenance"]["torch"] == torch.__version__
+        mlflow_tracker = next(t for t in pt.trackers.open() if t.name == "mlflow")
+        run_id, uri = mlflow_tracker.run_id, mlflow_tracker.tracking_uri
+    finally:
+        pt.close()
+    assert (tmp_path / "train.csv").read_text().splitlines() == ["step,loss,acc", "1,0.5,0.75", "2,0.25,1.0"]
+    assert [json.loads(line) for line in (tmp_path / "eval.jsonl").read_text().splitlines()] == [
+        {"step": 2, "accuracy": 0.9}]
+    acc = EventAccumulator(str(tmp_path / "tensorboard")).Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [(1, 0.5), (2, 0.25)]
+    assert uri == "file:" + str(tmp_path / "mlruns")
+    client = MlflowClient(uri)
+    assert [(m.step, m.value) for m in client.get_metric_history(run_id, "train/acc")] == [(1, 0.75), (2, 1.0)]
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED" and run.info.run_name == tmp_path.name
+    assert run.data.params["parallel.strategy"] == "single"
+    assert run.data.params["provenance.paratrain"] == paratrain.__version__
+    assert len(list((tmp_path / "wandb").glob("offline-run-*"))) == 1
+
+
+def test_without_trackers_pt_log_does_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    pt = paratrain.Parallel(strategy="single")
+    pt.log({"loss": 1.0})
+    pt.close()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_log_to_without_log_dir_starts_a_new_run_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    firsts = []
+    for _ in range(2):
+        trackers = Trackers("csv")
+        trackers.log({"loss": 1.0}, step=1)
+        firsts.append(trackers.log_dir)
+    assert firsts[0] != firsts[1]  # two runs in one second: two folders
+    assert os.path.realpath(tmp_path / "runs" / "latest") == os.path.realpath(firsts[1])
+    assert all((Path(d) / "train.csv").is_file() for d in firsts)
+
+
+def _world2_worker(rank: int, folder: str) -> list[str]:
+    """Every rank asks for the same backends in its own folder and logs: only rank 0's may fill up."""
+    mine = os.path.join(folder, f"rank{rank}")
+    pt = paratrain.Parallel(strategy="ddp", backend="gloo", global_batch=2, log_to="csv,tensorboard,wandb,mlflow",
+                            log_dir=mine, loggers=[CSVTracker(os.path.join(folder, f"instance{rank}"))])
+    pt.log({"loss": float(rank)}, step=1)
+    pt.close()
+    return sorted(os.listdir(mine)) if os.path.isdir(mine) else []
+
+
+def test_only_rank_0_creates_runs_at_world_size_2(tmp_path: Path, offline: None) -> None:
+    """Lightning#17885: a wandb/MLflow run per rank. Here ranks other than 0 open nothing."""
+    pytest.importorskip("wandb")
+    pytest.importorskip("mlflow")
+    listed = paratrain.launch(_world2_worker, nprocs=2, args=(str(tmp_path),), timeout=150,
+                              env={"OMP_NUM_THREADS": "1"})
+    assert listed[0] == ["mlruns", "tensorboard", "train.csv", "train.jsonl", "wandb"] and listed[1] == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["instance0", "rank0"]
+    assert (tmp_path / "rank0" / "train.csv").read_text().splitlines() == ["step,loss", "1,0.0"]
+    assert len(list((tmp_path / "rank0" / "wandb").glob("offline-run-*"))) == 1
+    assert len(list((tmp_path / "rank0" / "mlruns").glob("*/*/meta.yaml"))) == 1  # one run in one experiment
