@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from . import hosts
+from . import hosts, mpi, procs, slurm
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -14,7 +14,9 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     up = sub.add_parser("up", help="create test hosts pt-h0.. on a private bridge")
     up.add_argument("--hosts", type=int, default=2)
-    sub.add_parser("down", help="remove everything the lab created (idempotent)")
+    sub.add_parser("down", help="stop the lab's daemons and remove everything it created (idempotent)")
+    sub.add_parser("slurm", help="install (once) and start munged, slurmctld, slurmd; prints SLURM_CONF")
+    sub.add_parser("mpi", help="install OpenMPI (once)")
     sub.add_parser("status", help="list the hosts and their addresses")
     net = sub.add_parser("net", help="shape every host's link (tc)")
     net.add_argument("--rate", help="e.g. 1gbit, 100mbit")
@@ -26,13 +28,20 @@ def main(argv: list[str] | None = None) -> int:
     ex.add_argument("command", nargs=argparse.REMAINDER)
     args = p.parse_args(argv)
     try:
-        if args.cmd != "down" and (why := hosts.unavailable()):
+        if args.cmd in ("up", "net", "cut", "heal", "exec") and (why := hosts.unavailable()):
             raise RuntimeError(f"lab: {why}")
         if args.cmd == "up":
             for i, a in enumerate(hosts.up(args.hosts)):
                 print(f"{hosts.name(i)} {a}")
         elif args.cmd == "down":
+            procs.stop_daemons()
             hosts.down()
+        elif args.cmd == "slurm":
+            node = slurm.up()
+            print(f"export SLURM_CONF={slurm.conf_path()}  # node {node}; logs in {slurm.DIR}")
+        elif args.cmd == "mpi":
+            mpi.up()
+            print(" ".join(mpi.mpirun(2)) + " ...")
         elif args.cmd == "status":
             for ns in hosts.hosts():
                 print(f"{ns} {hosts.addr(hosts.index(ns))}")

@@ -43,3 +43,64 @@ def fresh_lab(lab):
     for i in range(HOSTS):
         lab.heal(i)
     lab.net()
+
+
+@pytest.fixture(scope="session")
+def lab_slurm():
+    """munged, slurmctld and slurmd of the lab (installed once by apt-get); the ``srun``/``sbatch``
+    environment. Every daemon and job step is gone after the session."""
+    from scripts.lab import procs, slurm
+
+    if os.geteuid() != 0:
+        pytest.skip("lab slurm: needs root (apt-get, munged as the munge user)")
+    try:
+        slurm.up()
+        yield slurm
+    finally:
+        procs.stop_daemons()
+
+
+@pytest.fixture(scope="session")
+def lab_mpi():
+    """OpenMPI (installed once by apt-get)."""
+    from scripts.lab import mpi
+
+    if os.geteuid() != 0:
+        pytest.skip("lab mpi: needs root (apt-get)")
+    mpi.up()
+    return mpi
+
+
+@pytest.fixture(scope="session")
+def nproc2_run(tmp_path_factory):
+    """``paratrain train --nproc-per-node 2`` of :data:`TRAIN_ARGS`: what srun and mpirun must equal."""
+    from clitools import run_cli
+
+    out = tmp_path_factory.mktemp("nproc2")
+    r = run_cli(["train", "--nproc-per-node", "2", *TRAIN_ARGS, "--log-dir", str(out)], timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return out
+
+
+# The built-in job (mlp on digits), short, ddp, checkpointed at its last step.
+TRAIN_ARGS = ["--strategy", "ddp", "--max-steps", "6", "--epochs", "1", "--checkpoint-every", "6", "--no-progress"]
+
+
+def final_state(log_dir: Path) -> tuple[dict, dict]:
+    """The model state of a train run's last checkpoint, and its result.json."""
+    import json
+
+    import torch
+
+    ckpt = log_dir / "checkpoints" / "step-00000006.pt"
+    return torch.load(ckpt, weights_only=True)["model"], json.loads((log_dir / "result.json").read_text())
+
+
+def assert_same_run(got_dir: Path, want_dir: Path) -> None:
+    from parity import assert_same_state
+
+    got, got_result = final_state(got_dir)
+    want, want_result = final_state(want_dir)
+    assert got_result["world_size"] == want_result["world_size"] == 2
+    assert got_result["train_loss"] == pytest.approx(want_result["train_loss"], rel=1e-5)
+    assert_same_state(got, want, 1e-5)
