@@ -355,14 +355,14 @@ def explain_timeout(error: BaseException, timeout_s: float, step: int | None = N
     if not answered:  # the store did not answer (not even with this rank's own key)
         return CollectiveTimeoutError(
             f"rank {me} waited {timeout_s:g} s (timeout_s) in a collective{at}, and the job's store on rank 0 does not "
-            "answer either: rank 0 is frozen or gone")
+            "answer either: rank 0 is frozen, gone or unreachable")
     missing = [r for r in range(world) if r not in answered]
     if not missing:
         return CollectiveTimeoutError(
             f"every rank waited {timeout_s:g} s (timeout_s) in a collective{at}: they wait in different collectives "
             "(code that runs a collective on some ranks only?)")
     return CollectiveTimeoutError(
-        f"{_ranks(missing)} did not arrive at a collective{at} for {timeout_s:g} s (timeout_s): hung or frozen; "
+        f"{_ranks(missing)} did not arrive at a collective{at} for {timeout_s:g} s (timeout_s): hung, frozen or unreachable; "
         f"{_ranks(answered)} waited for {'them' if len(missing) > 1 else 'it'}")
 
 

@@ -45,7 +45,10 @@ def tcp_local_addresses() -> set[str]:
 
 
 def main(out: str) -> None:
-    p = PROBLEM
+    # LAB_STEPS: a longer run (the failure tests cut a link mid-run); rank 0 writes each finished
+    # step to LAB_PROGRESS.
+    p = PROBLEM.replace(steps=int(os.environ.get("LAB_STEPS", PROBLEM.steps)))
+    progress = os.environ.get("LAB_PROGRESS")
     pt = paratrain.Parallel(strategy="ddp", global_batch=p.global_batch, seed=p.seed, backend="gloo",
                             accelerator="cpu", timeout_s=float(os.environ.get("LAB_TIMEOUT_S", 60)))
     model = p.model()
@@ -57,6 +60,9 @@ def main(out: str) -> None:
             opt.zero_grad()
             pt.backward(nn.functional.cross_entropy(model(xb), yb))
             opt.step()
+            if progress and pt.is_main_process and pt.micro_step == 0:
+                with open(progress, "w") as f:
+                    f.write(str(pt.global_step))
             if pt.global_step == p.steps and pt.micro_step == 0:
                 break
     addresses = sorted(tcp_local_addresses())
