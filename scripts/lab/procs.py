@@ -14,6 +14,7 @@ from pathlib import Path
 from .hosts import LAB_DIR
 
 MARK = "PARATRAIN_LAB_DAEMON"  # in the environment of every daemon the lab starts and their children
+_started: list[subprocess.Popen] = []  # started by this process: reaped by stop_daemons (no zombies)
 
 
 def install(packages: tuple[str, ...], probe: str) -> float:
@@ -40,6 +41,7 @@ def start_daemon(name: str, argv: list[str], user: str | None = None) -> subproc
     proc = subprocess.Popen(argv, env={**os.environ, MARK: name}, stdout=out, stderr=subprocess.STDOUT,
                             stdin=subprocess.DEVNULL, start_new_session=True, user=user)
     out.close()
+    _started.append(proc)
     time.sleep(0.1)
     if proc.poll() is not None:
         raise RuntimeError(f"lab: {name} exited at once ({proc.returncode}); see {LAB_DIR / (name + '.out')}")
@@ -47,20 +49,37 @@ def start_daemon(name: str, argv: list[str], user: str | None = None) -> subproc
 
 
 def lab_daemons() -> list[int]:
-    """Pids of every live process whose environment carries :data:`MARK` (the daemons, slurmstepd,
-    job steps)."""
-    me = os.getpid()
+    """Pids of every live process the lab's Slurm or munge started: the daemons (:data:`MARK` in
+    their environment), slurmstepd (which rewrites its environment, but keeps slurmd's log under
+    ``LAB_DIR`` open) and job steps (``SLURM_JOB_ID`` with the lab's ``SLURM_CONF``). Never this
+    process or its ancestors."""
+    spared = _ancestors()
+    conf = f"SLURM_CONF={LAB_DIR}/slurm/slurm.conf".encode()
     found = []
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == me:
+        if not entry.name.isdigit() or int(entry.name) in spared:
             continue
         try:
-            environ = (entry / "environ").read_bytes()
+            environ = (entry / "environ").read_bytes().split(b"\0")
+            fds = [os.readlink(fd) for fd in (entry / "fd").iterdir()]
         except OSError:
             continue
-        if f"{MARK}=".encode() in environ:
+        if (any(v.startswith(f"{MARK}=".encode()) for v in environ)
+                or (conf in environ and any(v.startswith(b"SLURM_JOB_ID=") for v in environ))
+                or any(fd.startswith(f"{LAB_DIR}/") for fd in fds)):
             found.append(int(entry.name))
     return found
+
+
+def _ancestors() -> set[int]:
+    pids, pid = set(), os.getpid()
+    while pid > 1:
+        pids.add(pid)
+        try:
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            break
+    return pids
 
 
 def stop_daemons(timeout: float = 5.0) -> None:
@@ -75,4 +94,10 @@ def stop_daemons(timeout: float = 5.0) -> None:
         while lab_daemons() and time.monotonic() < deadline:
             time.sleep(0.1)
         if not lab_daemons():
-            return
+            break
+    for proc in _started:
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+    _started.clear()

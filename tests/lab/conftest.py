@@ -5,6 +5,7 @@ always torn down; Slurm and OpenMPI on demand. Skipped, with the reason, where t
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -28,6 +29,8 @@ def lab():
         yield hosts
     finally:
         hosts.down()
+    links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+    assert hosts.hosts() == [] and f" {hosts.PREFIX}" not in links, "lab down left namespaces or links"
 
 
 @pytest.fixture
@@ -58,6 +61,7 @@ def lab_slurm():
         yield slurm
     finally:
         procs.stop_daemons()
+    assert procs.lab_daemons() == [], "munged/slurmctld/slurmd/slurmstepd left running"
 
 
 @pytest.fixture(scope="session")
@@ -75,38 +79,9 @@ def lab_mpi():
 def nproc2_run(tmp_path_factory):
     """``paratrain train --nproc-per-node 2`` of :data:`TRAIN_ARGS`: what srun and mpirun must equal."""
     from clitools import run_cli
+    from labrun import TRAIN_ARGS
 
     out = tmp_path_factory.mktemp("nproc2")
     r = run_cli(["train", "--nproc-per-node", "2", *TRAIN_ARGS, "--log-dir", str(out)], timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
     return out
-
-
-# The built-in job (mlp on digits), ddp, 40 steps (0.2 s of compute: launching is what costs),
-# checkpointed every 10 (the elastic test resumes from one).
-STEPS = 40
-TRAIN_ARGS = ["--strategy", "ddp", "--max-steps", str(STEPS), "--epochs", "100", "--checkpoint-every", "10",
-              "--no-progress"]
-
-
-def final_state(log_dir: Path, checkpoints: Path | None = None) -> tuple[dict, dict]:
-    """The model state of a train run's last checkpoint, and its result.json."""
-    import json
-
-    import torch
-
-    ckpt = (checkpoints or log_dir / "checkpoints") / f"step-{STEPS:08d}.pt"
-    return torch.load(ckpt, weights_only=True)["model"], json.loads((log_dir / "result.json").read_text())
-
-
-def assert_same_run(got_dir: Path, want_dir: Path, world_size: int = 2, checkpoints: Path | None = None) -> float:
-    """The same final weights (rel 1e-5; rounding gaps measured ~1e-7) and, at the same world size,
-    the same final train loss; returns the largest relative error."""
-    from parity import assert_same_state
-
-    got, got_result = final_state(got_dir, checkpoints)
-    want, want_result = final_state(want_dir)
-    assert got_result["world_size"] == world_size and want_result["world_size"] == 2
-    if world_size == 2:
-        assert got_result["train_loss"] == pytest.approx(want_result["train_loss"], rel=1e-5)
-    return assert_same_state(got, want, 1e-5)

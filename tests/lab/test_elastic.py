@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from conftest import TRAIN_ARGS, assert_same_run
-from labrun import finish_all, start
+
+from labrun import TRAIN_ARGS, assert_same_run, finish_all, start
 
 
 def wait_for(path, procs, timeout=120):

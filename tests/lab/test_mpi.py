@@ -14,7 +14,7 @@ import torch.distributed as dist
 from paratrain.env.process import free_port
 
 from clitools import ROOT, cli_env, killpg
-from conftest import TRAIN_ARGS, assert_same_run
+from labrun import TRAIN_ARGS, assert_same_run
 
 
 def mpirun(lab_mpi, args, timeout):

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from clitools import ROOT, cli_env, killpg
-from conftest import TRAIN_ARGS, assert_same_run
+from labrun import TRAIN_ARGS, assert_same_run
 from parity import assert_same_state
 
 
