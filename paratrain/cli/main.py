@@ -11,6 +11,7 @@ import warnings
 from typing import Any, NoReturn, Sequence
 
 from ..checkpoint.io import CheckpointError
+from ..env.detect import detect_process
 from ..env.process import CollectiveTimeoutError, UnavailableError
 
 # subcommand name -> module under paratrain.cli providing add_parser(subparsers) and main(args) -> int
@@ -124,7 +125,10 @@ def _save_traceback(command: str) -> str | None:
     import tempfile
     import traceback
 
-    rank = os.environ.get("RANK", "0")
+    try:  # RANK alone is torchrun's: under srun or mpirun every rank would write (over) rank 0's file
+        rank = detect_process().rank
+    except (ValueError, KeyError):  # the launcher's variables are what failed
+        rank = 0
     for folder in (os.environ.get("PARATRAIN_ERROR_DIR"), os.path.join(tempfile.gettempdir(), "paratrain-errors")):
         if not folder:
             continue

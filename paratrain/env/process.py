@@ -29,7 +29,7 @@ from .base import ProcessInfo
 from .detect import detect_process
 
 __all__ = [
-    "Dist", "UnavailableError", "free_port", "CollectiveTimeoutError", "explain_timeout", "init", "is_loopback", "loopback_store", "store_init_method", "die_with_launcher", "destroy", "preload_dynamo", "available_accelerator", "select_device", "select_backend", "rank", "world_size",
+    "Dist", "UnavailableError", "free_port", "CollectiveTimeoutError", "explain_timeout", "init", "interface_towards", "is_loopback", "loopback_store", "store_init_method", "die_with_launcher", "destroy", "preload_dynamo", "available_accelerator", "select_device", "select_backend", "rank", "world_size",
     "local_rank", "is_main_process", "barrier", "print_once", "save_on_main",
     "main_process_first", "seed_everything",
 ]
@@ -196,8 +196,14 @@ def _join(info: ProcessInfo, device: torch.device, chosen: str, timeout_s: float
     preload_dynamo()
     os.environ.setdefault("MASTER_ADDR", info.master_addr)
     os.environ.setdefault("MASTER_PORT", str(info.master_port))
-    if is_loopback(os.environ["MASTER_ADDR"]) and chosen == "gloo":
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    if chosen == "gloo" and "GLOO_SOCKET_IFNAME" not in os.environ:
+        # gloo's own choice is the address this machine's hostname resolves to, and loopback when
+        # that is not a local address: on hosts whose /etc/hosts maps the hostname to 127.0.x.1 (Debian's
+        # default) every rank then advertises 127.0.0.1 and ranks on other hosts cannot connect.
+        # The interface that reaches the master is one the other ranks can reach.
+        ifname = "lo" if is_loopback(os.environ["MASTER_ADDR"]) else interface_towards(os.environ["MASTER_ADDR"])
+        if ifname:
+            os.environ["GLOO_SOCKET_IFNAME"] = ifname
     kwargs: dict[str, Any] = {}
     if device.type == "cuda":
         kwargs["device_id"] = device  # lets NCCL bind eagerly and fail fast on a bad rank
@@ -219,6 +225,36 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def interface_towards(host: str) -> str | None:
+    """Name of the network interface whose IPv4 address this machine uses to reach ``host`` (its
+    own address included: then the interface that holds it); None when that cannot be told (IPv6,
+    not Linux, no route)."""
+    try:
+        ip = socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_DGRAM)[0][4][0]
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((ip, 9))  # a UDP connect sends nothing: it only picks the route and source address
+            local = s.getsockname()[0]
+        for _, ifname in socket.if_nameindex():
+            if _ipv4_address(ifname) == local:
+                return ifname
+    except (OSError, ImportError):
+        pass
+    return None
+
+
+def _ipv4_address(ifname: str) -> str | None:
+    """The IPv4 address of ``ifname`` (Linux ``SIOCGIFADDR``), None when it has none."""
+    import fcntl  # POSIX only: imported where used so that importing paratrain works on Windows
+    import struct
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", ifname.encode()[:15]))  # SIOCGIFADDR
+        except OSError:
+            return None
+    return socket.inet_ntoa(packed[20:24])
 
 
 def is_loopback(host: str) -> bool:
@@ -319,14 +355,14 @@ def explain_timeout(error: BaseException, timeout_s: float, step: int | None = N
     if not answered:  # the store did not answer (not even with this rank's own key)
         return CollectiveTimeoutError(
             f"rank {me} waited {timeout_s:g} s (timeout_s) in a collective{at}, and the job's store on rank 0 does not "
-            "answer either: rank 0 is frozen or gone")
+            "answer either: rank 0 is frozen, gone or unreachable")
     missing = [r for r in range(world) if r not in answered]
     if not missing:
         return CollectiveTimeoutError(
             f"every rank waited {timeout_s:g} s (timeout_s) in a collective{at}: they wait in different collectives "
             "(code that runs a collective on some ranks only?)")
     return CollectiveTimeoutError(
-        f"{_ranks(missing)} did not arrive at a collective{at} for {timeout_s:g} s (timeout_s): hung or frozen; "
+        f"{_ranks(missing)} did not arrive at a collective{at} for {timeout_s:g} s (timeout_s): hung, frozen or unreachable; "
         f"{_ranks(answered)} waited for {'them' if len(missing) > 1 else 'it'}")
 
 

@@ -151,3 +151,13 @@ def test_helpers_in_a_process_group(tmp_path):
     out = paratrain.launch(_helpers_worker, nprocs=2, args=(str(tmp_path / "m.pt"),), timeout=60)
     assert out == [(0, True, 10), (1, False, 11)]  # per-rank seeding (seed 002)
     assert torch.load(tmp_path / "m.pt", weights_only=True) == {"rank": 0}  # only main saved
+
+
+def test_interface_towards_names_the_interface_holding_the_route():
+    # gloo binds the interface that reaches the master (multi-node) instead of its hostname guess,
+    # which is loopback where /etc/hosts maps the hostname to 127.0.x.1; tests/lab runs it across hosts.
+    from paratrain.env.process import interface_towards
+
+    assert interface_towards("127.0.0.1") == "lo"
+    assert interface_towards("localhost") == "lo"
+    assert interface_towards("no-such-host.invalid") is None

@@ -5,7 +5,8 @@ patches paratrain only when a ``PARATRAIN_TEST_*`` variable asks for a fault:
 * ``PARATRAIN_TEST_KILL_AT=rank:step`` SIGKILLs that rank after that optimizer step,
   ``PARATRAIN_TEST_HANG_AT`` makes it sleep (it stops arriving at collectives),
   ``PARATRAIN_TEST_STOP_AT`` SIGSTOPs it (a frozen process); first attempt only (a restarted
-  group trains on), through ``fit``'s ``on_step`` in ``paratrain train``;
+  group trains on), through ``fit``'s ``on_step`` in ``paratrain train``; rank ``*`` is whichever
+  rank this process is (set it on one host's launcher: that host's ranks);
 * ``PARATRAIN_TEST_CRASH_AFTER_BYTES=N``: a checkpoint writer dies after N bytes, as a killed
   process would.
 """
@@ -25,14 +26,15 @@ def _install_step_fault(name: str, spec: str) -> None:
         return
     act = {"KILL": lambda: os.kill(os.getpid(), signal.SIGKILL), "HANG": lambda: time.sleep(3600),
            "STOP": lambda: os.kill(os.getpid(), signal.SIGSTOP)}[name]
-    rank, step = (int(v) for v in spec.split(":"))
+    who, step = spec.split(":")
+    rank, step = (None if who == "*" else int(who)), int(step)
     fit = train.fit
 
     def faulty_fit(*args, on_step=None, **kwargs):
         def hook(pt):
             if on_step is not None:
                 on_step(pt)
-            if pt.rank == rank and pt.global_step == step:
+            if rank in (None, pt.rank) and pt.global_step == step:
                 act()
 
         return fit(*args, on_step=hook, **kwargs)

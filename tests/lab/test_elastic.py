@@ -1,0 +1,46 @@
+"""Elastic shrink with the same numerics: a 2-host job (``--nnodes 1:2 --max-restarts 1``, c10d
+rendezvous) loses a host mid-run; the survivor's rendezvous re-forms alone, resumes from the last
+checkpoint at world size 1 with the same global batch, and ends on the weights of an uninterrupted
+2-process run."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+
+from labrun import TRAIN_ARGS, assert_same_run, finish_all, start
+
+
+def wait_for(path, procs, timeout=120):
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if any(p.poll() is not None for p in procs) or time.monotonic() > deadline:
+            raise AssertionError(f"no {path.name}: exit codes {[p.poll() for p in procs]}")
+        time.sleep(0.2)
+
+
+@pytest.mark.timeout(300)
+def test_lost_host_shrinks_to_one_and_ends_on_the_uninterrupted_weights(fresh_lab, nproc2_run, tmp_path):
+    lab = fresh_lab
+    ckpt = tmp_path / "ckpt"  # one folder both hosts see (a cluster's shared file system)
+    args = ["train", *TRAIN_ARGS, "--checkpoint-dir", str(ckpt), "--backend", "gloo", "--set", "parallel.timeout_s=10",
+            "--nproc-per-node", "1", "--nnodes", "1:2", "--max-restarts", "1",
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{lab.name(0)}:29515", "--rdzv-id", "lab-elastic"]
+    # host 1's rank stops at step 25 (first attempt), so the job is mid-run, past the step-20 checkpoint,
+    # whenever the cut comes; c10d numbers the ranks on arrival, so `*`: whichever rank host 1 has
+    procs = [start(lab, k, [*args, "--log-dir", str(tmp_path / f"h{k}")], **({"PARATRAIN_TEST_HANG_AT": "*:25"} if k else {}))
+             for k in range(2)]
+    wait_for(ckpt / "step-00000020.sha256", procs)
+    lab.cut(1)
+    for pid in lab.pids(lab.name(1)):  # the host is lost, not just silent: its processes go too
+        os.kill(pid, 9)
+    survivor, _ = finish_all(procs, 200)
+    assert survivor.returncode == 0, survivor.stderr[-3000:]
+    said = survivor.stdout + survivor.stderr
+    assert "resumed from step 20" in said, said[-3000:]
+    assert "ddp on 1 process(es)" in said
+    err = assert_same_run(tmp_path / "h0", nproc2_run, world_size=1, checkpoints=ckpt)
+    print(f"after the shrink: relative error {err:.1e} against the uninterrupted 2-process run")

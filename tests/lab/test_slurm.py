@@ -1,0 +1,67 @@
+"""Real Slurm (the lab's slurmctld + slurmd on this machine): ``srun -n 2 paratrain train`` reads its
+place from Slurm's variables and equals ``paratrain train --nproc-per-node 2``; ``sbatch
+examples/slurm.sbatch`` (``srun paratrain run``) trains like one plain-PyTorch process."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from clitools import ROOT, cli_env, killpg
+from labrun import TRAIN_ARGS, assert_same_run
+from parity import assert_same_state
+
+
+def slurm_cmd(lab_slurm, argv, timeout, **extra):
+    """Run a Slurm client command in its own process group; past ``timeout`` kill it and fail."""
+    env = {**cli_env(), "SLURM_CONF": str(lab_slurm.conf_path()),
+           "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"], **extra}  # `paratrain` for sbatch
+    p = subprocess.Popen(argv, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        subprocess.run(["scancel", "--full", "--partition=lab"], env=env)
+        pytest.fail(f"{argv} ran past {timeout}s")
+    finally:
+        killpg(p)
+    return subprocess.CompletedProcess(argv, p.returncode, out, err)
+
+
+@pytest.mark.timeout(240)
+def test_srun_two_tasks_read_slurm_and_train_like_nproc_per_node_2(lab_slurm, nproc2_run, tmp_path):
+    where = slurm_cmd(lab_slurm, ["srun", "-n", "2", sys.executable, "-c",
+                                  "import json, paratrain.env as e; print(json.dumps(e.detect_process().__dict__))"], 60)
+    assert where.returncode == 0, where.stderr
+    infos = sorted((json.loads(line) for line in where.stdout.splitlines()), key=lambda i: i["rank"])
+    assert [(i["rank"], i["world_size"], i["local_rank"], i["source"]) for i in infos] == [
+        (0, 2, 0, "slurm"), (1, 2, 1, "slurm")]
+    assert infos[0]["master_addr"] == infos[1]["master_addr"] == socket.gethostname()  # SLURM_NODELIST's first
+    r = slurm_cmd(lab_slurm, ["srun", "-n", "2", sys.executable, "-m", "paratrain", "train", *TRAIN_ARGS,
+                              "--log-dir", str(tmp_path)], 150)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "ddp on 2 process(es)" in r.stdout + r.stderr
+    assert_same_run(tmp_path, nproc2_run)
+
+
+@pytest.mark.timeout(240)
+def test_sbatch_example_srun_paratrain_run_trains_like_one_process(lab_slurm, tmp_path):
+    import importlib.util
+
+    script = ROOT / "tests" / "scripts" / "lab_train.py"
+    r = slurm_cmd(lab_slurm, ["sbatch", "--wait", f"--output={tmp_path}/job.out", str(ROOT / "examples" / "slurm.sbatch"),
+                              str(script), str(tmp_path / "out.pt")], 180, NPROC_PER_NODE="2")
+    log = (tmp_path / "job.out").read_text() if (tmp_path / "job.out").exists() else ""
+    assert r.returncode == 0, r.stderr + log[-3000:]
+    spec = importlib.util.spec_from_file_location("lab_train", script)
+    lab_train = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(lab_train)
+    got = torch.load(tmp_path / "out.pt")
+    assert got["world_size"] == 2
+    assert_same_state(got["state"], lab_train.PROBLEM.reference().state, lab_train.PROBLEM.rtol)
