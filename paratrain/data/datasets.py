@@ -238,7 +238,8 @@ def _torchvision_dataset(class_name: str, train: bool, data_dir: str | None) -> 
     except ImportError:
         raise ValueError(
             f"dataset 'torchvision:{class_name}' needs torchvision, which is not installed: "
-            f"pip install torch==2.14.1 torchvision==0.29.1 (see README) or use one of "
+            f"pip install 'paratrain[data]' (torchvision matching your torch, e.g. torch==2.14.1 "
+            f"torchvision==0.29.1) or use one of "
             f"{', '.join(DATASET_NAMES)}"
         ) from None
     cls = getattr(torchvision.datasets, class_name, None)

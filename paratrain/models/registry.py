@@ -17,8 +17,8 @@ __all__ = ["MODEL_NAMES", "build_model"]
 MODEL_NAMES: tuple[str, ...] = ("mlp", "cnn", "resnet8", "resnet20", "transformer")
 
 _TORCHVISION_MISSING = (
-    "torchvision is not installed: pip install torch==2.14.1 torchvision==0.29.1 (see README) "
-    "or use resnet20"
+    "torchvision is not installed: pip install 'paratrain[data]' (torchvision matching your torch, e.g. "
+    "torch==2.14.1 torchvision==0.29.1) or use resnet20"
 )
 
 

@@ -74,3 +74,24 @@ def test_torchvision_missing(monkeypatch):
     monkeypatch.setitem(sys.modules, "torchvision", None)
     with pytest.raises(ValueError, match="torchvision is not installed"):
         build_model("torchvision:resnet50", (3, 32, 32), 10)
+    with pytest.raises(ValueError, match=r"pip install 'paratrain\[data\]'"):
+        build_model("torchvision:resnet50", (3, 32, 32), 10)
+
+
+def test_every_extra_a_message_names_exists():
+    """The extras that one-line errors tell users to install are declared in pyproject.toml."""
+    import re
+    from pathlib import Path
+
+    try:
+        import tomllib
+    except ImportError:  # python 3.10
+        import tomli as tomllib
+    root = Path(__file__).resolve().parents[2]
+    extras = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    named = set()
+    for path in (root / "paratrain").rglob("*.py"):
+        named |= set(re.findall(r"paratrain\[(\w+)\]", path.read_text()))
+    assert named and named <= set(extras), named - set(extras)
+    assert {"data", "hf", "trackers", "all"} <= set(extras)
+    assert set(extras["all"]) >= {dep for name, deps in extras.items() if name not in ("all", "test") for dep in deps}
