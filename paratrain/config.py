@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import sys
 import types
 import typing
@@ -291,6 +292,17 @@ class TrainConfig:
         """This config with ``{name}`` in ``log_dir`` and ``checkpoint_dir`` replaced by ``name``."""
         fill = lambda path: None if path is None else path.replace("{name}", name)  # noqa: E731
         return dataclasses.replace(self, name=name, log_dir=fill(self.log_dir), checkpoint_dir=fill(self.checkpoint_dir))
+
+    def as_new_run(self) -> TrainConfig:
+        """This config as ``--config`` should read it back: a new run. The run's name goes back to
+        ``{name}`` in ``log_dir`` and ``checkpoint_dir`` (a re-run gets its own folder instead of
+        writing over this one); folders given outright stay as they are."""
+        if not self.name:
+            return self
+        segment = re.compile(rf"(^|/){re.escape(self.name)}(?=/|$)")
+        unfill = lambda path: None if path is None else segment.sub(lambda m: m.group(1) + "{name}", path, count=1)  # noqa: E731
+        return dataclasses.replace(self, name=None, log_dir=unfill(self.log_dir),
+                                   checkpoint_dir=unfill(self.checkpoint_dir))
 
     def dataset(self, train: bool = True) -> Dataset:
         """The configured training (or test) split: ``data.dataset`` read from ``data.data_dir``, the

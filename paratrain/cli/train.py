@@ -158,6 +158,11 @@ def _pick_run(cfg: TrainConfig, worker: bool) -> TrainConfig:
         name = os.path.basename(latest)
     if name is None and worker:
         name = _launcher_job_id()
+    if name is not None and not cfg.resume and not worker and cfg.log_dir and "{name}" in cfg.log_dir:
+        taken = cfg.log_dir.replace("{name}", name)
+        if os.path.isdir(taken) and os.listdir(taken):
+            raise ValueError(f"run folder {taken!r} already holds a run: continue it with --resume {taken}, "
+                             "or choose another --name")
     if not cfg.resume and cfg.log_dir and "{name}" in cfg.log_dir and (not worker or detect_process().rank == 0):
         name = os.path.basename(new_run_dir(root, name))  # a new run: its folder, and runs/latest points at it
     return cfg.for_run(name or time.strftime("%Y%m%d-%H%M%S"))

@@ -72,7 +72,7 @@ def run_training(cfg: TrainConfig) -> dict[str, Any]:
                               "device": str(pt.device)}) if pt.is_main_process else None
         pt.trackers.config = {**dataclasses.asdict(cfg), "provenance": made_by}  # the trackers' run config
         logger = RunLogger(cfg.log_dir, enabled=pt.is_main_process, append=resumed is not None, trackers=pt.trackers)
-        logger.write_text("config.toml", to_toml(cfg))  # `paratrain train --config <run>/config.toml` re-runs it
+        logger.write_text("config.toml", to_toml(cfg.as_new_run()))  # `paratrain train --config <run>/config.toml` re-runs it
         pt.print(f"paratrain: {cfg.parallel.strategy} on {pt.world_size} process(es), {pt.device}, "
                  f"precision {cfg.parallel.precision}; global batch {pt.plan.global_batch} = "
                  f"{pt.plan.micro_batch} per worker x {pt.plan.world_size} data-parallel workers x {pt.accumulation} accumulation")

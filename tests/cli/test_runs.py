@@ -129,3 +129,17 @@ def test_a_latest_folder_of_an_older_paratrain_is_left_alone(tmp_path: Path, mon
         cfg = train_cli._pick_run(_config(), worker=False)  # type: ignore[arg-type]
     assert cfg.log_dir != "runs/latest" and Path(cfg.log_dir).is_dir()  # type: ignore[attr-defined]
     assert (tmp_path / "runs" / "latest").is_dir() and not (tmp_path / "runs" / "latest").is_symlink()
+
+
+def test_a_named_run_is_not_written_over_and_config_toml_reruns_as_a_new_run(tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    cfg = train_cli._pick_run(_config("--name", "exp1", "--checkpoint-every", "5"), worker=False)  # type: ignore[arg-type]
+    (tmp_path / "runs" / "exp1" / "result.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"^run folder 'runs/exp1' already holds a run: continue it with --resume "
+                                         r"runs/exp1, or choose another --name$"):
+        train_cli._pick_run(_config("--name", "exp1"), worker=False)  # type: ignore[arg-type]
+    again = cfg.as_new_run()  # what the run folder's config.toml holds
+    assert (again.name, again.log_dir, again.checkpoint_dir) == (None, "runs/{name}", "runs/{name}/checkpoints")
+    mine = train_cli._pick_run(_config("--name", "exp2", "--log-dir", "mine"), worker=False)  # type: ignore[arg-type]
+    assert mine.as_new_run().log_dir == "mine"  # a folder given outright stays
