@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from ..config import TrainConfig
 from ..data.datasets import dataset_info
-from ..env.process import free_port
+from ..env.network import free_port
 from ..models import build_model
 from .predict import Link, Prediction, Workload, fit_link, format_predictions, predict, scheme_comm_s
 from .runner import BenchResult, reference

@@ -54,3 +54,11 @@ def env_int(name: str, default: int | None = None) -> int:
         return int(value)
     except ValueError:
         raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+class UnavailableError(RuntimeError):
+    """A device or backend that was asked for is not on this machine (a one-line user error)."""
+
+
+class CollectiveTimeoutError(RuntimeError):
+    """A collective ran past ``timeout_s``: names the rank(s) that did not arrive, in one line."""

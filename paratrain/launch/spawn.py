@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 import torch.multiprocessing as mp
 from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
 
-from ..env.process import free_port  # re-exported: the launch API's port picker
+from ..env.network import free_port  # re-exported: the launch API's port picker
 
 __all__ = ["launch", "free_port", "LaunchError"]
 

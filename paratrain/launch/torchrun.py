@@ -8,7 +8,7 @@ What it adds:
   keeps its state in a ``FileStore`` in a private temporary folder (its ``store_type=file``
   option) instead of a ``TCPStore``, which would listen on every interface; workers get
   ``--local-addr 127.0.0.1``, so ``MASTER_ADDR`` is loopback, rank 0's process-group store binds
-  127.0.0.1 (:func:`paratrain.env.process.loopback_store`) and gloo's sockets use ``lo``;
+  127.0.0.1 (:func:`paratrain.env.network.loopback_store`) and gloo's sockets use ``lo``;
 * environment defaults (``setdefault``, a user's own value wins): ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``
   (the rendezvous TCP store shared with the workers is flaky across restarts) and, when the
   rendezvous address is loopback, ``GLOO_SOCKET_IFNAME=lo``;
@@ -33,8 +33,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..env.process import is_loopback
-from ..env.process import free_port
+from ..env.network import free_port, is_loopback
 
 __all__ = ["LaunchConfig", "PASSTHROUGH", "nproc_per_node", "torchrun"]
 

@@ -53,7 +53,8 @@ from torch.utils.data import Dataset
 from ..data.loaders import GlobalBatchLoader
 from ..data.sampler import BatchPlan, check_dataset_fits
 from ..env.detect import detect_process
-from ..env.process import seed_everything, select_device, store_init_method
+from ..env.network import store_init_method
+from ..env.process import seed_everything, select_device
 from .server import SERVER, PSOptions, ServerState, abort, call_server, fetch, finish, push_async, push_sync, set_server
 
 __all__ = ["PSResult", "run_parameter_server"]

@@ -25,7 +25,8 @@ import torch.distributed as dist
 import torch.distributed.rpc as rpc
 from torch import nn
 
-from ..env.process import Dist, free_port, store_init_method
+from ..env.network import free_port, store_init_method
+from ..env.process import Dist
 from .base import Strategy
 from ..ps.dedicated import PSResult, run_parameter_server
 from ..ps.server import (MODES, SERVER, PSOptions, ServerState, abort, call_server, get_server, push_async, push_sync,
