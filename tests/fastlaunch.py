@@ -29,9 +29,10 @@ def _in_callers_env(local_rank: int, fn: Callable[..., Any], callers_env: dict[s
 
 
 def launch(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), **kwargs: Any) -> list[Any]:
-    if kwargs.get("start_method", "forkserver") != "forkserver":
+    if kwargs.setdefault("start_method", "forkserver") != "forkserver":
         return spawn.launch(fn, nprocs, args, **kwargs)
-    kwargs.update(start_method="forkserver", preload=("torch",))
+    # The preload is read once, when the session's server starts: whoever starts it gets bench's too.
+    kwargs["preload"] = tuple(dict.fromkeys(("torch", "paratrain.bench.worker", *kwargs.get("preload", ()))))
     extra = tuple((kwargs.get("env") or {}).keys())
     return spawn.launch(_in_callers_env, nprocs, (fn, dict(os.environ), extra, *args), **kwargs)
 
