@@ -8,9 +8,9 @@ The model (weak scaling: each worker keeps the measured per-worker batch):
   reduce-scatter (the output's ``S`` bytes) take half: ``(N−1)α + (N−1)/N · S/β``. A bucket of
   gradients (DDP's 25 MiB) is one collective, so the latency term is paid per bucket;
 * **what is sent per step**, with ``P`` parameters:
-  ``ddp`` all-reduces ``4P`` bytes (fp32 gradients); ``ddp+fp16`` ``2P``; ``ddp+powersgd`` (rank
-  ``r``) all-reduces ``r(m+n)`` floats for ``P`` and ``Q`` of each weight viewed as an ``m×n``
-  matrix (two collectives per bucket) and the 1-D tensors whole; ``fsdp`` (full sharding)
+  ``all-reduce (ddp)`` all-reduces ``4P`` bytes (fp32 gradients); ``fp16 all-reduce`` (ddp's fp16
+  comm hook) ``2P``; ``PowerSGD all-reduce`` (rank ``r``) all-reduces ``r(m+n)`` floats for ``P`` and ``Q`` of each weight viewed as an ``m×n``
+  matrix (two collectives per bucket) and the 1-D tensors whole; ``sharded (fsdp)`` (full sharding)
   all-gathers ``4P`` in the forward, again in the backward, and reduce-scatters ``4P`` gradients;
 * **overlap**: only the fraction ``exposed`` of the communication adds to the step (DDP overlaps
   bucket all-reduces with the backward; 1 = none hidden). It is measured from the bench's 2-worker
@@ -33,7 +33,7 @@ __all__ = ["Link", "Workload", "Prediction", "ring_all_reduce_s", "ring_gather_s
 
 BUCKET_BYTES = 25 * 2**20
 """DDP's default ``bucket_cap_mb``."""
-SCHEMES = ("ddp", "ddp+fp16", "ddp+powersgd", "fsdp")
+SCHEMES = ("all-reduce (ddp)", "fp16 all-reduce", "PowerSGD all-reduce", "sharded (fsdp)")
 DEFAULT_WORKERS = tuple(2**k for k in range(1, 11))  # 2 … 1024
 
 _BANDWIDTH = {"bit": 1 / 8, "kbit": 1e3 / 8, "mbit": 1e6 / 8, "gbit": 1e9 / 8, "tbit": 1e12 / 8,
@@ -143,13 +143,13 @@ def _bucketed(collective: str, nbytes: float, buckets: int, workers: int, link: 
 def scheme_comm_s(scheme: str, w: Workload, workers: int, link: Link) -> float:
     """Seconds of communication per step of ``scheme`` (before overlap)."""
     grad = 4.0 * w.params
-    if scheme == "ddp":
+    if scheme == "all-reduce (ddp)":
         return _bucketed("all_reduce", grad, w.buckets(grad), workers, link)
-    if scheme == "ddp+fp16":
+    if scheme == "fp16 all-reduce":
         return _bucketed("all_reduce", grad / 2, w.buckets(grad), workers, link)
-    if scheme == "ddp+powersgd":  # P then Q: two all-reduces per bucket
+    if scheme == "PowerSGD all-reduce":  # P then Q: two all-reduces per bucket
         return _bucketed("all_reduce", 4.0 * w.powersgd_floats(), 2 * w.buckets(grad), workers, link)
-    if scheme == "fsdp":  # all-gather (forward), all-gather (backward), reduce-scatter (gradients)
+    if scheme == "sharded (fsdp)":  # all-gather (forward), all-gather (backward), reduce-scatter (gradients)
         return 3 * _bucketed("gather", grad, w.buckets(grad), workers, link)
     raise ValueError(f"scheme {scheme!r} is unknown: use one of {', '.join(SCHEMES)}")
 

@@ -23,6 +23,7 @@ from ..config import TrainConfig
 from ..data.datasets import dataset_info
 from ..env.network import free_port
 from ..models import build_model
+from ..strategies import data_parallel_reference
 from .predict import Link, Prediction, Workload, fit_link, format_predictions, predict, scheme_comm_s
 from .runner import BenchResult, reference
 
@@ -81,12 +82,12 @@ def measured_link() -> Link:
 def exposed_fraction(result: BenchResult, w: Workload, link: Link) -> float | None:
     """The fraction of the 2-worker ddp cell's communication that its step time shows, or None."""
     ref = reference(result.results)
-    ddp2 = next((r for r in result.results if r.status == "ok" and r.cell.strategy == "ddp"
+    ddp2 = next((r for r in result.results if r.status == "ok" and r.cell.strategy == data_parallel_reference()
                  and r.cell.world_size == 2 and r.cell.precision == "32" and r.cell.comm_hook == "none"
                  and r.cell.group == "matrix"), None)
     if ref is None or ddp2 is None or not ref.step_time_s or not ddp2.step_time_s:
         return None
-    comm = scheme_comm_s("ddp", w, 2, link)
+    comm = scheme_comm_s("all-reduce (ddp)", w, 2, link)
     if comm < 0.05 * ddp2.step_time_s:  # within the noise of one run: no overlap to read off
         return None
     return min(1.0, max(0.0, (ddp2.step_time_s - ref.step_time_s / 2) / comm))

@@ -36,13 +36,13 @@ def test_schemes_by_hand():
     # 1M parameters in a 1000x1000 matrix: 4 MB of fp32 gradients, one bucket
     w = Workload(compute_s=1.0, batch_per_worker=32, shapes=((1000, 1000),), powersgd_rank=2)
     n = 4
-    assert scheme_comm_s("ddp", w, n, SLOW) == pytest.approx(0.006 + 1.5 * 4.0)
-    assert scheme_comm_s("ddp+fp16", w, n, SLOW) == pytest.approx(0.006 + 1.5 * 2.0)
+    assert scheme_comm_s("all-reduce (ddp)", w, n, SLOW) == pytest.approx(0.006 + 1.5 * 4.0)
+    assert scheme_comm_s("fp16 all-reduce", w, n, SLOW) == pytest.approx(0.006 + 1.5 * 2.0)
     # PowerSGD rank 2: P (1000x2) and Q (1000x2) = 4000 floats = 16 kB, in two all-reduces
     assert w.powersgd_floats() == 4000
-    assert scheme_comm_s("ddp+powersgd", w, n, SLOW) == pytest.approx(2 * 0.006 + 1.5 * 0.016)
+    assert scheme_comm_s("PowerSGD all-reduce", w, n, SLOW) == pytest.approx(2 * 0.006 + 1.5 * 0.016)
     # FSDP: two all-gathers and a reduce-scatter of 4 MB, each 3 ms + 3/4 * 4 s
-    assert scheme_comm_s("fsdp", w, n, SLOW) == pytest.approx(3 * (0.003 + 3.0))
+    assert scheme_comm_s("sharded (fsdp)", w, n, SLOW) == pytest.approx(3 * (0.003 + 3.0))
     with pytest.raises(ValueError, match="unknown"):
         scheme_comm_s("zero", w, n, SLOW)
 
@@ -52,7 +52,7 @@ def test_buckets_pay_latency_each():
     w = Workload.from_params(100_000_000, 1.0, 32)
     assert w.buckets(4e8) == math.ceil(4e8 / BUCKET_BYTES) == 16
     link = Link(1e-3, 1e9)
-    assert scheme_comm_s("ddp", w, 8, link) == pytest.approx(16 * 2 * 7 * 1e-3 + 2 * 7 / 8 * 0.4)
+    assert scheme_comm_s("all-reduce (ddp)", w, 8, link) == pytest.approx(16 * 2 * 7 * 1e-3 + 2 * 7 / 8 * 0.4)
 
 
 def test_powersgd_keeps_vectors_and_conv_weights_as_matrices():
@@ -64,23 +64,23 @@ def test_powersgd_keeps_vectors_and_conv_weights_as_matrices():
 
 def test_predict_samples_and_efficiency():
     w = Workload(compute_s=2.0, batch_per_worker=10, shapes=((1000, 1000),), exposed=0.5)
-    (p,) = predict(w, SLOW, ["ddp"], [4])
+    (p,) = predict(w, SLOW, ["all-reduce (ddp)"], [4])
     comm = 0.006 + 6.0
     assert p.comm_s == pytest.approx(comm)
     assert p.step_s == pytest.approx(2.0 + 0.5 * comm)
     assert p.samples_per_s == pytest.approx(40 / (2.0 + 0.5 * comm))
     assert p.efficiency == pytest.approx(2.0 / (2.0 + 0.5 * comm))
-    hidden = predict(Workload(2.0, 10, ((1000, 1000),), exposed=0.0), SLOW, ["fsdp"], [1024])[0]
+    hidden = predict(Workload(2.0, 10, ((1000, 1000),), exposed=0.0), SLOW, ["sharded (fsdp)"], [1024])[0]
     assert hidden.efficiency == 1.0 and hidden.samples_per_s == pytest.approx(1024 * 10 / 2.0)
 
 
 def test_efficiency_falls_with_workers_and_compression_helps():
     w = Workload.from_params(25_600_000, 0.2, 32)
     link = Link.parse("25gbit,10us")
-    preds = {(p.scheme, p.workers): p for p in predict(w, link, ["ddp", "ddp+fp16", "fsdp"])}
-    effs = [preds[("ddp", n)].efficiency for n in (2, 4, 8, 1024)]
+    preds = {(p.scheme, p.workers): p for p in predict(w, link, ["all-reduce (ddp)", "fp16 all-reduce", "sharded (fsdp)"])}
+    effs = [preds[("all-reduce (ddp)", n)].efficiency for n in (2, 4, 8, 1024)]
     assert effs == sorted(effs, reverse=True)
-    assert preds[("ddp+fp16", 64)].efficiency > preds[("ddp", 64)].efficiency > preds[("fsdp", 64)].efficiency
+    assert preds[("fp16 all-reduce", 64)].efficiency > preds[("all-reduce (ddp)", 64)].efficiency > preds[("sharded (fsdp)", 64)].efficiency
 
 
 def test_fit_link_recovers_a_known_link():
@@ -96,8 +96,8 @@ def test_workload_and_table():
     with pytest.raises(ValueError, match="exposed"):
         Workload(1.0, 1, ((1,),), exposed=1.5)
     w = Workload(0.5, 8, ((100, 10),))
-    text = format_predictions(w, SLOW, predict(w, SLOW, ["ddp", "fsdp"], [2, 4]))
-    assert "1,000 parameters" in text and "ddp" in text and "fsdp" in text
+    text = format_predictions(w, SLOW, predict(w, SLOW, ["all-reduce (ddp)", "sharded (fsdp)"], [2, 4]))
+    assert "1,000 parameters" in text and "all-reduce (ddp)" in text and "sharded (fsdp)" in text
     assert len(text.splitlines()) == 4 + 2
 
 
