@@ -1,7 +1,7 @@
 """Threads inside one process: ``fork``/``wait`` and ``fork_map`` for independent branches, and
 ``configure_threads`` for how a process's cores are shared between them.
 
-The seed's example, written with paratrain::
+The classic ``torch.jit.fork`` example (``compute(x) = x * x`` twice), written with paratrain::
 
     fut1 = paratrain.fork(compute, torch.tensor(10))
     fut2 = paratrain.fork(compute, torch.tensor(20))

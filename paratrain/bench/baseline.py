@@ -1,5 +1,5 @@
 """The hand-written plain-PyTorch DDP loop that ``paratrain bench`` (and ``benchmarks/overhead.py``)
-measures paratrain's ``ddp`` against: seed 000's loop, with nothing of paratrain in it.
+measures paratrain's ``ddp`` against: a typical hand-written DDP loop, with nothing of paratrain in it.
 
 ``init_process_group`` is the caller's (it may share a group with another loop); then::
 
@@ -33,7 +33,7 @@ def plain_ddp_steps(
     device: torch.device | str = "cpu",
     make_optimizer: Callable[[nn.Module], torch.optim.Optimizer] | None = None,
 ) -> Generator[Any, None, None]:
-    """Seed 000's DDP training loop as a generator over steps.
+    """A typical hand-written DDP training loop as a generator over steps.
 
     The first ``next()`` sets up (sampler, loader, ``DDP(net)``, optimizer) and yields the DDP model;
     every later ``next()`` runs exactly one training step and yields its loss (not synchronised:

@@ -8,8 +8,8 @@ Cells are, in order:
   pipelined (``micro_batches`` chunks per batch);
 * ``baseline``: a hand-written plain-PyTorch DDP loop (:mod:`paratrain.bench.baseline`) at each world
   size above 1, the overhead reference for paratrain's ``ddp``;
-* ``trap``: seed 000's effective-batch trap at the largest world size N: the same global batch,
-  the global batch grown ×N (the per-worker batch kept, as the seed did), and the grown batch with
+* ``trap``: the effective-batch trap at the largest world size N: the same global batch,
+  the global batch grown ×N (the per-worker batch kept, as many scripts do), and the grown batch with
   the linear scaling rule plus warmup (Goyal et al. 2017). Every cell trains the same epochs, so
   the grown batch makes N× fewer optimizer steps.
 
@@ -131,7 +131,7 @@ class BenchSpec:
     baseline: bool = True
     """Add the hand-written plain-PyTorch DDP loop at each world size above 1."""
     trap: bool = True
-    """Add seed 000's effective-batch cells at the largest world size."""
+    """Add the effective-batch cells at the largest world size."""
     nccl_cells: bool = True
     """On a machine without CUDA, list ddp-over-nccl cells as skipped (so the table says why)."""
     tolerance: float = 0.02

@@ -4,7 +4,7 @@ processes, interleaved step block by step block, so that other load on the machi
 Two loops that do the same work (same model and initial weights, same data, per-worker batch,
 optimizer and loss) are generators yielding once per optimizer step:
 
-* ``plain``: :func:`paratrain.bench.baseline.plain_ddp_steps`, seed 000's loop written by hand;
+* ``plain``: :func:`paratrain.bench.baseline.plain_ddp_steps`, a typical DDP loop written by hand;
 * ``paratrain``: :func:`parallel_steps`, the same loop through ``Parallel`` (``setup``,
   ``train_loader``, ``backward``).
 

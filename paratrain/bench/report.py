@@ -1,4 +1,4 @@
-"""Seed 000's results table, extended, plus JSON, CSV and a PNG chart of a bench run."""
+"""The strategies' results table plus JSON, CSV and a PNG chart of a bench run."""
 
 from __future__ import annotations
 

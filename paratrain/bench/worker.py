@@ -225,7 +225,7 @@ def _run_baseline(local_rank: int, cfg: TrainConfig, cell: Cell, job: dict[str, 
 
 @torch.no_grad()
 def _plain_evaluate(net: torch.nn.Module, test_set: Any, device: torch.device) -> tuple[float, float]:
-    """Rank 0 evaluates the whole test set, as the seed's script does."""
+    """Rank 0 evaluates the whole test set, as a hand-written script does."""
     net.eval()
     correct = total = 0
     loss = 0.0

@@ -12,7 +12,7 @@ __all__ = ["ProcessInfo", "global_rank", "env_int"]
 class ProcessInfo:
     """The position of this process in the job, as read from the launcher's environment.
 
-    Seed 001's arithmetic holds: ``world_size = nnodes * local_world_size`` and
+    The usual arithmetic holds: ``world_size = nnodes * local_world_size`` and
     ``rank = node_rank * local_world_size + local_rank`` (for homogeneous nodes).
     """
 
@@ -39,7 +39,7 @@ class ProcessInfo:
 
 
 def global_rank(node_rank: int, nproc_per_node: int, local_rank: int) -> int:
-    """Seed 001: rank = node_rank × procs per node + local_rank."""
+    """rank = node_rank × procs per node + local_rank."""
     return node_rank * nproc_per_node + local_rank
 
 

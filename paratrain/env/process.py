@@ -338,7 +338,7 @@ def main_process_first() -> Iterator[None]:
 
 def seed_everything(seed: int, offset_by_rank: bool = False) -> int:
     """Seed python, numpy and torch. With ``offset_by_rank`` each rank gets ``seed + rank``
-    (seed 002: different augmentation/dropout streams per rank); returns the seed used."""
+    (different augmentation/dropout streams per rank); returns the seed used."""
     used = seed + (rank() if offset_by_rank else 0)
     random.seed(used)
     np.random.seed(used % 2**32)

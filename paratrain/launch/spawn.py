@@ -1,4 +1,4 @@
-"""``paratrain.launch``: run a function on N local processes (seed 001's ``mp.spawn``).
+"""``paratrain.launch``: run a function on N local processes (like ``torch.multiprocessing.spawn``).
 
 Built on :func:`torch.multiprocessing.start_processes`. Each process gets the same environment
 variables that ``torchrun`` sets (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``,

@@ -1,4 +1,4 @@
-"""Models paratrain ships: seed 003's MLP, small CIFAR ResNets, a tiny CNN, a tiny transformer, and a name registry."""
+"""Models paratrain ships: an MLP, small CIFAR ResNets, a tiny CNN, a tiny transformer, and a name registry."""
 
 from .mlp import MLP
 from .registry import MODEL_NAMES, build_model

@@ -1,4 +1,4 @@
-"""The multilayer perceptron of seed 003: flatten -> Linear -> ReLU -> Linear."""
+"""A multilayer perceptron: flatten -> Linear -> ReLU -> Linear."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ __all__ = ["MLP"]
 
 
 class MLP(nn.Module):
-    """Seed 003's network: ``flatten -> Linear(in_features, hidden) -> ReLU -> Linear(hidden, K)``.
+    """The network: ``flatten -> Linear(in_features, hidden) -> ReLU -> Linear(hidden, K)``.
 
-    Seed 003 returned ``log_softmax`` outputs and trained with ``NLLLoss``; that is
+    Classic tutorials return ``log_softmax`` outputs and trained with ``NLLLoss``; that is
     ``log_softmax=True`` here. The default ``False`` returns raw logits, for ``CrossEntropyLoss``
     (which equals ``NLLLoss`` on ``log_softmax``, so both train the same model).
 

@@ -16,7 +16,7 @@ that. ``O2`` kept fp16 model weights with fp32 master weights and dynamic loss s
 ``fp16-true``. ``O3`` was pure fp16 without master weights, a speed baseline that often fails
 to converge; it maps to ``fp16-true`` too, because paratrain always keeps fp32 master weights
 (updates below fp16's resolution would otherwise be lost). Apex itself is deprecated in favour
-of these native paths. Seed 001's fallback advice, in
+of these native paths. A common fallback recipe, in
 paratrain terms: start with ``fp16-mixed`` and a static ``loss_scale=128``; if it does not converge,
 use the dynamic scaler (``loss_scale=None``); if it still does not, use ``bf16-mixed`` (on hardware
 with bf16) or ``32``. ``skipped_steps`` tells how often fp16 overflowed.

@@ -1,4 +1,4 @@
-"""Mixed precision: autocast to fp16/bf16, with loss scaling for fp16 (seed 000/001's AMP)."""
+"""Mixed precision: autocast to fp16/bf16, with loss scaling for fp16 (torch.amp's autocast and GradScaler)."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ class FP16Mixed(BF16Mixed):
 
     * ``loss_scale=None``: a dynamic :class:`torch.amp.GradScaler` (starts at 2**16, halves on
       overflow, doubles after 2000 clean steps).
-    * ``loss_scale=128.0`` (seed 001's ``static_loss_scale``): a fixed scale; a step whose
+    * ``loss_scale=128.0`` (Apex's ``static_loss_scale``): a fixed scale; a step whose
       unscaled gradients contain inf/NaN is skipped and the scale stays put.
 
     Either way a skipped step is counted in :attr:`skipped_steps`.

@@ -1,4 +1,4 @@
-"""The parameter server (seed 003) on ``torch.distributed.rpc``.
+"""The parameter server on ``torch.distributed.rpc``.
 
 * :mod:`paratrain.ps.server`: the server's state and the RPC endpoints workers call on it.
 * :mod:`paratrain.ps.dedicated`: :func:`run_parameter_server`, the layout where rank 0 only serves.

@@ -1,4 +1,4 @@
-"""Seed 003's dedicated parameter-server layout over ``torch.distributed.rpc``.
+"""The dedicated parameter-server layout (rank 0 only serves) over ``torch.distributed.rpc``.
 
 :func:`run_parameter_server`: rank 0 is a dedicated server (:mod:`paratrain.ps.server`) that trains nothing, ranks
 1..N-1 are workers, each pulling the parameters, computing a gradient on its shard of the data

@@ -1,4 +1,4 @@
-"""The parameter server's state and its RPC endpoints (``torch.distributed.rpc``), seed 003.
+"""The parameter server's state and its RPC endpoints (``torch.distributed.rpc``).
 
 :class:`ServerState` holds the parameters and a twin of the user's optimizer; one lives in the
 server process (:func:`set_server`). Workers call the module-level endpoints on it over RPC

@@ -1,7 +1,7 @@
-"""``devices``: seed 004's "network partitioning" — consecutive parts of one model on different
+"""``devices``: the naive model split ("network partitioning") — consecutive parts of one model on different
 devices of one process, the activations moved from device to device in forward.
 
-Seed 004's example, as a strategy::
+The usual hand-written split, as a strategy::
 
     x = self.part1(x.to("cuda:0"))
     x = self.part2(x.to("cuda:1"))

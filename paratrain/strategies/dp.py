@@ -1,6 +1,6 @@
 """``dp``: ``nn.DataParallel`` — one process, the batch scattered over the GPUs of this node.
 
-Seed 000 measured it slower than one GPU (19.1 s vs 13.2 s per epoch): it replicates the model
+It is often slower than one GPU (one CIFAR-10 run: 19.1 s vs 13.2 s per epoch): it replicates the model
 every forward and gathers outputs on GPU 0. It is here for comparison; prefer ``ddp``.
 On a machine with fewer than two GPUs it degenerates to the plain module (said once).
 

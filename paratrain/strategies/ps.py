@@ -1,4 +1,4 @@
-"""``ps``: a parameter server (seed 003) as a strategy behind ``Parallel``, sync or async SGD.
+"""``ps``: a parameter server as a strategy behind ``Parallel``, sync or async SGD.
 
 Through ``Parallel`` (``strategy="ps"``, ``fit``, ``paratrain train --strategy ps``) the server is
 *colocated*: rank 0 holds the parameters and the optimizer in its RPC threads and its main thread
@@ -6,7 +6,7 @@ trains like every other rank, so all N processes are workers and the global batc
 N exactly as for ddp. The user's loop is unchanged: ``optimizer.step()`` pushes this rank's
 gradient to the server and loads the parameters it answers with (:class:`ParameterServerStrategy`).
 
-The server itself and the sync/async modes are in :mod:`paratrain.ps.server`; seed 003's
+The server itself and the sync/async modes are in :mod:`paratrain.ps.server`; the
 *dedicated* layout (:func:`run_parameter_server`: rank 0 serves and trains nothing) is in
 :mod:`paratrain.ps.dedicated`.
 """

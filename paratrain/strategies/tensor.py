@@ -1,4 +1,4 @@
-"""``tensor``: DTensor tensor parallelism for Linear layers (seed 004's "layer-wise partitioning").
+"""``tensor``: DTensor tensor parallelism for Linear layers ("layer-wise partitioning").
 
 A pair ``Linear -> activation -> Linear`` is split Megatron-style over the ``tp`` ranks: the first
 Linear column-wise (each rank computes a slice of the hidden features), the second row-wise (each
