@@ -10,9 +10,10 @@ import subprocess
 import time
 from pathlib import Path
 
-PREFIX = "pt-"
-BRIDGE = "pt-br0"
-SUBNET = "10.77.0"  # /24; host i is SUBNET.(10 + i); nothing outside this machine routes it
+# A second lab beside the first (two test runs at once) takes another prefix and subnet.
+PREFIX = os.environ.get("PARATRAIN_LAB_PREFIX", "pt-")
+BRIDGE = f"{PREFIX}br0"
+SUBNET = os.environ.get("PARATRAIN_LAB_SUBNET", "10.77.0")  # /24; host i is SUBNET.(10 + i); nothing outside this machine routes it
 IFACE = "eth0"  # each host's interface (the bridge side is pt-v<i>)
 ETC_NETNS = Path("/etc/netns")
 LAB_DIR = Path(os.environ.get("PARATRAIN_LAB_DIR", "/tmp/paratrain-lab"))
