@@ -205,14 +205,27 @@ def _derive(results: list[CellResult]) -> None:
             r.efficiency = r.speedup / r.cell.world_size
 
 
+NOISE = 0.05
+"""Cells within this fraction of the fastest count as equally fast: one run per cell on a shared
+machine does not tell them apart."""
+
+
 def recommend(results: list[CellResult], tolerance: float) -> CellResult | None:
-    """The fastest paratrain configuration whose test accuracy is within ``tolerance`` of single's."""
+    """The fastest paratrain configuration whose test accuracy is within ``tolerance`` of single's.
+
+    Among the cells within :data:`NOISE` of the fastest, the one with the fewest processes wins,
+    and at one process the single-device reference: a configuration is only recommended over a
+    simpler one for a difference the measurement can show."""
     ref = reference(results)
     if ref is None or ref.test_accuracy is None:
         return None
     keep = [r for r in results if r.status == "ok" and r.cell.strategy != BASELINE and r.test_accuracy is not None
             and r.test_accuracy >= ref.test_accuracy - tolerance and r.seconds_per_epoch]
-    return min(keep, key=lambda r: r.seconds_per_epoch, default=None)  # type: ignore[arg-type,return-value]
+    if not keep:
+        return None
+    best = min(r.seconds_per_epoch for r in keep)  # type: ignore[type-var]
+    tied = [r for r in keep if r.seconds_per_epoch <= best * (1 + NOISE)]  # type: ignore[operator]
+    return min(tied, key=lambda r: (r.cell.world_size, r is not ref, r.seconds_per_epoch))
 
 
 def run_bench(spec: BenchSpec, cfg: TrainConfig, progress: bool = True,

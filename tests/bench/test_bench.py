@@ -54,6 +54,18 @@ def test_recommendation_is_fastest_within_accuracy_tolerance():
     assert recommend([single, slow, fast_bad, baseline], tolerance=0.2) is fast_bad
 
 
+def test_recommendation_takes_the_simpler_configuration_within_noise():
+    def res(cell, spe):
+        return CellResult(cell=cell, status="ok", seconds_per_epoch=spe, test_accuracy=0.9, samples_per_s=1.0)
+
+    single = res(Cell(strategy="single", global_batch=64), 1.0)
+    devices = res(Cell(strategy="devices", global_batch=64), 0.97)  # one process, 3% faster: noise
+    ddp = res(Cell(strategy="ddp", world_size=2, global_batch=64), 0.96)
+    assert recommend([devices, single, ddp], tolerance=0.02) is single
+    faster = res(Cell(strategy="ddp", world_size=2, global_batch=64), 0.6)
+    assert recommend([devices, single, faster], tolerance=0.02) is faster
+
+
 def test_bad_matrix_values_are_one_line_errors():
     with pytest.raises(ValueError, match="world sizes"):
         BenchSpec(world_sizes=[0])
