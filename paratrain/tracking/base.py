@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -14,7 +16,8 @@ class Tracker:
     rank (``Parallel(loggers=[...])``) opens nothing on the others.
 
     ``log_dir``, ``run_name`` and ``append`` are filled in by :class:`~paratrain.tracking.Trackers`
-    when the instance was made without them (``append``: a resumed run continues its files).
+    when the instance was made without them (``append``: a resumed run continues its files, and
+    its wandb or MLflow run, see :meth:`resumed_run`).
     """
 
     name = "tracker"
@@ -25,6 +28,32 @@ class Tracker:
         self.log_dir = log_dir
         self.run_name = run_name
         self.append = False
+
+    RUNS_FILE = "trackers.json"
+    """In the run folder: each backend's run (wandb id, MLflow run id), so that a resumed run
+    continues the same one instead of starting another."""
+
+    def resumed_run(self) -> dict[str, Any] | None:
+        """What :meth:`remember_run` saved for this backend, when this is a resumed run (``append``)."""
+        path = os.path.join(self.log_dir or ".", self.RUNS_FILE)
+        if not self.append or not os.path.exists(path):
+            return None
+        with open(path) as f:
+            found = json.load(f).get(self.name)
+        return found if isinstance(found, dict) else None
+
+    def remember_run(self, info: dict[str, Any]) -> None:
+        """Save ``info`` (the backend's run id...) in the run folder's :data:`RUNS_FILE`."""
+        path = os.path.join(self.log_dir or ".", self.RUNS_FILE)
+        runs = {}
+        if os.path.exists(path):
+            with open(path) as f:
+                runs = json.load(f)
+        runs[self.name] = info
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path + ".tmp", "w") as f:
+            json.dump(runs, f, indent=1)
+        os.replace(path + ".tmp", path)
 
     def log_config(self, config: Mapping[str, Any]) -> None:
         """Record the run's config and provenance where the backend has such a concept (once, before metrics)."""

@@ -1,4 +1,5 @@
-"""``mlflow``: an MLflow run; without ``MLFLOW_TRACKING_URI`` a file store in ``<log_dir>/mlruns``."""
+"""``mlflow``: an MLflow run; without ``MLFLOW_TRACKING_URI`` a file store in ``<log_dir>/mlruns``. A
+resumed paratrain run continues the same MLflow run (its id is kept in the run folder)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ class MLflowTracker(Tracker):
         self.tracking_uri = tracking_uri
         self.client: Any = None
         self.run_id: str | None = None
+        self._logged: set[str] = set()  # params the run already has (a resumed run: MLflow refuses changes)
 
     def _start(self) -> None:
         # function-local: startup time (mlflow's import takes over a second), and it is optional
@@ -40,16 +42,23 @@ class MLflowTracker(Tracker):
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         self.tracking_uri = uri
         self.client = MlflowClient(uri)
+        earlier = self.resumed_run()
+        if earlier and earlier.get("tracking_uri") == uri:  # a resumed paratrain run continues its MLflow run
+            self.run_id = earlier["run_id"]
+            self.client.update_run(self.run_id, status="RUNNING")
+            self._logged = set(self.client.get_run(self.run_id).data.params)
+            return
         found = self.client.get_experiment_by_name(self.experiment)
         experiment_id = found.experiment_id if found else self.client.create_experiment(self.experiment)
         self.run_id = self.client.create_run(experiment_id, run_name=self.run_name).info.run_id
+        self.remember_run({"run_id": self.run_id, "tracking_uri": uri})
 
     def log_config(self, config: Mapping[str, Any]) -> None:
         from mlflow.entities import Param  # function-local: mlflow is optional
 
         if self.run_id is None:
             self._start()
-        params = [Param(k, str(v)[:6000]) for k, v in flatten(config).items()]
+        params = [Param(k, str(v)[:6000]) for k, v in flatten(config).items() if k not in self._logged]
         for i in range(0, len(params), 100):  # MLflow takes at most 100 params per batch
             self.client.log_batch(self.run_id, params=params[i:i + 100])
 

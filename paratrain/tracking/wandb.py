@@ -1,4 +1,5 @@
-"""``wandb``: a Weights & Biases run (``WANDB_MODE=offline`` keeps it on disk, in ``<log_dir>/wandb``)."""
+"""``wandb``: a Weights & Biases run (``WANDB_MODE=offline`` keeps it on disk, in ``<log_dir>/wandb``);
+a resumed paratrain run continues the same wandb run (its id is kept in the run folder)."""
 
 from __future__ import annotations
 
@@ -31,8 +32,13 @@ class WandbTracker(Tracker):
         if self._run is None:
             import wandb  # function-local: startup time (about a second), and it is optional
 
+            kwargs = dict(self.init_kwargs)
+            earlier = self.resumed_run()
+            if earlier and "id" not in kwargs:  # a resumed paratrain run continues its wandb run
+                kwargs.update(id=earlier["id"], resume="allow")
             self._run = wandb.init(project=self.project, name=self.run_name, dir=self.log_dir,
-                                   config=self._config, **self.init_kwargs)
+                                   config=self._config, **kwargs)
+            self.remember_run({"id": self._run.id, "project": self.project})
         return self._run
 
     def log_config(self, config: Mapping[str, Any]) -> None:

@@ -113,8 +113,34 @@ def test_only_rank_0_creates_runs_at_world_size_2(tmp_path: Path, offline: None)
     pytest.importorskip("mlflow")
     listed = paratrain.launch(_world2_worker, nprocs=2, args=(str(tmp_path),), timeout=150,
                               env={"OMP_NUM_THREADS": "1"})
-    assert listed[0] == ["mlruns", "tensorboard", "train.csv", "train.jsonl", "wandb"] and listed[1] == []
+    assert listed[0] == ["mlruns", "tensorboard", "trackers.json", "train.csv", "train.jsonl", "wandb"] and listed[1] == []
     assert sorted(p.name for p in tmp_path.iterdir()) == ["instance0", "rank0"]
     assert (tmp_path / "rank0" / "train.csv").read_text().splitlines() == ["step,loss", "1,0.0"]
     assert len(list((tmp_path / "rank0" / "wandb").glob("offline-run-*"))) == 1
     assert len(list((tmp_path / "rank0" / "mlruns").glob("*/*/meta.yaml"))) == 1  # one run in one experiment
+
+
+def test_a_resumed_run_continues_its_wandb_and_mlflow_runs(tmp_path: Path, offline: None) -> None:
+    pytest.importorskip("wandb")
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+
+    def session(append: bool, config: dict, step: int) -> tuple[str, str, str]:
+        trackers = Trackers(["wandb", "mlflow"], str(tmp_path), append=append, config=config)
+        try:
+            trackers.log({"loss": 1.0 / step}, step=step)
+            wandb_t, mlflow_t = trackers.open()
+            return wandb_t.run.id, mlflow_t.run_id, mlflow_t.tracking_uri
+        finally:
+            trackers.close()
+
+    wandb_id, run_id, uri = session(False, {"lr": 0.1}, 1)
+    # resumed (what the train loop passes after --resume): the same runs; a changed param is kept as first
+    # logged (MLflow refuses changes), a new one is added
+    assert session(True, {"lr": 0.2, "resume": True}, 2) == (wandb_id, run_id, uri)
+    client = MlflowClient(uri)
+    assert [(m.step, m.value) for m in client.get_metric_history(run_id, "train/loss")] == [(1, 1.0), (2, 0.5)]
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED" and run.data.params == {"lr": "0.1", "resume": "True"}
+    fresh_wandb, fresh_run, _ = session(False, {"lr": 0.1}, 1)  # not resumed: new runs
+    assert fresh_wandb != wandb_id and fresh_run != run_id
