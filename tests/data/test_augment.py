@@ -51,6 +51,18 @@ def test_crop_is_a_shifted_window_of_the_zero_padded_image():
     assert (dy != 3).any()  # some sample actually moved
 
 
+def test_crop_and_flip_together_are_the_per_sample_window_then_flip():
+    x = _batch(n=32, c=3, h=5, w=8)  # not square: rows and columns of the padded image differ
+    aug = BatchAugment(crop_padding=2, flip=True)
+    out = aug(x, seed=4)
+    dy, dx, flips = aug.draws(4, 32)
+    padded = torch.nn.functional.pad(x, (2, 2, 2, 2))
+    for i in range(32):
+        window = padded[i, :, dy[i] : dy[i] + 5, dx[i] : dx[i] + 8]
+        assert torch.equal(out[i], window.flip(-1) if flips[i] else window)
+    assert 0 < int(flips.sum()) < 32
+
+
 @pytest.mark.parametrize("shape", [(5, 1, 8, 8), (4, 3, 32, 32), (2, 4, 3, 11)])
 def test_shape_and_dtype_preserved(shape):
     x = torch.randn(shape, dtype=torch.float64)

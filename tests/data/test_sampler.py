@@ -78,7 +78,7 @@ def test_same_global_order_at_world_1_and_3(accumulation):
 def test_uneven_dataset_drops_only_the_tail(world, accumulation):
     n, global_batch = 103, 12  # 103 = 8 * 12 + 7, and 103 is not divisible by 2, 3 or 4
     samplers = make_samplers(n, global_batch, world, accumulation, seed=11)
-    for epoch in range(2):
+    for _epoch in range(2):
         per_rank = [list(s) for s in samplers]
         counts = {len(b) for b in per_rank}
         assert counts == {(n // global_batch) * accumulation}, "ranks must agree on the number of micro-batches"
