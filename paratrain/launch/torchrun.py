@@ -42,6 +42,9 @@ __all__ = ["LaunchConfig", "PASSTHROUGH", "nproc_per_node", "torchrun"]
 PASSTHROUGH = ("--rdzv-conf", "--start-method", "--tee", "--redirects", "--local-ranks-filter")
 
 _PREFIX = "paratrain run: error:"  # the default; paratrain train passes its own
+# The rendezvous id of a single-node job's private rendezvous: new for every invocation, so it
+# names no job that could be restarted on a new membership (see paratrain.loop.train).
+PRIVATE_RDZV_ID = "paratrain-private-"
 _NOT_AVAILABLE = "<N/A>"  # ProcessFailure.error_file when the worker wrote no error file
 
 
@@ -177,7 +180,7 @@ def _torchrun_argv(cfg: LaunchConfig, program: list[str], module: bool, supporte
         if backend == "static":  # asked for explicitly: static on loopback (its agent's TCPStore binds every interface)
             argv += ["--master-addr=127.0.0.1", f"--master-port={free_port('127.0.0.1')}"]
         else:
-            backend, rdzv_id = "c10d", rdzv_id or f"paratrain-{uuid.uuid4().hex}"
+            backend, rdzv_id = "c10d", rdzv_id or f"{PRIVATE_RDZV_ID}{uuid.uuid4().hex}"
             if store_dir is not None:
                 conf = ",".join(["store_type=file", *_user_rdzv_conf(cfg)])
                 argv += [f"--rdzv-endpoint={os.path.join(store_dir, 'rendezvous')}", f"--rdzv-conf={conf}"]

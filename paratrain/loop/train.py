@@ -147,8 +147,10 @@ def _maybe_resume(pt: Parallel, cfg: TrainConfig, model: Any, optimizer: Any,
     Checkpoints that are all bad are an error (CheckpointError), never a silent start from
     scratch. No checkpoint at all is an error for ``--resume``; after a restart it means the
     group failed before its first checkpoint, and training starts over from step 0."""
-    restarted = _restarts() > 0
-    if not (cfg.resume or restarted) or cfg.checkpoint_dir is None:
+    if cfg.checkpoint_dir is None:
+        return None, None
+    restarted = _restarts() > 0 or _same_elastic_job(pt, cfg.checkpoint_dir)
+    if not (cfg.resume or restarted):
         return None, None
     try:
         extra = pt.load_checkpoint(cfg.checkpoint_dir, model, optimizer, scheduler) if os.path.isdir(cfg.checkpoint_dir) else None
@@ -187,6 +189,37 @@ def _other_run(cfg: TrainConfig, extra: dict[str, Any] | None) -> str | None:
             return (f"--resume: the checkpoints in {cfg.checkpoint_dir!r} were written with {flag} {was}, this run "
                     f"has {flag} {now}: resume with {flag} {was}, or train into another --checkpoint-dir")
     return None
+
+
+JOB_MARKER = "rdzv-id"  # in the checkpoint folder: the elastic job (torchrun's rendezvous id) that writes there
+
+
+def _same_elastic_job(pt: Parallel, checkpoint_dir: str) -> bool:
+    """Whether this elastic job already trained into ``checkpoint_dir``: torchrun's agent restarts
+    its workers when a node joins (scale-up) without counting a restart, so the job's rendezvous id,
+    which rank 0 keeps in the folder, is what tells a restart from a new job. A collective under an
+    elastic agent (same answer on every rank); ``False`` where there is no rendezvous id (torchrun's
+    default ``none``) or it is a single-node job's private one."""
+    from ..launch.torchrun import PRIVATE_RDZV_ID
+
+    job = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    if job in ("", "none") or job.startswith(PRIVATE_RDZV_ID):  # no job identity, or one invocation's own
+        return False
+    marker = os.path.join(checkpoint_dir, JOB_MARKER)
+    same = False
+    if pt.is_main_process:
+        try:
+            with open(marker) as f:
+                same = f.read().strip() == job
+        except OSError:
+            same = False
+        if not same:
+            os.makedirs(checkpoint_dir, exist_ok=True)
+            tmp = f"{marker}.{os.getpid()}.tmp"
+            with open(tmp, "w") as f:
+                f.write(job + "\n")
+            os.replace(tmp, marker)
+    return _rank0_says(pt, same)
 
 
 def _restarts() -> int:

@@ -7,6 +7,8 @@ patches paratrain only when a ``PARATRAIN_TEST_*`` variable asks for a fault:
   ``PARATRAIN_TEST_STOP_AT`` SIGSTOPs it (a frozen process); first attempt only (a restarted
   group trains on), through ``fit``'s ``on_step`` in ``paratrain train``; rank ``*`` is whichever
   rank this process is (set it on one host's launcher: that host's ranks);
+* ``PARATRAIN_TEST_WAIT_ALONE_AT=step``: a world of one process waits after that step (for a
+  second host to join, which restarts it at a bigger world; a restart at world 1 waits again);
 * ``PARATRAIN_TEST_CRASH_AFTER_BYTES=N``: a checkpoint writer dies after N bytes, as a killed
   process would.
 """
@@ -65,6 +67,27 @@ def _install_write_crash(limit: int) -> None:
     io._write_atomic = lambda path, write: write_atomic(path, lambda f: write(CrashAfter(f)))
 
 
+def _install_wait_alone(step: int) -> None:
+    import time
+
+    import paratrain.loop.train as train
+
+    fit = train.fit
+
+    def waiting_fit(*args, on_step=None, **kwargs):
+        def hook(pt):
+            if on_step is not None:
+                on_step(pt)
+            while pt.world_size == 1 and pt.global_step == step:
+                time.sleep(0.1)
+
+        return fit(*args, on_step=hook, **kwargs)
+
+    train.fit = waiting_fit
+
+
+if os.environ.get("PARATRAIN_TEST_WAIT_ALONE_AT"):
+    _install_wait_alone(int(os.environ["PARATRAIN_TEST_WAIT_ALONE_AT"]))
 for _name in _FAULTS:
     if os.environ.get(f"PARATRAIN_TEST_{_name}_AT"):
         _install_step_fault(_name, os.environ[f"PARATRAIN_TEST_{_name}_AT"])
