@@ -1,5 +1,9 @@
 """paratrain: take a PyTorch training job from one device to N workers without changing its result."""
 
+from .launch.forkserver import start_early as _start_early
+
+_start_early()  # `paratrain train --nproc-per-node N`: the workers' forkserver imports torch while we do
+
 from .env import (
     barrier,
     destroy,

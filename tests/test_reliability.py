@@ -92,8 +92,9 @@ def test_workers_stop_when_their_agent_is_killed(tmp_path: Path) -> None:
         workers: list[int] = []
         while time.monotonic() < deadline and not (tmp_path / "checkpoints").exists():
             time.sleep(0.2)  # training has started once the first checkpoint is there
-        workers = _children(proc.pid)
-        assert len(workers) == 2, f"expected 2 workers under the agent, found {workers}"
+        # the workers fork from the forkserver that the agent started (paratrain.launch.forkserver)
+        workers = [w for server in _children(proc.pid) for w in _children(server)]
+        assert len(workers) == 2, f"expected 2 workers under the agent's forkserver, found {workers}"
         # A one-node job listens on loopback only: the agent (its rendezvous is a FileStore) not at
         # all, rank 0's process-group store and gloo on 127.0.0.1.
         listening = _listening([proc.pid, *workers])

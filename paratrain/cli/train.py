@@ -138,7 +138,13 @@ def main(args: argparse.Namespace) -> int:
         return 0
     # the workers (and their restarts) train into the folder picked here
     run = ["--set", f"name={cfg.name}"] + (["--set", f"log_dir={cfg.log_dir}"] if cfg.log_dir else [])
-    return torchrun(launch, ["paratrain", *args.argv, *run], module=True, command="train")
+    # Each worker runs `paratrain train ...` as a function, forked from a server that imported torch
+    # (paratrain.launch.forkserver); `--start-method spawn` starts each in a new interpreter instead.
+    from ..launch.forkserver import train_worker
+
+    argv = [*args.argv, *run]
+    return torchrun(launch, ["paratrain", *argv], module=True, command="train",
+                    worker=train_worker, worker_args=(argv,))
 
 
 def _pick_run(cfg: TrainConfig, worker: bool) -> TrainConfig:

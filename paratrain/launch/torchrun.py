@@ -31,7 +31,7 @@ import tempfile
 import threading
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from ..env.network import free_port, is_loopback
 
@@ -296,12 +296,16 @@ class _WakeStopped:
                         os.kill(pid, signal.SIGCONT)
 
 
-def _children() -> list[int]:
-    pids = []
-    for task in os.listdir(f"/proc/{os.getpid()}/task"):
-        with contextlib.suppress(OSError, ValueError):
-            with open(f"/proc/{os.getpid()}/task/{task}/children") as f:
-                pids += [int(p) for p in f.read().split()]
+def _children(pid: int | None = None) -> list[int]:
+    """This process's descendants (workers forked from the forkserver are its grandchildren)."""
+    pid = os.getpid() if pid is None else pid
+    pids: list[int] = []
+    with contextlib.suppress(OSError):
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(OSError, ValueError):
+                with open(f"/proc/{pid}/task/{task}/children") as f:
+                    for child in (int(p) for p in f.read().split()):
+                        pids += [child, *_children(child)]
     return pids
 
 
@@ -315,6 +319,27 @@ def _stopped_with_sigterm_pending(pid: int) -> bool:
     return status.get("State", "").strip().startswith("T") and bool(pending & (1 << (signal.SIGTERM - 1)))
 
 
+def _run_function(trun: Any, args: Any, worker: Callable[..., Any], worker_args: tuple, cfg: LaunchConfig) -> None:
+    """``torch.distributed.run.run(args)`` with ``worker`` as the entrypoint: the launch config
+    torchrun builds from ``args``, handed to its ``elastic_launch`` with the function."""
+    from torch.distributed.launcher.api import elastic_launch
+
+    if not any(a.startswith("--start-method=") for a in cfg.torchrun_args) and "PET_START_METHOD" not in os.environ:
+        args.start_method = "forkserver"
+    if args.start_method == "forkserver":
+        from .forkserver import ensure_running
+
+        ensure_running()  # started already when the command began (paratrain/__init__), else now
+    if args.rdzv_backend == "static" and not args.rdzv_endpoint and args.master_port is None \
+            and trun.parse_min_max_nnodes(args.nnodes)[1] == 1:  # as torchrun's run() does
+        args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
+    if args.master_port is None:
+        args.master_port = 29500
+    config, _, _ = trun.config_from_args(args)
+    environ = {**os.environ, "PARATRAIN_AGENT_PID": str(os.getpid())}  # the workers end with this process
+    elastic_launch(config=config, entrypoint=worker)(*worker_args, environ)
+
+
 def check_resolvable(host: str) -> None:
     """Fail in one line when ``host`` has no address: c10d would otherwise retry forever."""
     try:
@@ -324,8 +349,14 @@ def check_resolvable(host: str) -> None:
                          "give the master/rendezvous host as a name this machine can look up, or an IP") from None
 
 
-def torchrun(cfg: LaunchConfig, program: list[str], module: bool = False, command: str = "run") -> int:
+def torchrun(cfg: LaunchConfig, program: list[str], module: bool = False, command: str = "run",
+             worker: Callable[..., Any] | None = None, worker_args: tuple = ()) -> int:
     """Run ``program`` (``[script.py, *args]``, or ``[module, *args]`` with ``module``) under torchrun.
+
+    With ``worker``, each worker runs ``worker(*worker_args, environ)`` instead, ``environ`` being
+    this process's environment when the workers start (torchrun's elastic agent with a function
+    entrypoint, as ``torch.distributed.launcher.api.elastic_launch`` takes one), started by ``--start-method`` (default ``forkserver``: forked from a server that imported
+    torch once, see :mod:`paratrain.launch.forkserver`); ``program`` then only names the job.
 
     Blocks until every worker on this node has finished. Returns 0 on success; on a worker failure
     prints one line naming the failed rank(s), exit code and root cause (recorded when the script
@@ -355,6 +386,7 @@ def torchrun(cfg: LaunchConfig, program: list[str], module: bool = False, comman
         # below says; PARATRAIN_LAUNCH_LOGS=1 keeps them.
         logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
         logging.getLogger("torch.distributed.run").setLevel(logging.ERROR)
+        logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)  # "Terminating process ..."
     if is_loopback(cfg.rendezvous_host):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     if not any(a.startswith("--rdzv-conf=store_type=file") for a in argv):  # the agent's rendezvous is torch's TCPStore server
@@ -364,7 +396,10 @@ def torchrun(cfg: LaunchConfig, program: list[str], module: bool = False, comman
         args = parser.parse_args(argv)
         args.training_script_args = list(program[1:])
         with _WakeStopped():
-            trun.run(args)
+            if worker is None:
+                trun.run(args)
+            else:
+                _run_function(trun, args, worker, worker_args, cfg)
     except ChildFailedError as e:
         line, rc = _failure_line(e, prefix)
         print(line, file=sys.stderr, flush=True)

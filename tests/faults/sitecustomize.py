@@ -24,8 +24,6 @@ def _install_step_fault(name: str, spec: str) -> None:
 
     import paratrain.loop.train as train
 
-    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")):
-        return
     act = {"KILL": lambda: os.kill(os.getpid(), signal.SIGKILL), "HANG": lambda: time.sleep(3600),
            "STOP": lambda: os.kill(os.getpid(), signal.SIGSTOP)}[name]
     who, step = spec.split(":")
@@ -36,7 +34,10 @@ def _install_step_fault(name: str, spec: str) -> None:
         def hook(pt):
             if on_step is not None:
                 on_step(pt)
-            if rank in (None, pt.rank) and pt.global_step == step:
+            # read when the step ends: workers forked from paratrain's forkserver got this
+            # patch before torchrun told them which attempt they are
+            restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+            if not restarted and rank in (None, pt.rank) and pt.global_step == step:
                 act()
 
         return fit(*args, on_step=hook, **kwargs)

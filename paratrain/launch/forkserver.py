@@ -1,0 +1,155 @@
+"""``paratrain.launch.forkserver``: ``paratrain train``'s workers fork from a server that has imported torch.
+
+A worker that torchrun starts as a new interpreter (``python -m paratrain train ...``) pays python's
+start and the import of torch and paratrain again: seconds per worker, on every worker at once. A
+hand-written ``torchrun`` script pays the same. ``paratrain train --nproc-per-node N`` instead hands
+torchrun's elastic agent a *function* (:func:`train_worker`) with ``start_method="forkserver"``
+(torch's own ``torch.distributed.launcher.api.elastic_launch`` and ``start_processes``): the workers
+fork from Python's forkserver, which imported torch and paratrain once (``multiprocessing``'s
+``set_forkserver_preload``), and which :func:`start_early` starts at the very beginning of the
+command, so it imports them while the command itself does (two cores, two imports at once).
+
+Nothing else changes: the agent, its rendezvous, restarts and failure reports are torchrun's; the
+forkserver holds no CUDA state (it only imports), so a forked worker may use CUDA. ``--start-method
+spawn`` gives every worker a fresh interpreter again. The early start is skipped under another
+launcher (a worker of torchrun, Slurm or MPI) and with ``PARATRAIN_NO_EARLY_FORKSERVER=1``; the
+server then starts when the workers do.
+
+This module uses only the standard library at import: :func:`start_early` runs before torch is
+imported.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.forkserver
+import os
+import sys
+from typing import Mapping, Sequence
+
+__all__ = ["PRELOAD", "start_early", "wants_early_start", "ensure_running", "train_worker", "worker_environ"]
+
+# What the server imports: this module (which records the server's environment) and the modules a
+# default `paratrain train` job runs, so that the workers import nothing heavy themselves.
+PRELOAD = ["paratrain.launch.forkserver", "paratrain.cli.main", "paratrain.cli.train", "paratrain.loop.train"]
+
+# Variables that make this process a worker of another launcher: no workers of its own to start.
+_LAUNCHER_WORKER = ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK")
+
+# The environment this process had when it was imported. In the forkserver (which imports this
+# module first) that is the environment every forked worker starts from; see train_worker.
+_SERVER_ENV = dict(os.environ)
+AGENT_PID = "PARATRAIN_AGENT_PID"  # set for the workers: the agent's pid, which they end with
+_IMPORTED_IN = os.getpid()
+
+
+def _flag(argv: Sequence[str], *names: str) -> str | None:
+    """The value of the last ``--name V`` or ``--name=V`` in ``argv``, else None."""
+    value = None
+    for i, arg in enumerate(argv):
+        for name in names:
+            if arg == name and i + 1 < len(argv):
+                value = argv[i + 1]
+            elif arg.startswith(name + "="):
+                value = arg.split("=", 1)[1]
+    return value
+
+
+def wants_early_start(argv: Sequence[str], environ: Mapping[str, str]) -> bool:
+    """Whether ``paratrain ARGV`` will start workers of its own through the forkserver: ``train``
+    with more than one worker on this node or several nodes, not under another launcher."""
+    if not argv or argv[0] != "train" or environ.get("PARATRAIN_NO_EARLY_FORKSERVER") == "1":
+        return False
+    if any(key in environ for key in _LAUNCHER_WORKER):
+        return False
+    if any(arg in ("-h", "--help", "--print-config") for arg in argv):
+        return False
+    if _flag(argv, "--start-method", "--start_method") not in (None, "forkserver"):
+        return False
+    nproc = _flag(argv, "--nproc-per-node", "--nproc_per_node")
+    nnodes = _flag(argv, "--nnodes")
+    return nproc not in (None, "1") or nnodes not in (None, "1")
+
+
+def ensure_running() -> None:
+    """Start the forkserver with :data:`PRELOAD` unless it runs already (it then keeps what it
+    imported). It imports in the background: this returns at once."""
+    multiprocessing.set_forkserver_preload(PRELOAD)
+    multiprocessing.forkserver.ensure_running()
+
+
+def start_early() -> None:
+    """Called first thing when ``paratrain`` is imported: when this process is the ``paratrain``
+    command and will fork workers (:func:`wants_early_start`), start the forkserver now, so that
+    it imports torch while this process does."""
+    program = os.path.basename(sys.argv[0]) if sys.argv else ""
+    if program not in ("paratrain", "-m"):  # the console script, or python -m paratrain
+        return
+    if wants_early_start(sys.argv[1:], os.environ):
+        try:
+            ensure_running()
+        except OSError:  # no fork server here (a platform without AF_UNIX): started later, or spawn is used
+            pass
+
+
+def worker_environ(launcher: Mapping[str, str], current: Mapping[str, str],
+                   server: Mapping[str, str] | None) -> dict[str, str]:
+    """A forked worker's environment: the ``launcher``'s, under the variables the agent set in this
+    process (those of ``current`` that differ from the ``server``'s environment). ``server`` None:
+    this process did not fork from a server that preloaded this module (``spawn``), and it started
+    with the launcher's environment under the agent's already: it keeps ``current`` and gains what
+    it lacks."""
+    if server is None:
+        agent = dict(current)
+    else:
+        agent = {k: v for k, v in current.items() if server.get(k) != v}
+    return {**launcher, **agent}
+
+
+def _end_with(pid: int) -> None:
+    """SIGTERM this worker when process ``pid`` (torchrun's agent) ends, as a SIGKILLed agent (an
+    OOM kill) cannot stop its workers. ``PR_SET_PDEATHSIG`` watches the parent, here the forkserver,
+    which lives as long as any worker does: a thread waits on the agent's pidfd instead."""
+    import select
+    import signal
+    import threading
+
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:  # the agent is gone already
+        os.kill(os.getpid(), signal.SIGTERM)
+        return
+    except (AttributeError, OSError):  # no pidfd (not Linux 5.3+): nothing to wait on
+        return
+
+    def wait() -> None:
+        select.select([fd], [], [])
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=wait, name="paratrain-agent-watch", daemon=True).start()
+
+
+def train_worker(argv: list[str], environ: dict[str, str]) -> None:
+    """One worker of ``paratrain train`` (what ``python -m paratrain train ARGV`` would run), in a
+    process forked from the server. ``environ`` is the launching command's environment: it replaces
+    the one the server started with, under the variables torchrun's agent set for this worker
+    (``RANK``, ``TORCHELASTIC_*``...), just as a new interpreter would get ``{**environ, **agent's}``.
+    The worker ends when the agent named by ``PARATRAIN_AGENT_PID`` in ``environ`` does."""
+    merged = worker_environ(environ, dict(os.environ), None if os.getpid() == _IMPORTED_IN else _SERVER_ENV)
+    os.environ.clear()
+    os.environ.update(merged)
+    if os.environ.get(AGENT_PID, "").isdigit():
+        _end_with(int(os.environ[AGENT_PID]))
+    import torch
+
+    threads = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if threads.isdigit() and int(threads) > 0:  # the server's OpenMP read its own value at import
+        torch.set_num_threads(int(threads))
+    sys.argv = ["paratrain", *argv]
+    from ..cli.main import main
+
+    code = main(argv)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if code:
+        raise SystemExit(code)
