@@ -1,8 +1,11 @@
 """Samples/s of paratrain's train loader against a plain per-sample ``DataLoader``.
 
 What it measures
-    Reading CIFAR-shaped data (float32 ``3x32x32`` images and int64 labels in a ``TensorDataset``)
-    in shuffled batches of ``--batch`` (256), nothing else done with the batch:
+    Reading CIFAR-shaped data (``3x32x32`` images and int64 labels in a ``TensorDataset``) in
+    shuffled batches of ``--batch`` (256), nothing else done with the batch, for each of
+    ``--dtypes``: ``uint8`` images (how CIFAR-10 is stored: torchvision's ``CIFAR10.data``, the
+    python batch files; 3 KiB an image) and ``float32`` ones (what paratrain's built-in datasets
+    hold; 12 KiB an image, so four times the bytes to copy):
 
     * ``paratrain``: ``GlobalBatchLoader`` (what ``Parallel.train_loader`` returns for a dataset),
       world size 1; a ``TensorDataset`` is read with one indexing operation per tensor per batch
@@ -28,6 +31,7 @@ How
 Usage::
 
     python benchmarks/dataloader.py [--rounds 5] [--samples 10240] [--batch 256] [--workers 0,2]
+                                    [--dtypes uint8,float32]
 """
 
 from __future__ import annotations
@@ -113,42 +117,54 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=10240)
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--workers", default="0,2")
+    ap.add_argument("--dtypes", default="uint8,float32")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    g = torch.Generator().manual_seed(0)
-    data = TensorDataset(torch.randn(args.samples, 3, 32, 32, generator=g),
-                         torch.randint(0, 10, (args.samples,), generator=g))
     print(f"torch {torch.__version__}, {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
           f"load average {os.getloadavg()[0]:.1f}; batch {args.batch}, {args.samples} samples an epoch, "
           f"{args.rounds} rounds, 1 intra-op thread")
-    for workers in (int(w) for w in args.workers.split(",")):
-        print(f"\n{workers} worker(s):")
-        for name, (ours, theirs) in variants(data, args.batch, workers).items():
-            read_epoch(ours), read_epoch(theirs)  # warm-up: workers started, caches filled
-            rates: dict[str, list[float]] = {"paratrain": [], "other": []}
-            for r in range(args.rounds):
-                order = [("paratrain", ours), ("other", theirs)]
-                order = order + order[::-1] if r % 2 == 0 else order[::-1] + order
-                seconds = {"paratrain": 0.0, "other": 0.0}
-                samples = {"paratrain": 0, "other": 0}
-                for key, loader in order:
-                    t0 = time.perf_counter()
-                    samples[key] += read_epoch(loader)
-                    seconds[key] += time.perf_counter() - t0
-                for key in seconds:
-                    rates[key].append(samples[key] / seconds[key])
-                if workers == 0 and name == "per-sample DataLoader":
-                    copy_s = bare_copy_seconds(data, args.batch)
-                    rates.setdefault("copy", []).append(args.batch / copy_s)
-            ratios = [a / b for a, b in zip(rates["paratrain"], rates["other"])]
-            if "copy" in rates:  # the most any loader that copies its batch can read
-                ceiling = [c / b for c, b in zip(rates["copy"], rates["other"])]
-                print(f"  bare copy of a batch's images (contiguous clone, no gather): {spread(rates['copy'])} "
-                      f"samples/s = {statistics.median(ceiling):.1f}× the per-sample DataLoader (the ceiling)")
-            print(f"  paratrain train loader: {spread(rates['paratrain'])} samples/s (median, min–max)")
-            print(f"  {name}: {spread(rates['other'])} samples/s")
-            print(f"  ratio paratrain / {name}: median {statistics.median(ratios):.1f}× "
-                  f"(per round {min(ratios):.1f}–{max(ratios):.1f}×)")
+    for dtype in args.dtypes.split(","):
+        g = torch.Generator().manual_seed(0)
+        if dtype == "uint8":
+            images = torch.randint(0, 256, (args.samples, 3, 32, 32), generator=g, dtype=torch.uint8)
+        elif dtype == "float32":
+            images = torch.randn(args.samples, 3, 32, 32, generator=g)
+        else:
+            sys.exit(f"--dtypes {dtype!r}: use uint8 and/or float32")
+        data = TensorDataset(images, torch.randint(0, 10, (args.samples,), generator=g))
+        for workers in (int(w) for w in args.workers.split(",")):
+            print(f"\n{dtype} images, {workers} worker(s):")
+            run(data, args, workers)
+
+
+def run(data: TensorDataset, args: argparse.Namespace, workers: int) -> None:
+    """Time each pair of loaders over ``--rounds`` rounds and print their rates and ratios."""
+    for name, (ours, theirs) in variants(data, args.batch, workers).items():
+        read_epoch(ours), read_epoch(theirs)  # warm-up: workers started, caches filled
+        rates: dict[str, list[float]] = {"paratrain": [], "other": []}
+        for r in range(args.rounds):
+            order = [("paratrain", ours), ("other", theirs)]
+            order = order + order[::-1] if r % 2 == 0 else order[::-1] + order
+            seconds = {"paratrain": 0.0, "other": 0.0}
+            samples = {"paratrain": 0, "other": 0}
+            for key, loader in order:
+                t0 = time.perf_counter()
+                samples[key] += read_epoch(loader)
+                seconds[key] += time.perf_counter() - t0
+            for key in seconds:
+                rates[key].append(samples[key] / seconds[key])
+            if workers == 0 and name == "per-sample DataLoader":
+                copy_s = bare_copy_seconds(data, args.batch)
+                rates.setdefault("copy", []).append(args.batch / copy_s)
+        ratios = [a / b for a, b in zip(rates["paratrain"], rates["other"])]
+        if "copy" in rates:  # the most any loader that copies its batch can read
+            ceiling = [c / b for c, b in zip(rates["copy"], rates["other"])]
+            print(f"  bare copy of a batch's images (contiguous clone, no gather): {spread(rates['copy'])} "
+                  f"samples/s = {statistics.median(ceiling):.1f}× the per-sample DataLoader (the ceiling)")
+        print(f"  paratrain train loader: {spread(rates['paratrain'])} samples/s (median, min–max)")
+        print(f"  {name}: {spread(rates['other'])} samples/s")
+        print(f"  ratio paratrain / {name}: median {statistics.median(ratios):.1f}× "
+              f"(per round {min(ratios):.1f}–{max(ratios):.1f}×)")
 
 
 if __name__ == "__main__":

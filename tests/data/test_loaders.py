@@ -157,3 +157,22 @@ def test_first_sample_is_a_batch_of_one():
     loader = EvalLoader(data, 4, 3, 0, CPU)  # rank 0 of 3 gets no sample of 2
     assert list(loader) == []
     assert_same(loader.first_sample(), [t[:1] for t in data.tensors])
+
+
+def test_a_view_read_in_this_process_skips_the_dataloader_but_not_its_batches(monkeypatch):
+    """0 workers, no pinning: the view is indexed directly with tensor rows
+    (``paratrain.data.loaders._read``), and the batches are those the DataLoader reads."""
+    from paratrain.data import loaders
+
+    loader = GlobalBatchLoader(tensors(60), BatchPlan.derive(8, 2, accumulation=2), 1, CPU, seed=5,
+                               position=lambda: 3)
+    loader.sampler.set_position(3)
+    want = list(loader.dataloader)  # the DataLoader's own reads of the same epoch
+
+    def not_iterated(self):
+        raise AssertionError("the DataLoader was iterated")
+
+    monkeypatch.setattr(loaders.DataLoader, "__iter__", not_iterated)
+    got = list(loader)
+    assert len(got) == len(want) == (60 // 8 - 3) * 2
+    assert_same(got, want)

@@ -1,6 +1,7 @@
 """Global-batch sampling: exact coverage, world-size-invariant order, exact resume (pure, no processes)."""
 
 import pytest
+import torch
 
 from paratrain.data.sampler import BatchPlan, GlobalBatchSampler, ShardedEvalSampler
 
@@ -256,3 +257,15 @@ def test_dataloader_with_workers_plays_epochs_in_order():
     loader = DataLoader(list(range(12)), batch_sampler=sampler, num_workers=1)
     got = [[b.tolist() for b in loader] for _ in range(2)]
     assert got == [list(sampler.micro_batches(0)), list(sampler.micro_batches(1))]
+
+
+def test_rows_as_tensors_are_the_micro_batches_and_play_the_same_epochs():
+    plan = BatchPlan.derive(8, 2, 2)
+    samplers = [GlobalBatchSampler(37, plan, rank=1, seed=5) for _ in range(2)]
+    samplers[0].set_position(3), samplers[1].set_position(3)
+    for _ in range(2):  # the rest of epoch 0 from step 3, then all of epoch 1
+        lists = list(samplers[0])
+        rows = list(samplers[1].iter_rows())
+        assert [r.dtype for r in rows] == [torch.int64] * len(rows)
+        assert [r.tolist() for r in rows] == lists
+    assert samplers[0].position == samplers[1].position == 2 * (37 // 8)
