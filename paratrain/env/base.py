@@ -62,3 +62,7 @@ class UnavailableError(RuntimeError):
 
 class CollectiveTimeoutError(RuntimeError):
     """A collective ran past ``timeout_s``: names the rank(s) that did not arrive, in one line."""
+
+
+class PeerLostError(CollectiveTimeoutError):
+    """A collective failed because a peer closed its connection: that peer ended first (one line)."""

@@ -23,12 +23,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .base import CollectiveTimeoutError, ProcessInfo, UnavailableError
+from .base import CollectiveTimeoutError, PeerLostError, ProcessInfo, UnavailableError
 from .detect import detect_process
 from .network import free_port, interface_towards, is_loopback, loopback_store, store_init_method
 
 __all__ = [
-    "Dist", "UnavailableError", "free_port", "CollectiveTimeoutError", "explain_timeout", "init", "interface_towards", "is_loopback", "loopback_store", "store_init_method", "die_with_launcher", "destroy", "preload_dynamo", "available_accelerator", "select_device", "select_backend", "rank", "world_size",
+    "Dist", "UnavailableError", "free_port", "CollectiveTimeoutError", "PeerLostError", "explain_timeout", "explain_peer_loss", "init", "interface_towards", "is_loopback", "loopback_store", "store_init_method", "die_with_launcher", "destroy", "preload_dynamo", "available_accelerator", "select_device", "select_backend", "rank", "world_size",
     "local_rank", "is_main_process", "barrier", "print_once", "save_on_main",
     "main_process_first", "seed_everything",
 ]
@@ -258,6 +258,31 @@ def explain_timeout(error: BaseException, timeout_s: float, step: int | None = N
     return CollectiveTimeoutError(
         f"{_ranks(missing)} did not arrive at a collective{at} for {timeout_s:g} s (timeout_s): hung, frozen or unreachable; "
         f"{_ranks(answered)} waited for {'them' if len(missing) > 1 else 'it'}")
+
+
+# gloo's words (tcp/pair.cc) for a peer whose end of the connection closed: it exited or was killed
+_PEER_CLOSED = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
+
+
+def explain_peer_loss(error: BaseException, step: int | None = None, grace_s: float = 2.0) -> PeerLostError | None:
+    """If ``error`` is a collective whose peer closed its connection, a :class:`PeerLostError`
+    saying so in one line (else None), returned after ``grace_s`` seconds.
+
+    The peer ended first: it crashed, or was killed (SIGKILL, the OOM killer). The wait lets the
+    launcher see that peer's end before this rank's, so that torchrun's agent reports the rank
+    that really failed: with workers started as functions it reports only the first failure it
+    sees, and its error files' times would otherwise put this rank's error first.
+    """
+    if not (_initialized() and isinstance(error, RuntimeError)):
+        return None
+    text = str(error)
+    if not any(words in text for words in _PEER_CLOSED):
+        return None
+    time.sleep(grace_s)
+    at = f" at step {step}" if step is not None else ""
+    cause = next(words for words in _PEER_CLOSED if words in text)
+    return PeerLostError(f"rank {rank()} lost its connection to a peer in a collective{at} ({cause}): another rank "
+                         "ended first; its failure is the cause")
 
 
 def _ranks(ranks: list[int]) -> str:
