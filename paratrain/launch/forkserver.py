@@ -85,7 +85,7 @@ def start_early() -> None:
     program = os.path.basename(sys.argv[0]) if sys.argv else ""
     if program not in ("paratrain", "-m"):  # the console script, or python -m paratrain
         return
-    if wants_early_start(sys.argv[1:], os.environ):
+    if wants_early_start(sys.argv[1:], os.environ) and "forkserver" in multiprocessing.get_all_start_methods():
         try:
             ensure_running()
         except OSError:  # no fork server here (a platform without AF_UNIX): started later, or spawn is used

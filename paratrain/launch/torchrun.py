@@ -324,8 +324,11 @@ def _run_function(trun: Any, args: Any, worker: Callable[..., Any], worker_args:
     torchrun builds from ``args``, handed to its ``elastic_launch`` with the function."""
     from torch.distributed.launcher.api import elastic_launch
 
+    import multiprocessing
+
     if not any(a.startswith("--start-method=") for a in cfg.torchrun_args) and "PET_START_METHOD" not in os.environ:
-        args.start_method = "forkserver"
+        # forkserver where the platform has one (not Windows): new interpreters otherwise
+        args.start_method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
     if args.start_method == "forkserver":
         from .forkserver import ensure_running
 
