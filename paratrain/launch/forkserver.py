@@ -21,9 +21,12 @@ imported.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import multiprocessing
 import multiprocessing.forkserver
 import os
+import signal
 import sys
 from typing import Mapping, Sequence
 
@@ -73,9 +76,29 @@ def wants_early_start(argv: Sequence[str], environ: Mapping[str, str]) -> bool:
 
 def ensure_running() -> None:
     """Start the forkserver with :data:`PRELOAD` unless it runs already (it then keeps what it
-    imported). It imports in the background: this returns at once."""
+    imported). It imports in the background: this returns at once. When this process exits,
+    the server it started is stopped (see :func:`_stop_server`)."""
     multiprocessing.set_forkserver_preload(PRELOAD)
     multiprocessing.forkserver.ensure_running()
+    global _STOP_REGISTERED
+    if not _STOP_REGISTERED:
+        atexit.register(_stop_server)
+        _STOP_REGISTERED = True
+
+
+_STOP_REGISTERED = False
+
+
+def _stop_server() -> None:
+    """SIGTERM the forkserver that this process started. It would end by itself once this process
+    and every worker are gone, but only after it finished importing torch: a command that failed
+    at once (a bad value) would keep its output pipes open for seconds. By the time the command
+    exits, torchrun's agent has ended its workers."""
+    pid = getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None)
+    if pid:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGTERM)
+            os.waitpid(pid, 0)
 
 
 def start_early() -> None:

@@ -7,11 +7,12 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
-from clitools import ROOT, cli_env, run_cli
+from clitools import ROOT, cli_env, killpg, run_cli
 from paratrain.launch.forkserver import wants_early_start, worker_environ
 
 pytestmark = pytest.mark.timeout(180)
@@ -98,3 +99,38 @@ def test_a_failing_forked_worker_is_one_line(tmp_path):
     assert res.returncode == 137, res.stderr[-3000:]
     lines = [ln for ln in res.stderr.splitlines() if ln.strip() and not ln.startswith("paratrain: ")]
     assert len(lines) == 1 and "rank 1" in lines[0] and "SIGKILL" in lines[0], res.stderr[-3000:]
+
+
+def _forkservers_with(marker: str) -> list[int]:
+    """Python forkservers (not their resource tracker) whose environment holds ``marker``."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as f, open(f"/proc/{entry}/cmdline", "rb") as c:
+                    if marker.encode() in f.read() and b"multiprocessing.forkserver" in c.read():
+                        found.append(int(entry))
+            except OSError:
+                continue
+    return found
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="needs /proc (Linux)")
+def test_a_command_that_fails_at_once_leaves_no_forkserver_behind():
+    """The server started first thing is stopped when the command exits, not seconds later."""
+    import uuid
+
+    marker = f"forkserver-{uuid.uuid4().hex}"
+    with tempfile.TemporaryFile("w+") as err:  # not a pipe: nothing waits for the server to close it
+        proc = subprocess.Popen([sys.executable, "-m", "paratrain", "train", "--strategy", "ddp", "--nproc-per-node",
+                                 "2", "--backend", "pigeon", "--log-dir", "none"], cwd=ROOT,
+                                env=cli_env(PROBE_MARK=marker), stdout=subprocess.DEVNULL, stderr=err,
+                                start_new_session=True)
+        try:
+            assert proc.wait(timeout=60) == 2
+            left = _forkservers_with(f"PROBE_MARK={marker}")  # at once: the server imports torch for seconds
+        finally:
+            killpg(proc)
+        err.seek(0)
+        assert "backend 'pigeon' is unknown" in err.read()
+    assert left == []
