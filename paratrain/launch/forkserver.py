@@ -134,7 +134,6 @@ def _end_with(pid: int) -> None:
     OOM kill) cannot stop its workers. ``PR_SET_PDEATHSIG`` watches the parent, here the forkserver,
     which lives as long as any worker does: a thread waits on the agent's pidfd instead."""
     import select
-    import signal
     import threading
 
     try:

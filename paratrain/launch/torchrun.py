@@ -322,16 +322,16 @@ def _stopped_with_sigterm_pending(pid: int) -> bool:
 def _run_function(trun: Any, args: Any, worker: Callable[..., Any], worker_args: tuple, cfg: LaunchConfig) -> None:
     """``torch.distributed.run.run(args)`` with ``worker`` as the entrypoint: the launch config
     torchrun builds from ``args``, handed to its ``elastic_launch`` with the function."""
+    import multiprocessing
+
     from torch.distributed.launcher.api import elastic_launch
 
-    import multiprocessing
+    from .forkserver import AGENT_PID, ensure_running
 
     if not any(a.startswith("--start-method=") for a in cfg.torchrun_args) and "PET_START_METHOD" not in os.environ:
         # forkserver where the platform has one (not Windows): new interpreters otherwise
         args.start_method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
     if args.start_method == "forkserver":
-        from .forkserver import ensure_running
-
         ensure_running()  # started already when the command began (paratrain/__init__), else now
     if args.rdzv_backend == "static" and not args.rdzv_endpoint and args.master_port is None \
             and trun.parse_min_max_nnodes(args.nnodes)[1] == 1:  # as torchrun's run() does
@@ -339,7 +339,7 @@ def _run_function(trun: Any, args: Any, worker: Callable[..., Any], worker_args:
     if args.master_port is None:
         args.master_port = 29500
     config, _, _ = trun.config_from_args(args)
-    environ = {**os.environ, "PARATRAIN_AGENT_PID": str(os.getpid())}  # the workers end with this process
+    environ = {**os.environ, AGENT_PID: str(os.getpid())}  # the workers end with this process
     elastic_launch(config=config, entrypoint=worker)(*worker_args, environ)
 
 
@@ -358,8 +358,9 @@ def torchrun(cfg: LaunchConfig, program: list[str], module: bool = False, comman
 
     With ``worker``, each worker runs ``worker(*worker_args, environ)`` instead, ``environ`` being
     this process's environment when the workers start (torchrun's elastic agent with a function
-    entrypoint, as ``torch.distributed.launcher.api.elastic_launch`` takes one), started by ``--start-method`` (default ``forkserver``: forked from a server that imported
-    torch once, see :mod:`paratrain.launch.forkserver`); ``program`` then only names the job.
+    entrypoint, as ``torch.distributed.launcher.api.elastic_launch`` takes one), started by
+    ``--start-method`` (default ``forkserver``: forked from a server that imported torch once, see
+    :mod:`paratrain.launch.forkserver`); ``program`` then only names the job.
 
     Blocks until every worker on this node has finished. Returns 0 on success; on a worker failure
     prints one line naming the failed rank(s), exit code and root cause (recorded when the script
