@@ -163,13 +163,13 @@ class GlobalBatchSampler(Sampler[list[int]]):
                 yield perm[lo : lo + p.micro_batch]
 
     def __iter__(self) -> Iterator[list[int]]:
-        return self.play(self.micro_batches)
+        return self._play(self.micro_batches)
 
     def iter_rows(self) -> Iterator[torch.Tensor]:
         """``iter()`` with each micro-batch as an int64 tensor (:meth:`micro_batch_rows`)."""
-        return self.play(self.micro_batch_rows)
+        return self._play(self.micro_batch_rows)
 
-    def play(self, batches: Any) -> Iterator[Any]:
+    def _play(self, batches: Any) -> Iterator[Any]:
         """One epoch of ``batches(epoch, start_step)`` from :attr:`position`; the position moves to
         the next epoch once iteration starts."""
         epoch, start = self._epoch, self._step_in_epoch

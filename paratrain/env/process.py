@@ -11,6 +11,7 @@ import contextlib
 import importlib
 import os
 import random
+import select
 import signal
 import sys
 import threading
@@ -123,8 +124,9 @@ def die_with_launcher() -> bool:
 
     A torchrun agent killed by SIGKILL (an OOM kill) cannot stop its workers; without this they
     would train on and keep writing checkpoints into a run directory that a re-run also uses.
-    Applied to workers of torchrun/``paratrain run`` and ``paratrain.launch``. Returns whether it
-    was armed.
+    Applied to workers of torchrun/``paratrain run`` and ``paratrain.launch``; a worker forked from
+    ``paratrain train``'s forkserver (:data:`AGENT_PID` set) also watches the agent itself. Returns
+    whether it was armed.
     """
     if not sys.platform.startswith("linux"):
         return False
@@ -140,7 +142,36 @@ def die_with_launcher() -> bool:
         return False
     if os.getppid() == 1:  # the launcher died before the signal was armed
         os.kill(os.getpid(), signal.SIGTERM)
+    agent = os.environ.get(AGENT_PID, "")
+    if agent.isdigit() and int(agent) != os.getppid():
+        _end_with(int(agent))
     return True
+
+
+# Set by paratrain's launcher for workers that fork from its forkserver: the agent's pid. Their
+# parent is the forkserver, which PR_SET_PDEATHSIG watches, and which lives as long as any worker.
+AGENT_PID = "PARATRAIN_AGENT_PID"
+_WATCHED: set[int] = set()
+
+
+def _end_with(pid: int) -> None:
+    """SIGTERM this process when process ``pid`` (the agent) ends: a thread waits on its pidfd."""
+    if pid in _WATCHED:
+        return
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:  # the agent is gone already
+        os.kill(os.getpid(), signal.SIGTERM)
+        return
+    except (AttributeError, OSError):  # no pidfd (not Linux 5.3+): nothing to wait on
+        return
+    _WATCHED.add(pid)
+
+    def wait() -> None:
+        select.select([fd], [], [])
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=wait, name="paratrain-agent-watch", daemon=True).start()
 
 
 def preload_dynamo() -> None:
@@ -275,12 +306,11 @@ def explain_peer_loss(error: BaseException, step: int | None = None, grace_s: fl
     """
     if not (_initialized() and isinstance(error, RuntimeError)):
         return None
-    text = str(error)
-    if not any(words in text for words in _PEER_CLOSED):
+    cause = next((words for words in _PEER_CLOSED if words in str(error)), None)
+    if cause is None:
         return None
     time.sleep(grace_s)
     at = f" at step {step}" if step is not None else ""
-    cause = next(words for words in _PEER_CLOSED if words in text)
     return PeerLostError(f"rank {rank()} lost its connection to a peer in a collective{at} ({cause}): another rank "
                          "ended first; its failure is the cause")
 

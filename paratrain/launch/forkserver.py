@@ -42,7 +42,6 @@ _LAUNCHER_WORKER = ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", 
 # The environment this process had when it was imported. In the forkserver (which imports this
 # module first) that is the environment every forked worker starts from; see train_worker.
 _SERVER_ENV = dict(os.environ)
-AGENT_PID = "PARATRAIN_AGENT_PID"  # set for the workers: the agent's pid, which they end with
 _IMPORTED_IN = os.getpid()
 
 
@@ -74,6 +73,9 @@ def wants_early_start(argv: Sequence[str], environ: Mapping[str, str]) -> bool:
     return nproc not in (None, "1") or nnodes not in (None, "1")
 
 
+_STOP_REGISTERED = False  # _stop_server is registered to run at exit
+
+
 def ensure_running() -> None:
     """Start the forkserver with :data:`PRELOAD` unless it runs already (it then keeps what it
     imported). It imports in the background: this returns at once. When this process exits,
@@ -84,9 +86,6 @@ def ensure_running() -> None:
     if not _STOP_REGISTERED:
         atexit.register(_stop_server)
         _STOP_REGISTERED = True
-
-
-_STOP_REGISTERED = False
 
 
 def _stop_server() -> None:
@@ -129,28 +128,6 @@ def worker_environ(launcher: Mapping[str, str], current: Mapping[str, str],
     return {**launcher, **agent}
 
 
-def _end_with(pid: int) -> None:
-    """SIGTERM this worker when process ``pid`` (torchrun's agent) ends, as a SIGKILLed agent (an
-    OOM kill) cannot stop its workers. ``PR_SET_PDEATHSIG`` watches the parent, here the forkserver,
-    which lives as long as any worker does: a thread waits on the agent's pidfd instead."""
-    import select
-    import threading
-
-    try:
-        fd = os.pidfd_open(pid)
-    except ProcessLookupError:  # the agent is gone already
-        os.kill(os.getpid(), signal.SIGTERM)
-        return
-    except (AttributeError, OSError):  # no pidfd (not Linux 5.3+): nothing to wait on
-        return
-
-    def wait() -> None:
-        select.select([fd], [], [])
-        os.kill(os.getpid(), signal.SIGTERM)
-
-    threading.Thread(target=wait, name="paratrain-agent-watch", daemon=True).start()
-
-
 def train_worker(argv: list[str], environ: dict[str, str]) -> None:
     """One worker of ``paratrain train`` (what ``python -m paratrain train ARGV`` would run), in a
     process forked from the server. ``environ`` is the launching command's environment: it replaces
@@ -159,9 +136,7 @@ def train_worker(argv: list[str], environ: dict[str, str]) -> None:
     The worker ends when the agent named by ``PARATRAIN_AGENT_PID`` in ``environ`` does."""
     merged = worker_environ(environ, dict(os.environ), None if os.getpid() == _IMPORTED_IN else _SERVER_ENV)
     os.environ.clear()
-    os.environ.update(merged)
-    if os.environ.get(AGENT_PID, "").isdigit():
-        _end_with(int(os.environ[AGENT_PID]))
+    os.environ.update(merged)  # with AGENT_PID: the worker ends with the agent (env.process.die_with_launcher)
     import torch
 
     threads = os.environ.get("OMP_NUM_THREADS", "").strip()

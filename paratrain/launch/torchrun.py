@@ -326,7 +326,8 @@ def _run_function(trun: Any, args: Any, worker: Callable[..., Any], worker_args:
 
     from torch.distributed.launcher.api import elastic_launch
 
-    from .forkserver import AGENT_PID, ensure_running
+    from ..env.process import AGENT_PID
+    from .forkserver import ensure_running
 
     if not any(a.startswith("--start-method=") for a in cfg.torchrun_args) and "PET_START_METHOD" not in os.environ:
         # forkserver where the platform has one (not Windows): new interpreters otherwise
