@@ -4,6 +4,8 @@
 #   2. the whole test suite on the pinned CPU build of torch;
 #   3. the smoke suite (pytest -m smoke) on PyPI's default CUDA build of torch, on the CPU.
 # Arguments go to both pytest runs (e.g. -x, -k NAME). PARATRAIN_SKIP_CUDA_WHEEL=1 skips step 3.
+# Each pytest run has a hard limit (the full suite takes about 10 minutes on 2 cores): a hang ends
+# as a failure with every thread's stack (tests/conftest.py), never as a stuck CI.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh cpu
@@ -12,10 +14,10 @@ echo "== static checks (ruff, mypy)"
 "$venv/bin/ruff" check paratrain
 "$venv/bin/mypy" paratrain
 echo "== full suite, torch $("$venv/bin/python" -c 'import torch; print(torch.__version__)')"
-"$venv/bin/python" -m pytest -q --durations=25 --ignore=tests/test_smoke.py "$@"  # test_smoke.py is for the CUDA wheel (below)
+timeout -k 30 45m "$venv/bin/python" -m pytest -q --durations=25 --ignore=tests/test_smoke.py "$@"  # test_smoke.py is for the CUDA wheel (below)
 if [ "${PARATRAIN_SKIP_CUDA_WHEEL:-0}" != 1 ]; then
   bash scripts/setup.sh cuda
   cvenv=${PARATRAIN_CUDA_VENV:-.venv-cuda}
   echo "== smoke suite, torch $("$cvenv/bin/python" -c 'import torch; print(torch.__version__, "cuda available:", torch.cuda.is_available())')"
-  "$cvenv/bin/python" -m pytest -q -m smoke -p no:cacheprovider "$@"
+  timeout -k 30 20m "$cvenv/bin/python" -m pytest -q -m smoke -p no:cacheprovider "$@"
 fi

@@ -28,6 +28,7 @@ import multiprocessing.forkserver
 import os
 import signal
 import sys
+import time
 from typing import Mapping, Sequence
 
 __all__ = ["PRELOAD", "start_early", "wants_early_start", "ensure_running", "train_worker", "worker_environ"]
@@ -94,10 +95,16 @@ def _stop_server() -> None:
     at once (a bad value) would keep its output pipes open for seconds. By the time the command
     exits, torchrun's agent has ended its workers."""
     pid = getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None)
-    if pid:
-        with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGTERM)
-            os.waitpid(pid, 0)
+    if not pid:
+        return
+    with contextlib.suppress(OSError):
+        os.kill(pid, signal.SIGTERM)
+        for _ in range(100):  # 2 s, then SIGKILL: exit never waits on a server that is stuck or stopped
+            if os.waitpid(pid, os.WNOHANG)[0]:
+                return
+            time.sleep(0.02)
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
 
 
 def start_early() -> None:
