@@ -45,17 +45,19 @@ def test_mpirun_two_ranks_read_openmpi_and_train_like_nproc_per_node_2(lab_mpi, 
 
 @pytest.mark.timeout(200)
 def test_mpi_backend_trains_or_is_refused_in_one_line(lab_mpi, nproc2_run, tmp_path):
-    # OpenMPI ends the job's other ranks once one exits non-zero, possibly before they print their
-    # refusal (a race that CI lost): here every rank runs to its own end
+    # OpenMPI ends the other ranks once one exits non-zero, possibly before they print their refusal
+    # (a race CI lost, about 1 run in 25): with orte_abort_on_non_zero_status 0 every rank runs to
+    # its own end, and mpirun then exits 0 whatever the ranks did
+    refusal = ["--mca", "orte_abort_on_non_zero_status", "0"] if not dist.is_mpi_available() else []
     r = mpirun(lab_mpi, ["-m", "paratrain", "train", *TRAIN_ARGS, "--backend", "mpi", "--log-dir", str(tmp_path)], 150,
-               options=["--mca", "orte_abort_on_non_zero_status", "0"])
+               options=refusal)
     if dist.is_mpi_available():  # a torch built with MPI: the mpi backend trains the same weights
         assert r.returncode == 0, r.stderr[-3000:]
         assert_same_run(tmp_path, nproc2_run)
         return
-    assert r.returncode != 0
     # one line per rank (mpirun starts each as a top-level process), each naming its own traceback file
     ours = sorted(ln for ln in (r.stdout + r.stderr).splitlines() if ln.startswith("paratrain"))
     assert len(ours) == 2 and all("this torch build has no MPI support: use gloo" in ln for ln in ours), ours
     assert [ln.endswith(f"error-train-rank{k}.log)") for k, ln in enumerate(ours)] == [True, True], ours
     assert "Traceback" not in r.stdout + r.stderr
+    assert not list(tmp_path.rglob("result.json")), "a refused run trained"
