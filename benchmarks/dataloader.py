@@ -31,7 +31,10 @@ How
 Usage::
 
     python benchmarks/dataloader.py [--rounds 5] [--samples 10240] [--batch 256] [--workers 0,2]
-                                    [--dtypes uint8,float32]
+                                    [--dtypes uint8,float32] [--threads N]
+
+``--threads`` (default: torch's default, the cores here) sets the intra-op threads of both sides:
+``index_select`` of a batch spreads over them, the per-sample loader's Python does not.
 """
 
 from __future__ import annotations
@@ -118,11 +121,13 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--workers", default="0,2")
     ap.add_argument("--dtypes", default="uint8,float32")
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads(),
+                    help="intra-op threads for both sides (default: torch's default here, %(default)s)")
     args = ap.parse_args()
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
           f"load average {os.getloadavg()[0]:.1f}; batch {args.batch}, {args.samples} samples an epoch, "
-          f"{args.rounds} rounds, 1 intra-op thread")
+          f"{args.rounds} rounds, {args.threads} intra-op thread(s)")
     for dtype in args.dtypes.split(","):
         g = torch.Generator().manual_seed(0)
         if dtype == "uint8":
