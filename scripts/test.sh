@@ -5,7 +5,9 @@
 #   3. the smoke suite (pytest -m smoke) on PyPI's default CUDA build of torch, on the CPU.
 # Arguments go to both pytest runs (e.g. -x, -k NAME). PARATRAIN_SKIP_CUDA_WHEEL=1 skips step 3.
 # Each pytest run has a hard limit (the full suite takes about 10 minutes on 2 cores): a hang ends
-# as a failure with every thread's stack (tests/conftest.py), never as a stuck CI.
+# as a failure with every thread's stack (tests/conftest.py), never as a stuck CI. `--foreground`
+# keeps pytest in the caller's process group (a terminal's foreground group stays its own), and its
+# stdin is /dev/null: nothing it starts (mpirun forwards stdin) may wait on input.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh cpu
@@ -14,10 +16,10 @@ echo "== static checks (ruff, mypy)"
 "$venv/bin/ruff" check paratrain
 "$venv/bin/mypy" paratrain
 echo "== full suite, torch $("$venv/bin/python" -c 'import torch; print(torch.__version__)')"
-timeout -k 30 45m "$venv/bin/python" -m pytest -q --durations=25 --ignore=tests/test_smoke.py "$@"  # test_smoke.py is for the CUDA wheel (below)
+timeout --foreground -k 30 45m "$venv/bin/python" -m pytest -q --durations=25 --ignore=tests/test_smoke.py "$@" </dev/null  # test_smoke.py is for the CUDA wheel (below)
 if [ "${PARATRAIN_SKIP_CUDA_WHEEL:-0}" != 1 ]; then
   bash scripts/setup.sh cuda
   cvenv=${PARATRAIN_CUDA_VENV:-.venv-cuda}
   echo "== smoke suite, torch $("$cvenv/bin/python" -c 'import torch; print(torch.__version__, "cuda available:", torch.cuda.is_available())')"
-  timeout -k 30 20m "$cvenv/bin/python" -m pytest -q -m smoke -p no:cacheprovider "$@"
+  timeout --foreground -k 30 20m "$cvenv/bin/python" -m pytest -q -m smoke -p no:cacheprovider "$@" </dev/null
 fi

@@ -24,10 +24,11 @@ def install(packages: tuple[str, ...], probe: str) -> float:
     t0 = time.monotonic()
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
     cmd = ["apt-get", "install", "-y", "-q", "--no-install-recommends", *packages]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    quiet: dict = {"env": env, "capture_output": True, "text": True, "stdin": subprocess.DEVNULL}  # never a prompt
+    r = subprocess.run(cmd, **quiet)
     if r.returncode != 0:  # a stale package list: update once and retry
-        subprocess.run(["apt-get", "update", "-q"], env=env, capture_output=True)
-        r = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        subprocess.run(["apt-get", "update", "-q"], **quiet)
+        r = subprocess.run(cmd, **quiet)
     if r.returncode != 0 or not shutil.which(probe):
         tail = (r.stderr or r.stdout).strip().splitlines()[-1:] or ["?"]
         raise RuntimeError(f"lab: apt-get install {' '.join(packages)} failed: {tail[0]}")
