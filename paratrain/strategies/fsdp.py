@@ -25,7 +25,7 @@ from ..env.process import Dist
 from .base import Strategy
 
 __all__ = [
-    "FSDPOptions", "FSDPStrategy", "shard_model", "mixed_precision_policy",
+    "FSDPOptions", "FSDPStrategy", "DTensorStrategy", "shard_model", "mixed_precision_policy",
     "parameter_bytes", "ParameterSwap", "clip_grad_norm_",
 ]
 
@@ -200,16 +200,38 @@ def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
         setter(enabled)
 
 
-class FSDPStrategy(Strategy):
-    name = "fsdp"
+class DTensorStrategy(Strategy):
+    """What ``fsdp`` and ``tensor`` share: both turn parameters into ``DTensor`` parameters in
+    place, so the optimizer is rebuilt over them (:class:`ParameterSwap`), ``no_sync`` is FSDP2's
+    ``set_requires_gradient_sync``, clipping is DTensor-aware and checkpoints are sharded (DCP)."""
+
     master_weights_hint = "bf16-mixed (FSDP2 already keeps fp32 sharded master weights and computes in low precision)"
     collective_forward = True
     sharded_state = True
+
+    def __init__(self, dist_info: Dist, sync_batchnorm: bool = False, options: Any = None, **common: Any) -> None:
+        super().__init__(dist_info, sync_batchnorm, options, **common)
+        self.swap = ParameterSwap()
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return model  # fully_shard and parallelize_module work in place: the module is the user's own
+
+    def setup_optimizer(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        return self.swap.rebuild(optimizer, self.name)
+
+    def set_gradient_sync(self, model: nn.Module, enabled: bool) -> None:
+        set_gradient_sync(model, enabled)
+
+    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        return clip_grad_norm_(model.parameters(), max_norm)
+
+
+class FSDPStrategy(DTensorStrategy):
+    name = "fsdp"
     bench_default = "quick"
 
     def __init__(self, dist_info: Dist, sync_batchnorm: bool = False, options: Any = None, **common: Any) -> None:
         super().__init__(dist_info, sync_batchnorm, options or FSDPOptions(), **common)
-        self.swap = ParameterSwap()
 
     def wrap(self, model: nn.Module) -> nn.Module:
         if self.proc.backend is None:
@@ -233,15 +255,3 @@ class FSDPStrategy(Strategy):
     def parameter_bytes(model: nn.Module) -> dict[str, Any]:
         """This rank's parameter bytes (``local``) against the whole model's (``full``)."""
         return parameter_bytes(model)
-
-    def unwrap(self, model: nn.Module) -> nn.Module:
-        return model  # fully_shard works in place: the module is the user's own
-
-    def setup_optimizer(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        return self.swap.rebuild(optimizer, self.name)
-
-    def set_gradient_sync(self, model: nn.Module, enabled: bool) -> None:
-        set_gradient_sync(model, enabled)
-
-    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
-        return clip_grad_norm_(model.parameters(), max_norm)

@@ -22,9 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..env.process import Dist
-from .base import Strategy
-from .fsdp import (FSDPOptions, ParameterSwap, clip_grad_norm_, format_bytes, parameter_bytes, set_gradient_sync,
-                   shard_model)
+from .fsdp import DTensorStrategy, FSDPOptions, format_bytes, parameter_bytes, shard_model
 
 __all__ = ["TensorOptions", "TensorParallelStrategy", "auto_plan"]
 
@@ -80,19 +78,15 @@ def auto_plan(model: nn.Module) -> dict[str, str]:
     return plan
 
 
-class TensorParallelStrategy(Strategy):
+class TensorParallelStrategy(DTensorStrategy):
     """DTensor tensor parallelism, with FSDP2 on the dp dimension of a 2-D mesh.
 
-    It shares fsdp's DTensor helpers (not its class): the in-place wrapping, the optimizer
-    rebuild over DTensor parameters (:class:`~.fsdp.ParameterSwap`), ``no_sync`` for the dp
-    reduction (tp all-reduces are part of the computation, they never wait), DTensor-aware
-    clipping and DCP checkpoints.
+    From :class:`~.fsdp.DTensorStrategy`: the in-place wrapping, the optimizer rebuild over
+    DTensor parameters, ``no_sync`` for the dp reduction (tp all-reduces are part of the
+    computation, they never wait), DTensor-aware clipping and DCP checkpoints.
     """
 
     name = "tensor"
-    master_weights_hint = "bf16-mixed (FSDP2 already keeps fp32 sharded master weights and computes in low precision)"
-    collective_forward = True
-    sharded_state = True
     bench_default = "full"  # a --quick run stays a couple of minutes on 2 CPU cores
 
     @classmethod
@@ -109,7 +103,6 @@ class TensorParallelStrategy(Strategy):
                              f"use a tp_size that divides {world}")
         self.dp = world // self.tp
         self._mesh: Any = None
-        self.swap = ParameterSwap()
 
     # --- data layout: the ranks of one tp group read the same batch ---------------------------
     @property
@@ -175,16 +168,3 @@ class TensorParallelStrategy(Strategy):
         if self.proc.backend is not None and self.dp > 1:
             dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.mesh["dp"].get_group())
         return tensor
-
-    # --- what fsdp does too, through the shared DTensor helpers ----------------------------------
-    def unwrap(self, model: nn.Module) -> nn.Module:
-        return model  # parallelize_module and fully_shard work in place: the module is the user's own
-
-    def setup_optimizer(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        return self.swap.rebuild(optimizer, self.name)
-
-    def set_gradient_sync(self, model: nn.Module, enabled: bool) -> None:
-        set_gradient_sync(model, enabled)
-
-    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
-        return clip_grad_norm_(model.parameters(), max_norm)
