@@ -20,7 +20,12 @@ class Runtime(Protocol):
     micro_step: int
     global_step: int
 
+    @property
+    def accumulation(self) -> int: ...
+
     def step(self, optimizer: Any) -> bool: ...
+
+    def _end_skipped_batch(self) -> None: ...
 
 
 class ParallelOptimizer(torch.optim.Optimizer):
@@ -72,6 +77,9 @@ class ParallelOptimizer(torch.optim.Optimizer):
     step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]  # torch.optim.lr_scheduler: "already counts its calls"
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        # A global batch backwarded whole but never stepped: a GradScaler of the loop's own skipped
+        # optimizer.step() for inf/NaN gradients. It ends here, as a skipped step.
+        self._runtime._end_skipped_batch()
         if self._runtime.micro_step == 0:  # never wipe gradients mid-accumulation
             self.optimizer.zero_grad(set_to_none=set_to_none)
 
@@ -131,9 +139,13 @@ class ParallelScheduler:
         self._stepped_at = runtime.global_step
 
     def step(self, *args: Any, **kwargs: Any) -> None:
-        if self._runtime.global_step <= self._stepped_at:
-            return  # no optimizer step since the last scheduler step: mid-accumulation
-        self._stepped_at = self._runtime.global_step
+        r = self._runtime
+        # A global batch whose micro-batches all ran backward is done even before its optimizer step
+        # (or without one: a GradScaler skipped it), as plain PyTorch steps a scheduler either way.
+        done = r.global_step + (1 if r.micro_step >= r.accumulation else 0)
+        if done <= self._stepped_at:
+            return  # no global batch done since the last scheduler step: mid-accumulation
+        self._stepped_at = done
         self.scheduler.step(*args, **kwargs)
 
     def state_dict(self) -> Any:

@@ -127,6 +127,7 @@ class Parallel:
         process.seed_everything(cfg.seed)
         self.global_step = 0
         self.micro_step = 0
+        self._scaler_skips = 0  # global batches the loop's own GradScaler did not step (see _end_skipped_batch)
         self._models: list[nn.Module] = []
         self._optimizers: list[torch.optim.Optimizer] = []  # the real ones, as the strategy/precision made them
         self._schedulers: list[Any] = []  # given to setup or register_scheduler: checkpointed by default
@@ -267,7 +268,8 @@ class Parallel:
         if self.micro_step >= self.accumulation:
             raise RuntimeError(
                 f"backward called {self.micro_step + 1} times without an optimizer step, but accumulation "
-                f"is {self.accumulation}: call optimizer.step() once per micro-batch"
+                f"is {self.accumulation}: call optimizer.step() once per micro-batch, and optimizer.zero_grad() after "
+                "a step your own GradScaler skipped"
             )
         if self.micro_step == 0 and self.accumulation > 1:
             self._lrs_at_start = self._current_lrs()
@@ -312,6 +314,18 @@ class Parallel:
                 scheduler.step()
         return stepped
 
+    def _end_skipped_batch(self) -> None:
+        """End a global batch whose every micro-batch ran backward but whose optimizer step never
+        came: the user's own ``GradScaler`` found inf/NaN gradients and skipped ``optimizer.step()``.
+        Counted as paratrain's fp16 counts a skipped step: the data moves on, the weights do not."""
+        if self.micro_step < self.accumulation:
+            return
+        for optimizer in self._optimizers:
+            optimizer.zero_grad(set_to_none=True)
+        self.micro_step = 0
+        self.global_step += 1
+        self._scaler_skips += 1
+
     def _current_lrs(self) -> list[float]:
         return [float(g["lr"]) for opt in self._optimizers for g in opt.param_groups if "lr" in g]
 
@@ -327,8 +341,9 @@ class Parallel:
 
     @property
     def skipped_steps(self) -> int:
-        """Optimizer steps skipped because fp16 gradients overflowed."""
-        return self.precision.skipped_steps
+        """Optimizer steps skipped because fp16 gradients overflowed (paratrain's loss scaling, or
+        the loop's own ``GradScaler`` not calling ``optimizer.step()``)."""
+        return self.precision.skipped_steps + self._scaler_skips
 
     # --- data ------------------------------------------------------------------------------
     def train_loader(self, dataset: Dataset | DataLoader, transform: Callable[..., torch.Tensor] | None = None,
@@ -474,6 +489,7 @@ class Parallel:
         """Atomically write model, optimizer, scaler, scheduler, step (= data position) and every
         rank's RNG state to ``directory/step-XXXXXXXX.pt``; keep the newest ``keep``. Call on all ranks.
         ``scheduler`` defaults to the one given to :meth:`setup` or :meth:`register_scheduler`."""
+        self._end_skipped_batch()
         if self.micro_step:
             raise RuntimeError(f"checkpoint asked for in the middle of an accumulation (micro-step {self.micro_step}): "
                                "save after optimizer.step()")

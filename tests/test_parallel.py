@@ -246,6 +246,50 @@ def test_scheduler_stepped_per_micro_batch_is_reported():
         paratrain_run("user", epochs=1)
 
 
+def _own_scaler_run(use_pt: bool, tmp_path=None):
+    """Seed 000's loop: its own GradScaler (a start scale of 4 here), a scheduler stepped every
+    batch, and an inf loss at batch 1, which the scaler answers by not calling optimizer.step()."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1).double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+    pt = None
+    if use_pt:
+        pt = paratrain.Parallel(global_batch=8)
+        model, opt, sched = pt.setup(model, opt, sched)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    g = torch.Generator().manual_seed(1)
+    for i in range(4):
+        x = torch.randn(8, 4, generator=g, dtype=torch.float64)
+        opt.zero_grad()
+        loss = model(x).pow(2).mean() * (float("inf") if i == 1 else 1.0)
+        if pt is not None:
+            pt.backward(scaler.scale(loss))
+        else:
+            scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        sched.step()
+        if pt is not None and i == 1:
+            pt.save_checkpoint(str(tmp_path), model, opt)  # right after the skipped step: not mid-accumulation
+    return model, opt, pt
+
+
+def test_own_grad_scaler_skipping_a_step(tmp_path):
+    """A loop that keeps its own GradScaler: a step it skips (inf gradients: optimizer.step() is
+    never called) ends at the next zero_grad as a skipped step instead of failing the next
+    backward; weights, lr and momentum equal plain PyTorch's (float64)."""
+    ref_model, ref_opt, _ = _own_scaler_run(False)
+    model, opt, pt = _own_scaler_run(True, tmp_path)
+    assert pt.global_step == 4 and pt.skipped_steps == 1
+    assert opt.param_groups[0]["lr"] == ref_opt.param_groups[0]["lr"] == 0.1 * 0.5 ** 4
+    assert_states_equal(pt.unwrap(model).state_dict(), ref_model.state_dict(), 1e-12)
+    for p, q in zip(pt.unwrap(model).parameters(), ref_model.parameters()):
+        torch.testing.assert_close(opt.state[p]["momentum_buffer"], ref_opt.state[q]["momentum_buffer"])
+    assert os.listdir(tmp_path)
+    pt.close()
+
+
 @pytest.mark.parametrize("pattern", ["setup", "register"])
 def test_scheduler_state_resumes_exactly(pattern, tmp_path):
     ref, ref_lrs = reference_run(epochs=2)
