@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .base import CollectiveTimeoutError, PeerLostError, ProcessInfo, UnavailableError
+from .base import CollectiveTimeoutError, PeerLostError, ProcessInfo, UnavailableError, env_int
 from .detect import detect_process
 from .network import free_port, interface_towards, is_loopback, loopback_store, store_init_method
 
@@ -192,11 +192,13 @@ def init(
 ) -> Dist:
     """Join the job's process group (when the world is larger than one) and pick the device.
 
-    Reads rank and world size from torchrun/TorchElastic, ``paratrain.launch``, Slurm or OpenMPI.
-    ``timeout_s`` bounds every collective: a rank that never arrives makes the others fail with an
+    Reads rank and world size from torchrun/TorchElastic, ``paratrain.launch``, Slurm or OpenMPI,
+    or from the process group when the script made one itself (``mp.spawn``). ``timeout_s`` bounds every collective: a rank that never arrives makes the others fail with an
     error after that long instead of hanging forever.
     """
     info = detect_process()
+    if dist.is_initialized():
+        info = _as_the_group_says(info)
     die_with_launcher()
     device = select_device(info.local_rank, accelerator)
     chosen = select_backend(device, backend)  # also in a world of one: a bad --backend is an error there too
@@ -211,6 +213,21 @@ def init(
     if not dist.is_initialized():
         _join(info, device, chosen, timeout_s)
     return Dist(info, device, dist.get_backend())
+
+
+def _as_the_group_says(info: ProcessInfo) -> ProcessInfo:
+    """Where this process is in a process group the script made itself (``mp.spawn`` and
+    ``init_process_group(rank=r, world_size=n)``, often with no launcher variables): the group's
+    rank and size win over the environment's. The local rank is ``LOCAL_RANK`` where set, else the
+    rank (one node: the device is ``rank % device count``, as a spawned script usually picks)."""
+    r, w = dist.get_rank(), dist.get_world_size()
+    if (info.rank, info.world_size) == (r, w):
+        return info
+    return ProcessInfo(
+        rank=r, world_size=w, local_rank=env_int("LOCAL_RANK", r), local_world_size=env_int("LOCAL_WORLD_SIZE", w),
+        node_rank=env_int("GROUP_RANK", 0), master_addr=os.environ.get("MASTER_ADDR", info.master_addr),
+        master_port=env_int("MASTER_PORT", info.master_port), source="process group",
+    )
 
 
 def _join(info: ProcessInfo, device: torch.device, chosen: str, timeout_s: float) -> None:

@@ -161,3 +161,24 @@ def test_interface_towards_names_the_interface_holding_the_route():
     assert interface_towards("127.0.0.1") == "lo"
     assert interface_towards("localhost") == "lo"
     assert interface_towards("no-such-host.invalid") is None
+
+
+def test_a_process_group_the_script_made_is_where_the_process_is():
+    """mp.spawn and the script's own init_process_group(rank=r, world_size=2), no launcher variables
+    (seed 001): Parallel takes rank and world size from the group, so each rank reads its half of
+    the global batch and only rank 0 is the main process. Real processes over gloo, hard limit."""
+    import json
+    import subprocess
+    import sys
+
+    from clitools import ROOT, cli_env, finish
+    from paratrain.env.network import free_port
+
+    script = ROOT / "tests" / "scripts" / "spawn_own_group.py"
+    proc = subprocess.Popen([sys.executable, str(script), str(free_port())], cwd=ROOT, env=cli_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    res = finish(proc, timeout=90)
+    assert res.returncode == 0, res.stderr[-3000:]
+    ranks = sorted((json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")), key=lambda d: d["rank"])
+    assert [(d["rank"], d["world"], d["main"], d["helper_rank"]) for d in ranks] == [(0, 2, True, 0), (1, 2, False, 1)]
+    assert sorted(ranks[0]["rows"] + ranks[1]["rows"]) == [float(i) for i in range(8)]  # the global batch, split
