@@ -169,7 +169,8 @@ class OptimConfig:
     momentum: float = 0.9
     weight_decay: float = 0.0
     warmup_steps: int = 0
-    """Linear warmup from lr/… to the (scaled) lr over this many optimizer steps (Goyal et al.)."""
+    """Linear warmup over this many optimizer steps: with ``base_batch`` scaling the lr up, from the
+    base lr to the scaled one (Goyal et al.'s gradual warmup); otherwise from lr/warmup_steps to lr."""
     schedule: str = "constant"
     """After warmup: constant, cosine or linear (decay to lr x min_lr_ratio at the last step), or step."""
     min_lr_ratio: float = 0.0

@@ -116,6 +116,8 @@ def predict_from_bench(result: BenchResult, cfg: TrainConfig, link_text: str | N
     chart = os.path.join(out_dir, "predict.png")
     if write_prediction_chart(preds, chart, f"{cfg.model}: {link.describe()}"):
         text += f"\nwrote {chart}"
+    else:
+        text += "\nno predict.png: pip install matplotlib"
     return text
 
 

@@ -1,5 +1,6 @@
 """LR schedules for ``paratrain train``: constant, cosine, linear decay or step, after a linear
-warmup, with the linear scaling rule for a grown global batch (Goyal et al. 2017).
+warmup, with the linear scaling rule for a grown global batch and its gradual warmup from the
+base lr (Goyal et al. 2017).
 
 Everything is one :class:`torch.optim.lr_scheduler.LambdaLR` over the optimizer's own lr, so its
 state (``last_epoch``) goes into checkpoints like any scheduler's, and it steps once per
@@ -52,16 +53,27 @@ def build_schedule(optimizer: torch.optim.Optimizer, *, schedule: str = "constan
         return None
     options = dict(schedule=schedule, total_steps=total_steps, warmup_steps=warmup_steps, step_size=step_size,
                    gamma=gamma, min_lr_ratio=min_lr_ratio)
-    return LambdaLR(optimizer, lambda step: scale * lr_factor(step, **options))  # type: ignore[arg-type]
+    return LambdaLR(optimizer, lambda step: _scaled(step, scale, warmup_steps, lr_factor(step, **options)))  # type: ignore[arg-type]
+
+
+def _scaled(step: int, scale: float, warmup_steps: int, factor: float) -> float:
+    """``scale * factor``; but while an lr scaled up (``scale > 1``) warms up, Goyal et al.'s
+    gradual warmup: from the base lr at step 0 up by a constant amount per step, to ``scale`` x
+    the base lr at ``warmup_steps``. An unscaled (or scaled-down) lr warms up from
+    ``1/warmup_steps`` of itself, as :func:`lr_factor` says."""
+    if scale > 1 and step < warmup_steps:
+        return 1 + (scale - 1) * step / warmup_steps
+    return scale * factor
 
 
 def warmup_linear_scaling(
     optimizer: torch.optim.Optimizer, global_batch: int, base_batch: int | None = None, warmup_steps: int = 0
 ) -> LambdaLR:
-    """Multiply every group's lr by ``global_batch/base_batch``, ramped linearly over ``warmup_steps``.
+    """Multiply every group's lr by ``k = global_batch/base_batch``, ramped linearly over ``warmup_steps``.
 
-    During warmup the factor goes from ``1/warmup_steps`` of the target up to the target; with
-    no warmup the scaled lr applies from the first step.
+    With ``k > 1`` the warmup is Goyal et al.'s: the base lr at step 0, ``k`` x it from
+    ``warmup_steps`` on, a constant increase per step between. Otherwise it goes from
+    ``1/warmup_steps`` of the target up to it. With no warmup the scaled lr applies from the first step.
     """
     scale = lr_scale(global_batch, base_batch)
-    return LambdaLR(optimizer, lambda step: scale * lr_factor(step, warmup_steps=warmup_steps))
+    return LambdaLR(optimizer, lambda step: _scaled(step, scale, warmup_steps, lr_factor(step, warmup_steps=warmup_steps)))

@@ -92,3 +92,17 @@ def test_train_cli_steps_the_configured_schedule(tmp_path):
     # the lr the optimizer holds after each step: the next step's factor
     expected = [0.1 * lr_factor(s, schedule="step", warmup_steps=2, step_size=2, gamma=0.5) for s in range(1, 7)]
     assert [r["lr"] for r in logged] == pytest.approx(expected)
+
+
+def test_scaled_lr_warms_up_from_the_base_lr():
+    """Goyal et al.'s gradual warmup: k = 64/16 = 4; the lr starts at the base lr and rises by a
+    constant (k-1)/W per step to k x lr at step W; then the schedule (cosine) from k x lr."""
+    w = 4
+    got = lrs(lambda opt: build_schedule(opt, schedule="cosine", total_steps=TOTAL, warmup_steps=w,
+                                        global_batch=64, base_batch=16))
+    assert got[:w] == pytest.approx([LR * (1 + 3 * s / w) for s in range(w)])
+    assert got[w:] == pytest.approx([4 * LR * lr_factor(s, schedule="cosine", total_steps=TOTAL, warmup_steps=w)
+                                     for s in range(w, TOTAL)])
+    # an unscaled lr still warms up from lr / W
+    plain = lrs(lambda opt: build_schedule(opt, schedule="constant", total_steps=TOTAL, warmup_steps=w))
+    assert plain[:w] == pytest.approx([LR * (s + 1) / w for s in range(w)])
