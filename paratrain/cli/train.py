@@ -3,12 +3,14 @@
 Configuration comes from a TOML/YAML file (``--config``), then the flags below, then ``--set
 section.key=value`` overrides. With ``--nproc-per-node N`` (or ``--nnodes``) the command starts
 its own workers through torchrun; under an existing launcher (``torchrun``, ``paratrain run``,
-Slurm's ``srun``) it runs as one of the workers.
+Slurm's ``srun``, ``mpirun``) it runs as one of the workers, unless it is the one task on its node
+and ``--nproc-per-node`` asks for more: then it starts that node's workers (see :func:`_role`).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import time
 from typing import Any
@@ -18,7 +20,7 @@ from ..data.datasets import DATASET_NAMES
 from ..data.sampler import BatchPlan, check_dataset_fits
 from ..env.detect import detect_process
 from ..env.process import select_backend, select_device
-from ..launch.torchrun import torchrun
+from ..launch.torchrun import LaunchConfig, torchrun
 from ..models.registry import MODEL_NAMES
 from ..tracking.runs import LATEST, latest_run, new_run_dir
 from .run import add_launch_arguments, launch_config
@@ -114,9 +116,8 @@ def main(args: argparse.Namespace) -> int:
     if getattr(args, "print_config", False):
         print(to_toml(cfg), end="")
         return 0
-    launch = launch_config(args)
-    worker = "RANK" in os.environ and "WORLD_SIZE" in os.environ or detect_process().world_size > 1
-    cfg = _pick_run(cfg, worker)
+    worker, launch, per_node = _role(launch_config(args))
+    cfg = _pick_run(cfg, worker or per_node)  # per node: all nodes name the run after the Slurm/MPI job
     if cfg.log_dir and not os.path.isfile(cfg.log_dir):
         os.environ.setdefault("PARATRAIN_ERROR_DIR", cfg.log_dir)  # tracebacks of one-line errors go there
     if worker:
@@ -145,6 +146,35 @@ def main(args: argparse.Namespace) -> int:
     argv = [*args.argv, *run]
     return torchrun(launch, ["paratrain", *argv], module=True, command="train",
                     worker=train_worker, worker_args=(argv,))
+
+
+def _role(launch: LaunchConfig) -> tuple[bool, LaunchConfig, bool]:
+    """``(worker, launch, per_node)``: whether this process is one worker of a job another launcher
+    started, the launch config for the workers it starts itself, and whether it starts them as one
+    node of a Slurm/MPI step.
+
+    Under torchrun it is a worker. So it is as a task of a Slurm/MPI step of several tasks, unless
+    ``--nproc-per-node``/``--nnodes`` ask it to start workers: with one task per node it is then that
+    node's launcher (as torchrun under ``srun --ntasks-per-node 1`` is), its node count, rank and
+    rendezvous (the first node) from the step where the flags leave them out. With several tasks per
+    node each would start its own workers: an error."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return True, launch, False
+    info = detect_process()
+    if info.world_size == 1:
+        return False, launch, False
+    if launch.nproc_per_node == 1 and launch.max_nodes == 1:
+        return True, launch, False
+    if info.local_world_size > 1:
+        raise ValueError(
+            f"{info.source} started {info.local_world_size} tasks on this node, each of them one worker, and "
+            f"--nproc-per-node {launch.nproc_per_node} --nnodes {launch.nnodes} asks each to start workers of its own: "
+            "drop --nproc-per-node/--nnodes (one task per worker), or start one task per node "
+            "(srun --ntasks-per-node 1)")
+    nodes: dict[str, Any] = {"nnodes": str(info.world_size)} if launch.nnodes == "1" else {}
+    if not (launch.master_addr or launch.rdzv_endpoint):
+        nodes.update(node_rank=info.rank, master_addr=info.master_addr, master_port=launch.master_port or info.master_port)
+    return False, dataclasses.replace(launch, **nodes), True
 
 
 def _pick_run(cfg: TrainConfig, worker: bool) -> TrainConfig:

@@ -31,8 +31,12 @@ def tasks_per_node(spec: str) -> list[int]:
 
 
 def detect() -> ProcessInfo | None:
-    # Inside an interactive allocation (salloc) without srun there is no SLURM_PROCID: not a task.
+    # Only a task of a job step (srun) is a worker. An interactive allocation (salloc) has no
+    # SLURM_PROCID; an sbatch script has SLURM_PROCID=0 and the job's SLURM_NTASKS but no step id:
+    # it is the one process that starts the job, not rank 0 of it.
     if "SLURM_PROCID" not in os.environ or "SLURM_NTASKS" not in os.environ:
+        return None
+    if "SLURM_STEP_ID" not in os.environ and "SLURM_STEPID" not in os.environ:
         return None
     world = env_int("SLURM_NTASKS")
     nnodes = env_int("SLURM_NNODES", 1)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -82,3 +83,39 @@ def test_users_own_model_and_dataset(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["test_count"] == 64 and result["test_accuracy"] > 0.8
+
+
+SLURM_STEP = dict(SLURM_STEP_ID="0", SLURM_NNODES="2", SLURM_NODELIST="node[01-02]", SLURM_JOB_ID="4242")
+
+
+def _role_under(monkeypatch, env, launch):
+    from paratrain.cli.train import _role
+
+    for k in [k for k in os.environ if k.startswith(("SLURM_", "OMPI_", "PMI_")) or k in ("RANK", "WORLD_SIZE")]:
+        monkeypatch.delenv(k)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    return _role(launch)
+
+
+def test_srun_tasks_are_workers_unless_one_per_node_starts_its_own(monkeypatch):
+    """`srun -n 2 paratrain train`: each task is a worker. `srun -N 2 --ntasks-per-node 1 paratrain
+    train --nproc-per-node 4`: each task is its node's launcher (as torchrun under srun), 2 nodes,
+    static rendezvous at the first node, node rank = the task's rank; the run is named after the job.
+    Several tasks per node each starting workers is a one-line error."""
+    from paratrain.launch.torchrun import LaunchConfig
+
+    two_tasks = dict(SLURM_STEP, SLURM_PROCID="1", SLURM_NTASKS="2", SLURM_NNODES="1", SLURM_TASKS_PER_NODE="2")
+    assert _role_under(monkeypatch, two_tasks, LaunchConfig())[0] is True
+    one_per_node = dict(SLURM_STEP, SLURM_PROCID="1", SLURM_NTASKS="2", SLURM_NODEID="1", SLURM_TASKS_PER_NODE="1(x2)")
+    worker, launch, per_node = _role_under(monkeypatch, one_per_node, LaunchConfig(nproc_per_node=4))
+    assert (worker, per_node) == (False, True)
+    assert (launch.nproc_per_node, launch.nnodes, launch.node_rank, launch.master_addr, launch.master_port) == (
+        4, "2", 1, "node01", 15000 + 4242)
+    given = LaunchConfig(nproc_per_node=4, nnodes="2", rdzv_endpoint="node01:29400")
+    assert _role_under(monkeypatch, one_per_node, given)[1] == given  # the user's rendezvous is kept
+    with pytest.raises(ValueError, match="slurm started 2 tasks on this node.*srun --ntasks-per-node 1"):
+        _role_under(monkeypatch, two_tasks, LaunchConfig(nproc_per_node=4))
+    # the sbatch script itself (no step id) starts the job: not a worker
+    batch = {k: v for k, v in two_tasks.items() if k != "SLURM_STEP_ID"}
+    assert _role_under(monkeypatch, batch, LaunchConfig(nproc_per_node=2)) == (False, LaunchConfig(nproc_per_node=2), False)

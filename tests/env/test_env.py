@@ -12,7 +12,7 @@ LAUNCH_VARS = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RA
                "TORCHELASTIC_RUN_ID", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NODEID",
                "SLURM_NNODES", "SLURM_NODELIST", "SLURM_JOB_ID", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
                "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID",
-               "MPI_LOCALNRANKS", "SLURM_TASKS_PER_NODE"]
+               "MPI_LOCALNRANKS", "SLURM_TASKS_PER_NODE", "SLURM_STEP_ID", "SLURM_STEPID"]
 
 
 @pytest.fixture(autouse=True)
@@ -39,7 +39,7 @@ def test_torchrun_env(monkeypatch):
 
 
 def test_slurm_env(monkeypatch):
-    for k, v in dict(SLURM_PROCID="5", SLURM_NTASKS="6", SLURM_LOCALID="2", SLURM_NODEID="1", SLURM_NNODES="2",
+    for k, v in dict(SLURM_STEP_ID="0", SLURM_PROCID="5", SLURM_NTASKS="6", SLURM_LOCALID="2", SLURM_NODEID="1", SLURM_NNODES="2",
                      SLURM_NODELIST="gpu[07-08]", SLURM_JOB_ID="4242").items():
         monkeypatch.setenv(k, v)
     info = detect_process()
@@ -47,6 +47,17 @@ def test_slurm_env(monkeypatch):
     assert info.rank == global_rank(1, 3, 2)
     assert info.master_addr == "gpu07" and info.source == "slurm"
     assert info.master_port == 15000 + 4242
+
+
+def test_an_sbatch_script_is_not_a_task(monkeypatch):
+    """The batch script of `sbatch --ntasks 2` has SLURM_PROCID=0 and SLURM_NTASKS=2 but no step id
+    (as the lab's Slurm shows): it starts the job, it is not rank 0 of 2 waiting for a peer."""
+    for k, v in dict(SLURM_PROCID="0", SLURM_NTASKS="2", SLURM_LOCALID="0", SLURM_NODEID="0", SLURM_NNODES="1",
+                     SLURM_TASKS_PER_NODE="2", SLURM_JOB_ID="7").items():
+        monkeypatch.setenv(k, v)
+    assert detect_process().world_size == 1
+    monkeypatch.setenv("SLURM_STEP_ID", "0")  # srun's tasks have one
+    assert (detect_process().world_size, detect_process().source) == (2, "slurm")
 
 
 def test_openmpi_env(monkeypatch):
@@ -67,7 +78,7 @@ def test_mpich_and_intel_mpi_env(monkeypatch):
 
 def test_slurm_uneven_tasks_per_node(monkeypatch):
     # 7 tasks as 2,2,2,1: the last node's only task is rank 6, local rank 0 of 1.
-    for k, v in dict(SLURM_PROCID="6", SLURM_NTASKS="7", SLURM_LOCALID="0", SLURM_NODEID="3", SLURM_NNODES="4",
+    for k, v in dict(SLURM_STEP_ID="0", SLURM_PROCID="6", SLURM_NTASKS="7", SLURM_LOCALID="0", SLURM_NODEID="3", SLURM_NNODES="4",
                      SLURM_NODELIST="n[1-4]", SLURM_TASKS_PER_NODE="2(x3),1", PMI_RANK="6", PMI_SIZE="7").items():
         monkeypatch.setenv(k, v)
     info = detect_process()

@@ -65,3 +65,17 @@ def test_sbatch_example_srun_paratrain_run_trains_like_one_process(lab_slurm, tm
     got = torch.load(tmp_path / "out.pt")
     assert got["world_size"] == 2
     assert_same_state(got["state"], lab_train.PROBLEM.reference().state, lab_train.PROBLEM.rtol)
+
+
+@pytest.mark.timeout(180)
+def test_sbatch_script_calling_paratrain_train_is_not_rank_0_of_its_tasks(lab_slurm, tmp_path):
+    """`sbatch --ntasks 2` whose script runs `paratrain train` itself (no srun): the script's
+    process has SLURM_PROCID=0 and SLURM_NTASKS=2 but is no task of a step, so it trains as one
+    process instead of waiting for a rank 1 that never starts."""
+    r = slurm_cmd(lab_slurm, ["sbatch", "--wait", "--ntasks", "2", f"--output={tmp_path}/job.out", "--wrap",
+                              f"{sys.executable} -m paratrain train --max-steps 2 --no-progress --log-dir {tmp_path}/run"],
+                  150)
+    log = (tmp_path / "job.out").read_text() if (tmp_path / "job.out").exists() else ""
+    assert r.returncode == 0, r.stderr + log[-3000:]
+    result = json.loads((tmp_path / "run" / "result.json").read_text())
+    assert result["world_size"] == 1, result
