@@ -113,6 +113,12 @@ def select_backend(device: torch.device, requested: str | None = None) -> str:
         raise UnavailableError("backend 'mpi' was asked for but this torch build has no MPI support: use gloo")
     if requested == "nccl" and device.type != "cuda":
         raise UnavailableError(f"backend 'nccl' needs CUDA devices, but this process runs on {device}: use gloo")
+    for backend, kind, where in (("xccl", "xpu", "a torch build with XPU support"), ("hccl", "npu", "torch_npu")):
+        if requested == backend and device.type != kind:
+            raise UnavailableError(f"backend {backend!r} needs {kind} devices, but this process runs on {device}: use gloo")
+        if requested == backend and not dist.is_backend_available(backend):
+            raise UnavailableError(f"backend {backend!r} was asked for but this torch does not have it: install {where}, "
+                                   "or use gloo")
     return requested
 
 

@@ -122,6 +122,13 @@ def test_backend_and_device_choice():
     assert select_backend(torch.device("cuda", 0)) == "nccl"
     with pytest.raises(RuntimeError, match="nccl"):
         select_backend(cpu, "nccl")
+    with pytest.raises(RuntimeError, match="backend 'xccl' needs xpu devices, but this process runs on cpu: use gloo"):
+        select_backend(cpu, "xccl")
+    with pytest.raises(RuntimeError, match="backend 'hccl' needs npu devices"):
+        select_backend(cpu, "hccl")
+    if not torch.distributed.is_backend_available("xccl"):  # a build without XPU support
+        with pytest.raises(RuntimeError, match="'xccl' was asked for but this torch does not have it"):
+            select_backend(torch.device("xpu", 0), "xccl")
     with pytest.raises(ValueError, match="backend 'tcp' is unknown"):
         select_backend(cpu, "tcp")
     if not torch.distributed.is_mpi_available():
