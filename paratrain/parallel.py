@@ -119,6 +119,8 @@ class Parallel:
         self.config = cfg = config or ParallelConfig(**kwargs)
         self.dist = process.init(None if cfg.backend == "auto" else cfg.backend, cfg.timeout_s, cfg.accelerator)
         self.device = self.dist.device
+        if self.dist.backend is not None:
+            process.explain_uncaught()  # a failed collective in this loop ends with its one-line cause
         self.strategy = strategies.build(cfg, self.dist)
         self.precision = precision_lib.build(cfg.precision, self.device, cfg.loss_scale)
         self.precision.max_grad_norm = cfg.clip_grad_norm  # bf16-true/fp16-true clip their fp32 masters

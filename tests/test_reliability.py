@@ -300,6 +300,21 @@ def test_a_rank_that_does_not_arrive_is_named_and_ends_the_job_within_timeout_pl
     assert ended <= timeout_s + 15, f"the job took {ended:.1f}s to end after the fault (timeout_s={timeout_s})"
 
 
+def test_a_rank_that_never_starts_is_one_line_at_start_up(tmp_path: Path) -> None:
+    """Rank 0 of a world of 2 whose rank 1 never starts: after timeout_s, one line saying the group
+    could not form, where, and what to check (not torch's 30-line store traceback)."""
+    from paratrain.env.network import free_port
+
+    res = run_cli(["train", "--max-steps", "1", "--no-progress", "--log-dir", str(tmp_path), "--set",
+                   "parallel.timeout_s=3"], timeout=60, RANK="0", WORLD_SIZE="2", LOCAL_RANK="0",
+                  MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    lines = [ln for ln in res.stderr.strip().splitlines() if ln.startswith("paratrain")]
+    assert res.returncode == 2 and len(lines) == 1, res.stderr[-3000:]
+    assert lines[0].startswith("paratrain train: error: rank 0 of 2 (env) could not form the process group at "
+                               "127.0.0.1:"), lines[0]
+    assert "1/2 clients joined" in lines[0] and "start all 2 with the same MASTER_ADDR/MASTER_PORT" in lines[0]
+
+
 # --- bad inputs of issue 14: one line each (in this process: they fail before any worker) -------
 
 def _cifar_dir(root: Path, content: bytes | None = None, crafted: bool = False) -> Path:

@@ -16,6 +16,7 @@ import signal
 import sys
 import threading
 import time
+import traceback
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Iterator
@@ -29,7 +30,8 @@ from .detect import detect_process
 from .network import free_port, interface_towards, is_loopback, loopback_store, store_init_method
 
 __all__ = [
-    "Dist", "UnavailableError", "free_port", "CollectiveTimeoutError", "PeerLostError", "explain_timeout", "explain_peer_loss", "init", "interface_towards", "is_loopback", "loopback_store", "store_init_method", "die_with_launcher", "destroy", "preload_dynamo", "available_accelerator", "select_device", "select_backend", "rank", "world_size",
+    "Dist", "UnavailableError", "free_port", "CollectiveTimeoutError", "PeerLostError", "explain_timeout", "explain_peer_loss", "explain_failure",
+    "explain_uncaught", "collective_of", "init", "interface_towards", "is_loopback", "loopback_store", "store_init_method", "die_with_launcher", "destroy", "preload_dynamo", "available_accelerator", "select_device", "select_backend", "rank", "world_size",
     "local_rank", "is_main_process", "barrier", "print_once", "save_on_main",
     "main_process_first", "seed_everything",
 ]
@@ -252,17 +254,27 @@ def _join(info: ProcessInfo, device: torch.device, chosen: str, timeout_s: float
     kwargs: dict[str, Any] = {}
     if device.type == "cuda":
         kwargs["device_id"] = device  # lets NCCL bind eagerly and fail fast on a bad rank
+    global _joined_timeout_s
+    _joined_timeout_s = timeout_s
     timeout = timedelta(seconds=timeout_s)
-    store = loopback_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), info.rank,
-                           info.world_size, timeout)
-    dist.init_process_group(
-        backend=chosen,
-        rank=info.rank,
-        world_size=info.world_size,
-        timeout=timeout,
-        **({"store": store} if store is not None else {"init_method": "env://"}),
-        **kwargs,
-    )
+    where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    try:
+        store = loopback_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), info.rank,
+                               info.world_size, timeout)
+        dist.init_process_group(
+            backend=chosen,
+            rank=info.rank,
+            world_size=info.world_size,
+            timeout=timeout,
+            **({"store": store} if store is not None else {"init_method": "env://"}),
+            **kwargs,
+        )
+    except dist.DistError as e:  # the store: not every rank joined, or rank 0's cannot be reached
+        first = " ".join(str(e).split())[:300]
+        raise CollectiveTimeoutError(
+            f"rank {info.rank} of {info.world_size} ({info.source}) could not form the process group at {where} "
+            f"within {timeout_s:g} s (timeout_s): {first}: a rank did not start, or cannot reach {where}; start all "
+            f"{info.world_size} with the same MASTER_ADDR/MASTER_PORT") from e
 
 
 def explain_timeout(error: BaseException, timeout_s: float, step: int | None = None) -> CollectiveTimeoutError | None:
@@ -280,7 +292,7 @@ def explain_timeout(error: BaseException, timeout_s: float, step: int | None = N
         return None
     me, world = rank(), world_size()
     grace = min(5.0, max(2.0, timeout_s / 5))  # the others entered the same collective a little later
-    at = f" at step {step}" if step is not None else ""
+    at = _where(error, step)
     waited: list[int] = []
 
     def ask_store() -> None:
@@ -314,6 +326,8 @@ def explain_timeout(error: BaseException, timeout_s: float, step: int | None = N
         f"{_ranks(answered)} waited for {'them' if len(missing) > 1 else 'it'}")
 
 
+_joined_timeout_s: float | None = None  # timeout_s of the process group this process joined (see _join)
+
 # gloo's words (tcp/pair.cc) for a peer whose end of the connection closed: it exited or was killed
 _PEER_CLOSED = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
 
@@ -333,9 +347,66 @@ def explain_peer_loss(error: BaseException, step: int | None = None, grace_s: fl
     if cause is None:
         return None
     time.sleep(grace_s)
-    at = f" at step {step}" if step is not None else ""
+    at = _where(error, step)
     return PeerLostError(f"rank {rank()} lost its connection to a peer in a collective{at} ({cause}): another rank "
                          "ended first; its failure is the cause")
+
+
+# torch.distributed's collectives, as the frames of a failed one are named
+_COLLECTIVES = frozenset((
+    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_to_all", "all_to_all_single",
+    "broadcast", "broadcast_object_list", "barrier", "monitored_barrier", "reduce", "reduce_scatter",
+    "reduce_scatter_tensor", "gather", "gather_object", "scatter", "scatter_object_list", "send", "recv",
+))
+
+
+def collective_of(error: BaseException) -> str:
+    """Which collective ``error`` came from, read off its traceback: the innermost
+    ``torch.distributed`` collective (``all_reduce``, ``broadcast``, ``barrier``...); a failure
+    inside ``backward`` is DDP's (or FSDP's) gradient reduction, which autograd runs."""
+    frames = traceback.extract_tb(error.__traceback__)
+    for frame in reversed(frames):
+        if frame.name in _COLLECTIVES:
+            return frame.name
+    if any(frame.name == "backward" for frame in frames):
+        return "the gradient reduction in backward"
+    return "a collective"
+
+
+def _where(error: BaseException, step: int | None) -> str:
+    """`` (all_reduce) at step 3``: the collective, where known, and the step."""
+    op = collective_of(error)
+    return (f" ({op})" if op != "a collective" else "") + (f" at step {step}" if step is not None else "")
+
+
+def explain_failure(error: BaseException, step: int | None = None) -> CollectiveTimeoutError | None:
+    """:func:`explain_timeout` (with the ``timeout_s`` this process joined with), else
+    :func:`explain_peer_loss`: the one-line cause of a failed collective, or None."""
+    if isinstance(error, CollectiveTimeoutError):
+        return None  # explained already
+    timeout_s = _joined_timeout_s if _joined_timeout_s is not None else dist.default_pg_timeout.total_seconds()
+    return explain_timeout(error, timeout_s, step) or explain_peer_loss(error, step)
+
+
+def explain_uncaught() -> None:
+    """Make an uncaught failed collective end this process with its one-line cause (who did not
+    arrive, or which peer ended first), printed after the traceback: for a script's own loop,
+    where no paratrain code is on the stack to catch it. Chains to the current ``sys.excepthook``."""
+    previous = sys.excepthook
+    if getattr(previous, "_paratrain", False):
+        return
+
+    def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+        previous(kind, value, tb)
+        try:
+            why = explain_failure(value)
+        except Exception:  # explaining must never hide the error itself
+            why = None
+        if why is not None:
+            print(f"paratrain: {type(why).__name__}: {why}", file=sys.stderr, flush=True)
+
+    hook._paratrain = True  # type: ignore[attr-defined]
+    sys.excepthook = hook
 
 
 def _ranks(ranks: list[int]) -> str:

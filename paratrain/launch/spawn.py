@@ -28,7 +28,15 @@ class LaunchError(RuntimeError):
 def _worker(local_rank: int, fn: Callable, nprocs: int, env: dict[str, str], args: tuple, out_dir: str) -> None:
     os.environ.update(env)
     os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), GROUP_RANK="0", PARATRAIN_SPAWNED="1")
-    result = fn(local_rank, *args)
+    try:
+        result = fn(local_rank, *args)
+    except BaseException as e:
+        from ..env.process import explain_failure
+
+        why = explain_failure(e)  # a failed collective: who did not arrive, or which peer ended first
+        if why is not None:
+            raise why from e
+        raise
     # Results travel through files in a private directory the parent created for this launch.
     with open(os.path.join(out_dir, f"{local_rank}.pkl"), "wb") as f:
         pickle.dump(result, f)

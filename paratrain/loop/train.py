@@ -16,7 +16,7 @@ from ..checkpoint import CheckpointError, load_latest
 from ..config import TrainConfig, to_toml
 from ..data.augment import augment_for, eval_augment_for
 from ..data.datasets import dataset_info
-from ..env.process import explain_peer_loss, explain_timeout
+from ..env.process import explain_failure
 from ..env.provenance import provenance
 from ..models import build_model
 from ..parallel import Parallel
@@ -111,8 +111,7 @@ def run_training(cfg: TrainConfig) -> dict[str, Any]:
                  f"test accuracy {100 * (summary['test_accuracy'] or 0):.2f}% on {summary['test_count']} samples"
                  + (f", {result.skipped_steps} fp16 overflow steps skipped" if result.skipped_steps else ""))
     except BaseException as e:
-        why = explain_timeout(e, cfg.parallel.timeout_s, pt.global_step + 1)  # who did not arrive
-        why = why or explain_peer_loss(e, pt.global_step + 1)  # a peer that ended first is the cause
+        why = explain_failure(e, pt.global_step + 1)  # who did not arrive, or the peer that ended first
         pt.close(wait_for_peers=False)  # peers may be gone: no barrier
         if why is not None:
             raise why from e

@@ -171,3 +171,27 @@ def test_no_python_tee_and_rank_filter_run_a_program(tmp_path: Path) -> None:
                  "--log-dir", str(tmp_path), "sh", "-c", "echo hello from rank $RANK"])
     assert r.returncode == 0, r.stderr[-4000:]
     assert "hello from rank 1" in r.stdout and "hello from rank 0" not in r.stdout, r.stdout
+
+
+HANGING_LOOP = '''
+import time
+import torch
+import paratrain
+
+pt = paratrain.Parallel(strategy="ddp", global_batch=2, timeout_s=3)
+if pt.rank == 1:
+    time.sleep(60)  # never arrives at the all-reduce
+pt.reduce(torch.tensor(1.0), "sum")
+'''
+
+
+def test_own_script_collective_timeout_ends_with_its_cause(tmp_path):
+    """A script's own loop under `paratrain run`: nothing of paratrain is on the stack when its
+    all-reduce times out, yet the worker ends with one line naming the rank that did not arrive
+    and the collective (Parallel installs it as the script's excepthook)."""
+    script = tmp_path / "hang.py"
+    script.write_text(HANGING_LOOP)
+    res = run_cli(["--nproc-per-node", "2", str(script)], timeout=75)
+    assert res.returncode != 0
+    assert ("paratrain: CollectiveTimeoutError: rank 1 did not arrive at a collective (all_reduce) for 3 s "
+            "(timeout_s)") in res.stderr, res.stderr[-3000:]

@@ -59,3 +59,37 @@ def test_forkserver_launch_gives_fresh_processes_with_preloaded_modules_and_env(
     assert all(preloaded for run in runs for *_, preloaded in run)
     with pytest.raises(ValueError, match="start_method 'fork' is unknown"):
         paratrain.launch(_where, nprocs=1, start_method="fork")
+
+
+def _own_loop_hangs_on_rank_1(local_rank):
+    import time
+
+    pt = paratrain.Parallel(strategy="ddp", global_batch=2, timeout_s=3)
+    if pt.rank == 1:
+        time.sleep(30)  # never arrives; the launch ends it once rank 0 failed
+        return None
+    return pt.reduce(torch.tensor(1.0), "sum")
+
+
+def test_own_loop_collective_timeout_names_the_rank_and_the_collective():
+    """Your own loop, not paratrain train: a rank that never arrives is named, with the collective
+    the others waited in, in the one line the launch raises (rank 0's error)."""
+    with pytest.raises(LaunchError, match=r"rank 0 failed: .*CollectiveTimeoutError: rank 1 did not arrive at a "
+                                          r"collective \(all_reduce\) for 3 s \(timeout_s\).*rank 0 waited for it"):
+        paratrain.launch(_own_loop_hangs_on_rank_1, nprocs=2, timeout=90)
+
+
+def test_collective_of_reads_the_traceback():
+    from paratrain.env.process import collective_of
+
+    def barrier():
+        raise RuntimeError("Timed out")
+
+    def backward():
+        raise RuntimeError("Timed out")
+
+    for fn, op in ((barrier, "barrier"), (backward, "the gradient reduction in backward"), (lambda: 1 / 0, "a collective")):
+        try:
+            fn()
+        except (RuntimeError, ZeroDivisionError) as e:
+            assert collective_of(e) == op
