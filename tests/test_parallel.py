@@ -418,8 +418,8 @@ def test_own_dataloader_keeps_its_settings(recwarn):
                                        worker_init_fn=mark_worker, persistent_workers=True)
     loader = pt.train_loader(user)
     dl = loader.dataloader
-    assert (dl.dataset, dl.collate_fn, dl.num_workers, dl.worker_init_fn, dl.persistent_workers) == \
-        (data, tag_collate, 1, mark_worker, True)
+    assert (dl.dataset.dataset, dl.collate_fn, dl.num_workers, dl.worker_init_fn, dl.persistent_workers) == \
+        (data, tag_collate, 1, mark_worker, True)  # its dataset, each sample's random draws seeded (SeededSamples)
     perm = paratrain.data.epoch_permutation(40, SEED, 0)
     batches = list(loader)
     assert len(batches) == 2  # 40 // 16, the tail dropped

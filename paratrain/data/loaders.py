@@ -11,8 +11,10 @@ micro-batch by the DataLoader, followed by its collate.
 from __future__ import annotations
 
 import hashlib
+import random
 from typing import Any, Callable, Iterator
 
+import numpy as np
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, Subset, TensorDataset, get_worker_info
 from torch.utils.data._utils.collate import default_collate, default_convert
@@ -20,7 +22,8 @@ from torch.utils.data._utils.collate import default_collate, default_convert
 from .batch import to_device
 from .sampler import BatchPlan, GlobalBatchSampler, ShardedEvalSampler
 
-__all__ = ["to_device", "GlobalBatchLoader", "EvalLoader", "step_seed", "batch_view", "TensorBatchView"]
+__all__ = ["to_device", "GlobalBatchLoader", "EvalLoader", "step_seed", "sample_seed", "batch_view", "TensorBatchView",
+           "SeededSamples"]
 
 
 def step_seed(seed: int, global_step: int, micro_step: int) -> int:
@@ -86,11 +89,112 @@ def batch_view(dataset: Dataset, collate_fn: Callable[..., Any] | None = None) -
     return TensorBatchView(tuple(dataset.tensors), index)
 
 
-def _batch_loader(dataset: Dataset, batches: Any, kwargs: dict[str, Any]) -> DataLoader:
+def _mix(*values: int) -> int:
+    """A 64-bit seed from integers (splitmix64 steps): nearby inputs give unrelated seeds."""
+    x = 0
+    for v in values:
+        x = (x ^ (v & 0xFFFFFFFFFFFFFFFF)) + 0x9E3779B97F4A7C15 & 0xFFFFFFFFFFFFFFFF
+        x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
+        x = (x ^ (x >> 27)) * 0x94D049BB133111EB & 0xFFFFFFFFFFFFFFFF
+        x ^= x >> 31
+    return x
+
+
+def sample_seed(seed: int, epoch: int, index: int) -> int:
+    """The seed of sample ``index``'s random draws in ``epoch``: the same on every rank, at every
+    world size, in a DataLoader worker or not, and in a resumed run."""
+    return _mix(seed, epoch, index) >> 1  # torch's manual_seed takes a non-negative int64
+
+
+def sample_seeds(seed: int, epoch: int, indices: list[int]) -> list[int]:
+    """:func:`sample_seed` of every index at once (NumPy's uint64 arithmetic wraps as ``_mix``'s masks do)."""
+    x = np.full(len(indices), _mix(seed, epoch), dtype=np.uint64)
+    x ^= np.asarray(indices, dtype=np.int64).astype(np.uint64)
+    x += np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    x ^= x >> np.uint64(31)
+    return (x >> np.uint64(1)).tolist()
+
+
+class SeededSamples(Dataset):
+    """``dataset`` whose samples draw their randomness (torchvision-style random transforms, on
+    torch's, Python's or NumPy's global generator) from :func:`sample_seed`: before sample ``i`` of
+    epoch ``e`` is read, the three generators are seeded by ``(seed, e, i)``.
+
+    So augmented sample ``i`` of epoch ``e`` is the same whichever rank reads it, at any world size
+    and number of DataLoader workers, and after a resume mid-epoch. In the training process (no
+    workers) the generators' state is put back after each micro-batch: dropout's stream does not
+    see the reads. Index lists without an epoch (not from :class:`GlobalBatchSampler`) read as is.
+    """
+
+    def __init__(self, dataset: Dataset, seed: int) -> None:
+        self.dataset, self.seed = dataset, seed
+        # Which of torch's, Python's and NumPy's generators the reads draw from: all three are seeded
+        # for every sample of the first micro-batch, and from then on only those it drew from
+        # (seeding Python's costs 3 µs a sample, several times what reading a tensor row does).
+        self.draws_from: tuple[bool, bool, bool] | None = None
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, index: Any) -> Any:
+        return self.dataset[index]
+
+    def __getitems__(self, indices: list[int]) -> list[Any]:
+        epoch = getattr(indices, "epoch", None)
+        if epoch is None:
+            return [self.dataset[i] for i in indices]
+        saved = _global_rng_state() if get_worker_info() is None else None
+        learn = self.draws_from is None
+        uses = self.draws_from or (True, True, True)
+        drew = [False, False, False]
+        try:
+            out = []
+            for i, s in zip(indices, sample_seeds(self.seed, epoch, indices)):
+                if uses[0]:
+                    torch.default_generator.manual_seed(s)
+                if uses[1]:
+                    random.seed(s)
+                if uses[2]:
+                    np.random.seed(s & 0xFFFFFFFF)
+                before = _global_rng_state() if learn else None
+                out.append(self.dataset[i])
+                if before is not None:
+                    after = _global_rng_state()
+                    drew[0] |= not torch.equal(before[0], after[0])
+                    drew[1] |= before[1] != after[1]
+                    drew[2] |= before[2][2] != after[2][2] or not np.array_equal(before[2][1], after[2][1])
+            if learn:
+                self.draws_from = (drew[0], drew[1], drew[2])
+            return out
+        finally:
+            if saved is not None:
+                torch.set_rng_state(saved[0])
+                random.setstate(saved[1])
+                np.random.set_state(saved[2])
+
+
+def _global_rng_state() -> tuple[Any, ...]:
+    return torch.get_rng_state(), random.getstate(), np.random.get_state()
+
+
+def _reads_samples(dataset: Dataset) -> bool:
+    """Whether a DataLoader reads ``dataset`` one ``__getitem__`` per sample: no ``__getitems__``
+    of its own (torch's ``Subset`` forwards to its dataset's)."""
+    while isinstance(dataset, Subset) and not _overrides(dataset, Subset, "__getitem__", "__getitems__"):
+        dataset = dataset.dataset
+    return getattr(type(dataset), "__getitems__", None) is None
+
+
+def _batch_loader(dataset: Dataset, batches: Any, kwargs: dict[str, Any], seed: int | None = None) -> DataLoader:
     """A DataLoader over ``batches`` (a sampler of index lists): one read per batch where
-    :func:`batch_view` allows it, else per-sample reads and the collate function."""
+    :func:`batch_view` allows it, else per-sample reads and the collate function, each sample's
+    random draws seeded (:class:`SeededSamples`) when ``seed`` is given."""
     view = batch_view(dataset, kwargs.get("collate_fn"))
     if view is None:
+        if seed is not None and _reads_samples(dataset):
+            dataset = SeededSamples(dataset, seed)
         return DataLoader(dataset, batch_sampler=batches, **kwargs)
     kwargs = {**kwargs, "collate_fn": default_convert}  # what a DataLoader without batching uses
     return DataLoader(view, sampler=batches, batch_size=None, **kwargs)
@@ -137,7 +241,7 @@ class GlobalBatchLoader:
         # A private generator: each new DataLoader iterator draws a worker base seed from it, which
         # would otherwise advance the global RNG (dropout) differently in a resumed run.
         dataloader_kwargs.setdefault("generator", torch.Generator().manual_seed(seed))
-        self.dataloader = _batch_loader(dataset, self.sampler, dataloader_kwargs)
+        self.dataloader = _batch_loader(dataset, self.sampler, dataloader_kwargs, seed)
 
     @property
     def steps_per_epoch(self) -> int:

@@ -97,6 +97,17 @@ def epoch_permutation(n: int, seed: int, epoch: int, shuffle: bool = True) -> to
     return torch.randperm(n, generator=g)
 
 
+class EpochIndices(list):
+    """One micro-batch's dataset indices (a plain list to the DataLoader), tagged with the epoch
+    they belong to: what :class:`~paratrain.data.loaders.SeededSamples` seeds each sample by."""
+
+    epoch: int
+
+    def __init__(self, indices: list[int], epoch: int) -> None:
+        super().__init__(indices)
+        self.epoch = epoch
+
+
 class GlobalBatchSampler(Sampler[list[int]]):
     """Yields this rank's micro-batches of dataset indices, epoch after epoch, with no ``set_epoch``.
 
@@ -148,8 +159,9 @@ class GlobalBatchSampler(Sampler[list[int]]):
 
     # --- iteration ------------------------------------------------------------------------
     def micro_batches(self, epoch: int, start_step: int = 0) -> Iterator[list[int]]:
-        """This rank's micro-batches for ``epoch`` from ``start_step`` on (a pure function)."""
-        return (rows.tolist() for rows in self.micro_batch_rows(epoch, start_step))
+        """This rank's micro-batches for ``epoch`` from ``start_step`` on (a pure function), each
+        an :class:`EpochIndices`."""
+        return (EpochIndices(rows.tolist(), epoch) for rows in self.micro_batch_rows(epoch, start_step))
 
     def micro_batch_rows(self, epoch: int, start_step: int = 0) -> Iterator[torch.Tensor]:
         """:meth:`micro_batches` as int64 tensors (views of the epoch's permutation: no copy)."""

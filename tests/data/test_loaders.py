@@ -131,7 +131,7 @@ def test_per_sample_reads_where_a_batch_could_differ():
     assert batch_view(Doubled(*data.tensors)) is None  # its own __getitem__
     assert batch_view(PerSample(data)) is None
     loader, got = train_batches(Doubled(*data.tensors), 0)
-    assert loader.dataloader.dataset.__class__ is Doubled
+    assert loader.dataloader.dataset.dataset.__class__ is Doubled  # read per sample (SeededSamples)
     _, plain = train_batches(data, 0)
     assert_same(got, [[2 * t for t in b] for b in plain])
 
@@ -176,3 +176,54 @@ def test_a_view_read_in_this_process_skips_the_dataloader_but_not_its_batches(mo
     got = list(loader)
     assert len(got) == len(want) == (60 // 8 - 3) * 2
     assert_same(got, want)
+
+
+class RandomlyAugmented(Dataset):
+    """Per-sample random "augmentation" on all three global generators, as torchvision's
+    transforms (torch), albumentations (random, numpy) draw: sample i is (i, three draws)."""
+
+    def __len__(self):
+        return 48
+
+    def __getitem__(self, i):
+        import random
+
+        import numpy as np
+
+        return torch.tensor([float(i), torch.rand(()).item(), random.random(), float(np.random.rand())],
+                            dtype=torch.float64)
+
+
+def augmented_samples(world, start=0, workers=0, epochs=2):
+    """{(epoch, index): the augmented sample} as every rank of a world of ``world`` reads it, from
+    global step ``start`` on, for ``epochs`` epochs."""
+    seen = {}
+    for rank in range(world):
+        step = [start]
+        loader = GlobalBatchLoader(RandomlyAugmented(), BatchPlan.derive(8, world), rank, CPU, seed=3,
+                                   position=lambda: step[0], num_workers=workers,
+                                   persistent_workers=False)
+        for epoch in range(start // loader.steps_per_epoch, epochs):
+            for batch in loader:
+                for row in batch:
+                    seen[(epoch, int(row[0]))] = row[1:].tolist()
+            step[0] = (epoch + 1) * loader.steps_per_epoch
+    return seen
+
+
+def test_random_per_sample_augmentation_does_not_depend_on_world_size_workers_or_resume():
+    """Each sample's random draws are seeded by (seed, epoch, index): the same augmented samples at
+    world sizes 1 and 2, with 0 or 2 DataLoader workers, and after a resume mid-epoch; a new epoch
+    draws anew; and reading does not move the training process's own generators (dropout)."""
+    one = augmented_samples(1)
+    assert len(one) == 2 * 48
+    assert augmented_samples(2) == one
+    assert augmented_samples(2, workers=2) == one
+    resumed = augmented_samples(1, start=3)  # step 3 of 6 in epoch 0
+    assert resumed and all(one[k] == v for k, v in resumed.items())
+    assert one[(0, 5)] != one[(1, 5)]  # another epoch, other draws
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    augmented_samples(1, epochs=1)
+    assert torch.equal(torch.rand(3), expected)
