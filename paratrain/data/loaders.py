@@ -19,6 +19,7 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, Subset, TensorDataset, get_worker_info
 from torch.utils.data._utils.collate import default_collate, default_convert
 
+from ..env.process import mix_seed
 from .batch import to_device
 from .sampler import BatchPlan, GlobalBatchSampler, ShardedEvalSampler
 
@@ -89,26 +90,15 @@ def batch_view(dataset: Dataset, collate_fn: Callable[..., Any] | None = None) -
     return TensorBatchView(tuple(dataset.tensors), index)
 
 
-def _mix(*values: int) -> int:
-    """A 64-bit seed from integers (splitmix64 steps): nearby inputs give unrelated seeds."""
-    x = 0
-    for v in values:
-        x = (x ^ (v & 0xFFFFFFFFFFFFFFFF)) + 0x9E3779B97F4A7C15 & 0xFFFFFFFFFFFFFFFF
-        x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
-        x = (x ^ (x >> 27)) * 0x94D049BB133111EB & 0xFFFFFFFFFFFFFFFF
-        x ^= x >> 31
-    return x
-
-
 def sample_seed(seed: int, epoch: int, index: int) -> int:
     """The seed of sample ``index``'s random draws in ``epoch``: the same on every rank, at every
     world size, in a DataLoader worker or not, and in a resumed run."""
-    return _mix(seed, epoch, index) >> 1  # torch's manual_seed takes a non-negative int64
+    return mix_seed(seed, epoch, index) >> 1  # torch's manual_seed takes a non-negative int64
 
 
 def sample_seeds(seed: int, epoch: int, indices: list[int]) -> list[int]:
-    """:func:`sample_seed` of every index at once (NumPy's uint64 arithmetic wraps as ``_mix``'s masks do)."""
-    x = np.full(len(indices), _mix(seed, epoch), dtype=np.uint64)
+    """:func:`sample_seed` of every index at once (NumPy's uint64 arithmetic wraps as ``mix_seed``'s masks do)."""
+    x = np.full(len(indices), mix_seed(seed, epoch), dtype=np.uint64)
     x ^= np.asarray(indices, dtype=np.int64).astype(np.uint64)
     x += np.uint64(0x9E3779B97F4A7C15)
     x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)

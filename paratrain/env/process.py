@@ -31,7 +31,7 @@ from .network import free_port, interface_towards, is_loopback, loopback_store, 
 
 __all__ = [
     "Dist", "UnavailableError", "free_port", "CollectiveTimeoutError", "PeerLostError", "explain_timeout", "explain_peer_loss", "explain_failure",
-    "explain_uncaught", "collective_of", "init", "interface_towards", "is_loopback", "loopback_store", "store_init_method", "die_with_launcher", "destroy", "preload_dynamo", "available_accelerator", "select_device", "select_backend", "rank", "world_size",
+    "explain_uncaught", "collective_of", "mix_seed", "init", "interface_towards", "is_loopback", "loopback_store", "store_init_method", "die_with_launcher", "destroy", "preload_dynamo", "available_accelerator", "select_device", "select_backend", "rank", "world_size",
     "local_rank", "is_main_process", "barrier", "print_once", "save_on_main",
     "main_process_first", "seed_everything",
 ]
@@ -483,6 +483,17 @@ def main_process_first() -> Iterator[None]:
     finally:
         if is_main_process():
             barrier()
+
+
+def mix_seed(*values: int) -> int:
+    """A 64-bit seed from integers (splitmix64 steps): nearby inputs give unrelated seeds."""
+    x = 0
+    for v in values:
+        x = (x ^ (v & 0xFFFFFFFFFFFFFFFF)) + 0x9E3779B97F4A7C15 & 0xFFFFFFFFFFFFFFFF
+        x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
+        x = (x ^ (x >> 27)) * 0x94D049BB133111EB & 0xFFFFFFFFFFFFFFFF
+        x ^= x >> 31
+    return x
 
 
 def seed_everything(seed: int, offset_by_rank: bool = False) -> int:
