@@ -20,12 +20,9 @@ class Runtime(Protocol):
     micro_step: int
     global_step: int
 
-    @property
-    def accumulation(self) -> int: ...
-
     def step(self, optimizer: Any) -> bool: ...
 
-    def _end_skipped_batch(self) -> None: ...
+    def scaled_step(self, optimizer: Any, found_inf: torch.Tensor, grad_scale: Any) -> bool: ...
 
 
 class ParallelOptimizer(torch.optim.Optimizer):
@@ -67,19 +64,24 @@ class ParallelOptimizer(torch.optim.Optimizer):
     def defaults(self, value: dict[str, Any]) -> None:
         self.optimizer.defaults = value
 
+    # torch.amp.GradScaler.step(optimizer) then always calls step(), with found_inf and grad_scale set
+    # on the optimizer, instead of unscaling and calling step() only when no gradient overflowed: so
+    # a step it skips still ends the global batch (Parallel.scaled_step).
+    _step_supports_amp_scaling = True
+
     def step(self, closure: Any = None) -> bool:  # type: ignore[override]
         """Step at the end of a global batch (a no-op on earlier micro-steps). True if weights changed."""
         if closure is not None:
             raise ValueError("closures are not supported by paratrain's optimizer step: compute the loss in the loop")
         self._opt_called = True
+        found_inf = self.__dict__.get("found_inf")  # set by a GradScaler of the loop's own for this call
+        if found_inf is not None:
+            return self._runtime.scaled_step(self, found_inf, self.__dict__.get("grad_scale"))
         return self._runtime.step(self)
 
     step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]  # torch.optim.lr_scheduler: "already counts its calls"
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        # A global batch backwarded whole but never stepped: a GradScaler of the loop's own skipped
-        # optimizer.step() for inf/NaN gradients. It ends here, as a skipped step.
-        self._runtime._end_skipped_batch()
         if self._runtime.micro_step == 0:  # never wipe gradients mid-accumulation
             self.optimizer.zero_grad(set_to_none=set_to_none)
 
@@ -139,13 +141,9 @@ class ParallelScheduler:
         self._stepped_at = runtime.global_step
 
     def step(self, *args: Any, **kwargs: Any) -> None:
-        r = self._runtime
-        # A global batch whose micro-batches all ran backward is done even before its optimizer step
-        # (or without one: a GradScaler skipped it), as plain PyTorch steps a scheduler either way.
-        done = r.global_step + (1 if r.micro_step >= r.accumulation else 0)
-        if done <= self._stepped_at:
-            return  # no global batch done since the last scheduler step: mid-accumulation
-        self._stepped_at = done
+        if self._runtime.global_step <= self._stepped_at:
+            return  # no optimizer step since the last scheduler step: mid-accumulation
+        self._stepped_at = self._runtime.global_step
         self.scheduler.step(*args, **kwargs)
 
     def state_dict(self) -> Any:

@@ -129,7 +129,7 @@ class Parallel:
         process.seed_everything(cfg.seed)
         self.global_step = 0
         self.micro_step = 0
-        self._scaler_skips = 0  # global batches the loop's own GradScaler did not step (see _end_skipped_batch)
+        self._scaler_skips = 0  # global batches the loop's own GradScaler skipped (see scaled_step)
         self._models: list[nn.Module] = []
         self._optimizers: list[torch.optim.Optimizer] = []  # the real ones, as the strategy/precision made them
         self._schedulers: list[Any] = []  # given to setup or register_scheduler: checkpointed by default
@@ -270,8 +270,7 @@ class Parallel:
         if self.micro_step >= self.accumulation:
             raise RuntimeError(
                 f"backward called {self.micro_step + 1} times without an optimizer step, but accumulation "
-                f"is {self.accumulation}: call optimizer.step() once per micro-batch, and optimizer.zero_grad() after "
-                "a step your own GradScaler skipped"
+                f"is {self.accumulation}: call optimizer.step() once per micro-batch"
             )
         if self.micro_step == 0 and self.accumulation > 1:
             self._lrs_at_start = self._current_lrs()
@@ -316,17 +315,36 @@ class Parallel:
                 scheduler.step()
         return stepped
 
-    def _end_skipped_batch(self) -> None:
-        """End a global batch whose every micro-batch ran backward but whose optimizer step never
-        came: the user's own ``GradScaler`` found inf/NaN gradients and skipped ``optimizer.step()``.
-        Counted as paratrain's fp16 counts a skipped step: the data moves on, the weights do not."""
+    def scaled_step(self, optimizer: ParallelOptimizer, found_inf: torch.Tensor, grad_scale: Any) -> bool:
+        """:meth:`step` as the loop's own ``torch.amp.GradScaler`` drives it: ``scaler.step(optimizer)``
+        calls ``optimizer.step()`` every time, with ``found_inf`` and ``grad_scale`` (``None`` when
+        the loop called ``scaler.unscale_`` itself) set on it. Inf/NaN gradients end the global
+        batch as a skipped step (as paratrain's fp16 skips one: the data moves on, a registered
+        scheduler steps); else the gradients are unscaled and the optimizer steps."""
+        if self.accumulation > 1:
+            raise ValueError(
+                f"your own GradScaler with accumulation {self.accumulation}: its step() and update() every "
+                "micro-batch would unscale and rescale gradients in the middle of a global batch; drop it and "
+                "use Parallel(precision='fp16-mixed'), which scales the loss and skips overflow steps per global batch")
+        inner = optimizer.optimizer
         if self.micro_step < self.accumulation:
-            return
-        for optimizer in self._optimizers:
-            optimizer.zero_grad(set_to_none=True)
-        self.micro_step = 0
-        self.global_step += 1
-        self._scaler_skips += 1
+            return False
+        if bool(found_inf.item()):
+            inner.zero_grad(set_to_none=True)
+            self.micro_step = 0
+            self.global_step += 1
+            self._scaler_skips += 1
+            for scheduler, owner in self._auto_schedulers:
+                if owner is inner:
+                    scheduler.step()
+            return False
+        if grad_scale is not None:
+            inv = 1.0 / grad_scale.double()
+            for group in inner.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        p.grad.mul_(inv.to(device=p.grad.device, dtype=p.grad.dtype))
+        return self.step(inner)
 
     def _current_lrs(self) -> list[float]:
         return [float(g["lr"]) for opt in self._optimizers for g in opt.param_groups if "lr" in g]
@@ -344,7 +362,7 @@ class Parallel:
     @property
     def skipped_steps(self) -> int:
         """Optimizer steps skipped because fp16 gradients overflowed (paratrain's loss scaling, or
-        the loop's own ``GradScaler`` not calling ``optimizer.step()``)."""
+        the loop's own ``GradScaler``: see :meth:`scaled_step`)."""
         return self.precision.skipped_steps + self._scaler_skips
 
     # --- data ------------------------------------------------------------------------------
@@ -491,7 +509,6 @@ class Parallel:
         """Atomically write model, optimizer, scaler, scheduler, step (= data position) and every
         rank's RNG state to ``directory/step-XXXXXXXX.pt``; keep the newest ``keep``. Call on all ranks.
         ``scheduler`` defaults to the one given to :meth:`setup` or :meth:`register_scheduler`."""
-        self._end_skipped_batch()
         if self.micro_step:
             raise RuntimeError(f"checkpoint asked for in the middle of an accumulation (micro-step {self.micro_step}): "
                                "save after optimizer.step()")

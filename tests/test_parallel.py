@@ -247,7 +247,7 @@ def test_scheduler_stepped_per_micro_batch_is_reported():
 
 
 def _own_scaler_run(use_pt: bool, tmp_path=None):
-    """Seed 000's loop: its own GradScaler (a start scale of 4 here), a scheduler stepped every
+    """A loop with its own GradScaler (a start scale of 4 here), a scheduler stepped every
     batch, and an inf loss at batch 1, which the scaler answers by not calling optimizer.step()."""
     torch.manual_seed(0)
     model = nn.Linear(4, 1).double()
@@ -267,6 +267,9 @@ def _own_scaler_run(use_pt: bool, tmp_path=None):
             pt.backward(scaler.scale(loss))
         else:
             scaler.scale(loss).backward()
+        if i == 2:  # unscaled by the loop itself, to clip
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
         scaler.step(opt)
         scaler.update()
         sched.step()
@@ -276,9 +279,10 @@ def _own_scaler_run(use_pt: bool, tmp_path=None):
 
 
 def test_own_grad_scaler_skipping_a_step(tmp_path):
-    """A loop that keeps its own GradScaler: a step it skips (inf gradients: optimizer.step() is
-    never called) ends at the next zero_grad as a skipped step instead of failing the next
-    backward; weights, lr and momentum equal plain PyTorch's (float64)."""
+    """A loop that keeps its own GradScaler: a step it skips for inf gradients ends the global
+    batch as a skipped step (it used to leave the batch open: the next backward failed), a step it
+    unscaled itself (to clip) is not unscaled twice, and weights, lr and momentum equal plain
+    PyTorch's (float64). With accumulation the GradScaler is refused in one line."""
     ref_model, ref_opt, _ = _own_scaler_run(False)
     model, opt, pt = _own_scaler_run(True, tmp_path)
     assert pt.global_step == 4 and pt.skipped_steps == 1
@@ -287,6 +291,13 @@ def test_own_grad_scaler_skipping_a_step(tmp_path):
     for p, q in zip(pt.unwrap(model).parameters(), ref_model.parameters()):
         torch.testing.assert_close(opt.state[p]["momentum_buffer"], ref_opt.state[q]["momentum_buffer"])
     assert os.listdir(tmp_path)
+    pt.close()
+    pt = paratrain.Parallel(global_batch=8, accumulation=2)
+    model, opt = pt.setup(nn.Linear(4, 1), torch.optim.SGD(nn.Linear(4, 1).parameters(), lr=0.1))
+    scaler = torch.amp.GradScaler("cpu")
+    pt.backward(scaler.scale(model(torch.ones(4, 4)).sum()))
+    with pytest.raises(ValueError, match="your own GradScaler with accumulation 2: .*precision='fp16-mixed'"):
+        scaler.step(opt)
     pt.close()
 
 

@@ -19,6 +19,7 @@ from ..config import TrainConfig, parse_set, to_toml
 from ..data.datasets import DATASET_NAMES
 from ..data.sampler import BatchPlan, check_dataset_fits
 from ..env.detect import detect_process
+from ..env.network import is_loopback
 from ..env.process import select_backend, select_device
 from ..launch.torchrun import LaunchConfig, torchrun
 from ..models.registry import MODEL_NAMES
@@ -172,8 +173,13 @@ def _role(launch: LaunchConfig) -> tuple[bool, LaunchConfig, bool]:
             "drop --nproc-per-node/--nnodes (one task per worker), or start one task per node "
             "(srun --ntasks-per-node 1)")
     nodes: dict[str, Any] = {"nnodes": str(info.world_size)} if launch.nnodes == "1" else {}
-    if not (launch.master_addr or launch.rdzv_endpoint):
-        nodes.update(node_rank=info.rank, master_addr=info.master_addr, master_port=launch.master_port or info.master_port)
+    if not launch.rdzv_endpoint:  # static rendezvous: this node's rank is its task's
+        nodes["node_rank"] = launch.node_rank or info.rank
+        if not launch.master_addr:
+            if is_loopback(info.master_addr):
+                raise ValueError(f"{info.source} gives no address of the first node (MASTER_ADDR is {info.master_addr}) "
+                                 "for one task per node to meet at: give --master-addr or --rdzv-endpoint")
+            nodes.update(master_addr=info.master_addr, master_port=launch.master_port or info.master_port)
     return False, dataclasses.replace(launch, **nodes), True
 
 
@@ -209,7 +215,9 @@ def _launcher_job_id() -> str | None:
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
     if run_id and run_id != "none":
         return run_id
-    return f"slurm-{os.environ['SLURM_JOB_ID']}" if os.environ.get("SLURM_JOB_ID") else None
+    if os.environ.get("SLURM_JOB_ID"):
+        return f"slurm-{os.environ['SLURM_JOB_ID']}"
+    return f"mpi-{os.environ['PMIX_NAMESPACE']}" if os.environ.get("PMIX_NAMESPACE") else None  # OpenMPI 4/5
 
 
 def _check_paths(cfg: TrainConfig) -> None:

@@ -226,13 +226,14 @@ def init(
 def _as_the_group_says(info: ProcessInfo) -> ProcessInfo:
     """Where this process is in a process group the script made itself (``mp.spawn`` and
     ``init_process_group(rank=r, world_size=n)``, often with no launcher variables): the group's
-    rank and size win over the environment's. The local rank is ``LOCAL_RANK`` where set, else the
-    rank (one node: the device is ``rank % device count``, as a spawned script usually picks)."""
+    rank and size win over the environment's, whose ``LOCAL_RANK`` may be a parent launcher's. The
+    local rank is the rank (one node: the device is ``rank % device count``, as a spawned script
+    usually picks)."""
     r, w = dist.get_rank(), dist.get_world_size()
     if (info.rank, info.world_size) == (r, w):
         return info
     return ProcessInfo(
-        rank=r, world_size=w, local_rank=env_int("LOCAL_RANK", r), local_world_size=env_int("LOCAL_WORLD_SIZE", w),
+        rank=r, world_size=w, local_rank=r, local_world_size=w,
         node_rank=env_int("GROUP_RANK", 0), master_addr=os.environ.get("MASTER_ADDR", info.master_addr),
         master_port=env_int("MASTER_PORT", info.master_port), source="process group",
     )
@@ -269,15 +270,19 @@ def _join(info: ProcessInfo, device: torch.device, chosen: str, timeout_s: float
             **({"store": store} if store is not None else {"init_method": "env://"}),
             **kwargs,
         )
-    except dist.DistError as e:  # the store: not every rank joined, or rank 0's cannot be reached
-        first = " ".join(str(e).split())[:300]
-        raise CollectiveTimeoutError(
-            f"rank {info.rank} of {info.world_size} ({info.source}) could not form the process group at {where} "
-            f"within {timeout_s:g} s (timeout_s): {first}: a rank did not start, or cannot reach {where}; start all "
-            f"{info.world_size} with the same MASTER_ADDR/MASTER_PORT") from e
+    except dist.DistError as e:  # the store: not every rank joined, rank 0's cannot be reached, a port in use
+        first = " ".join(str(e).split("Exception raised from")[0].split())[:300]
+        what = f"rank {info.rank} of {info.world_size} ({info.source}) could not form the process group at {where}"
+        if "in use" in first.lower():
+            raise UnavailableError(f"{what}: {first}: another job uses the port; choose another MASTER_PORT") from e
+        if isinstance(e, dist.DistStoreError) or "timed out" in first.lower():
+            raise CollectiveTimeoutError(
+                f"{what} within {timeout_s:g} s (timeout_s): {first}: a rank did not start, or cannot reach {where}; "
+                f"start all {info.world_size} with the same MASTER_ADDR/MASTER_PORT") from e
+        raise CollectiveTimeoutError(f"{what}: {type(e).__name__}: {first}") from e
 
 
-def explain_timeout(error: BaseException, timeout_s: float, step: int | None = None) -> CollectiveTimeoutError | None:
+def explain_timeout(error: BaseException, timeout_s: float | None, step: int | None = None) -> CollectiveTimeoutError | None:
     """If ``error`` is a collective that timed out, a :class:`CollectiveTimeoutError` that names
     the rank(s) that did not arrive (else None). Call it on every rank that got the error.
 
@@ -291,8 +296,12 @@ def explain_timeout(error: BaseException, timeout_s: float, step: int | None = N
     if not (_initialized() and isinstance(error, RuntimeError) and "Timed out" in str(error)):
         return None
     me, world = rank(), world_size()
-    grace = min(5.0, max(2.0, timeout_s / 5))  # the others entered the same collective a little later
+    grace = min(5.0, max(2.0, (timeout_s or 10.0) / 5))  # the others entered the same collective a little later
     at = _where(error, step)
+    waited_for = f"{timeout_s:g} s (timeout_s)" if timeout_s is not None else "the process group's timeout"
+    if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:  # a group made without env:// (tcp://)
+        return CollectiveTimeoutError(f"rank {me} waited {waited_for} in a collective{at}: another rank did not arrive "
+                                      "(hung, frozen or unreachable)")
     waited: list[int] = []
 
     def ask_store() -> None:
@@ -314,15 +323,15 @@ def explain_timeout(error: BaseException, timeout_s: float, step: int | None = N
     answered = [] if asking.is_alive() else list(waited)
     if not answered:  # the store did not answer (not even with this rank's own key)
         return CollectiveTimeoutError(
-            f"rank {me} waited {timeout_s:g} s (timeout_s) in a collective{at}, and the job's store on rank 0 does not "
+            f"rank {me} waited {waited_for} in a collective{at}, and the job's store on rank 0 does not "
             "answer either: rank 0 is frozen, gone or unreachable")
     missing = [r for r in range(world) if r not in answered]
     if not missing:
         return CollectiveTimeoutError(
-            f"every rank waited {timeout_s:g} s (timeout_s) in a collective{at}: they wait in different collectives "
+            f"every rank waited {waited_for} in a collective{at}: they wait in different collectives "
             "(code that runs a collective on some ranks only?)")
     return CollectiveTimeoutError(
-        f"{_ranks(missing)} did not arrive at a collective{at} for {timeout_s:g} s (timeout_s): hung, frozen or unreachable; "
+        f"{_ranks(missing)} did not arrive at a collective{at} for {waited_for}: hung, frozen or unreachable; "
         f"{_ranks(answered)} waited for {'them' if len(missing) > 1 else 'it'}")
 
 
@@ -380,12 +389,11 @@ def _where(error: BaseException, step: int | None) -> str:
 
 
 def explain_failure(error: BaseException, step: int | None = None) -> CollectiveTimeoutError | None:
-    """:func:`explain_timeout` (with the ``timeout_s`` this process joined with), else
+    """:func:`explain_timeout` (with the ``timeout_s`` this process joined with, if paratrain made the group), else
     :func:`explain_peer_loss`: the one-line cause of a failed collective, or None."""
     if isinstance(error, CollectiveTimeoutError):
         return None  # explained already
-    timeout_s = _joined_timeout_s if _joined_timeout_s is not None else dist.default_pg_timeout.total_seconds()
-    return explain_timeout(error, timeout_s, step) or explain_peer_loss(error, step)
+    return explain_timeout(error, _joined_timeout_s, step) or explain_peer_loss(error, step)
 
 
 def explain_uncaught() -> None:

@@ -114,6 +114,12 @@ def test_srun_tasks_are_workers_unless_one_per_node_starts_its_own(monkeypatch):
         4, "2", 1, "node01", 15000 + 4242)
     given = LaunchConfig(nproc_per_node=4, nnodes="2", rdzv_endpoint="node01:29400")
     assert _role_under(monkeypatch, one_per_node, given)[1] == given  # the user's rendezvous is kept
+    static = _role_under(monkeypatch, one_per_node, LaunchConfig(nproc_per_node=4, master_addr="10.0.0.1"))[1]
+    assert (static.master_addr, static.node_rank, static.nnodes) == ("10.0.0.1", 1, "2")  # its task's node rank
+    mpi = dict(OMPI_COMM_WORLD_RANK="1", OMPI_COMM_WORLD_SIZE="2", OMPI_COMM_WORLD_LOCAL_RANK="0",
+               OMPI_COMM_WORLD_LOCAL_SIZE="1")
+    with pytest.raises(ValueError, match="mpi gives no address of the first node .* give --master-addr"):
+        _role_under(monkeypatch, mpi, LaunchConfig(nproc_per_node=4))
     with pytest.raises(ValueError, match="slurm started 2 tasks on this node.*srun --ntasks-per-node 1"):
         _role_under(monkeypatch, two_tasks, LaunchConfig(nproc_per_node=4))
     # the sbatch script itself (no step id) starts the job: not a worker
