@@ -13,6 +13,10 @@ What it measures
     * ``per-sample``: ``DataLoader(dataset, batch_size=256, shuffle=True, drop_last=True)``: one
       ``__getitem__`` per sample, then ``default_collate``.
 
+    * the cost of seeding: a dataset with its own ``__getitem__`` (the rows as they are, and with
+      torchvision's transforms) read per sample by both, paratrain seeding each sample's random
+      draws by ``(seed, epoch, index)`` (``paratrain.data.loaders.SeededSamples``).
+
     Each with ``--workers`` 0 and 2 (``persistent_workers`` so that only steady-state reading is
     timed). Where torchvision is importable, also per-sample torchvision transforms
     (``RandomCrop(32, padding=4)`` + ``RandomHorizontalFlip``, on tensors) against paratrain's
@@ -86,6 +90,11 @@ def variants(data: TensorDataset, batch: int, workers: int) -> dict[str, tuple[I
         "per-sample DataLoader": (GlobalBatchLoader(data, plan, 0, cpu, **kw),
                                   DataLoader(data, batch_size=batch, shuffle=True, drop_last=True, **kw)),
     }
+    # A dataset with its own __getitem__ is read per sample by both; paratrain seeds every sample's
+    # random draws (SeededSamples): what that costs.
+    own = PerSampleTransform(data, lambda x: x)
+    pairs["DataLoader, a per-sample dataset (paratrain: seeded per sample)"] = (
+        GlobalBatchLoader(own, plan, 0, cpu, **kw), DataLoader(own, batch_size=batch, shuffle=True, drop_last=True, **kw))
     try:
         from torchvision import transforms  # type: ignore[import-not-found]
     except ImportError as e:
@@ -97,6 +106,9 @@ def variants(data: TensorDataset, batch: int, workers: int) -> dict[str, tuple[I
         GlobalBatchLoader(data, plan, 0, cpu, transform=augment, **kw),
         DataLoader(PerSampleTransform(data, per_sample), batch_size=batch, shuffle=True, drop_last=True, **kw),
     )
+    tv = PerSampleTransform(data, per_sample)
+    pairs["DataLoader, torchvision per-sample transforms (paratrain: the same, seeded per sample)"] = (
+        GlobalBatchLoader(tv, plan, 0, cpu, **kw), DataLoader(tv, batch_size=batch, shuffle=True, drop_last=True, **kw))
     return pairs
 
 

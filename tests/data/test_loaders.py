@@ -190,8 +190,9 @@ class RandomlyAugmented(Dataset):
 
         import numpy as np
 
-        return torch.tensor([float(i), torch.rand(()).item(), random.random(), float(np.random.rand())],
-                            dtype=torch.float64)
+        # Python's and NumPy's generators only for some samples, as a rare transform (p=0.05) draws
+        return torch.tensor([float(i), torch.rand(()).item(), random.random() if i % 7 == 3 else -1.0,
+                             float(np.random.rand()) if i % 11 == 5 else -1.0], dtype=torch.float64)
 
 
 def augmented_samples(world, start=0, workers=0, epochs=2):
@@ -215,8 +216,20 @@ def test_random_per_sample_augmentation_does_not_depend_on_world_size_workers_or
     """Each sample's random draws are seeded by (seed, epoch, index): the same augmented samples at
     world sizes 1 and 2, with 0 or 2 DataLoader workers, and after a resume mid-epoch; a new epoch
     draws anew; and reading does not move the training process's own generators (dropout)."""
+    import random
+
+    import numpy as np
+
+    from paratrain.data.loaders import sample_seed
+
     one = augmented_samples(1)
     assert len(one) == 2 * 48
+    for (epoch, i), got in one.items():  # each generator seeded by (seed, epoch, index) before the read
+        s = sample_seed(3, epoch, i)
+        expected = [torch.rand((), generator=torch.Generator().manual_seed(s)).item(),
+                    random.Random(s).random() if i % 7 == 3 else -1.0,
+                    float(np.random.RandomState(s & 0xFFFFFFFF).rand()) if i % 11 == 5 else -1.0]
+        assert got == expected, (epoch, i)
     assert augmented_samples(2) == one
     assert augmented_samples(2, workers=2) == one
     resumed = augmented_samples(1, start=3)  # step 3 of 6 in epoch 0
