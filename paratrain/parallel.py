@@ -39,7 +39,7 @@ from .config import ParallelConfig
 from .data.loaders import EvalLoader, GlobalBatchLoader
 from .data.stream import StreamLoader
 from .data.sampler import BatchPlan, check_dataset_fits
-from .env import process
+from .env import failures, process
 from .env.provenance import provenance
 from .metrics import batch_targets, model_loss, predictions
 from .optim import ParallelOptimizer, ParallelScheduler
@@ -120,7 +120,7 @@ class Parallel:
         self.dist = process.init(None if cfg.backend == "auto" else cfg.backend, cfg.timeout_s, cfg.accelerator)
         self.device = self.dist.device
         if self.dist.backend is not None:
-            process.explain_uncaught()  # a failed collective in this loop ends with its one-line cause
+            failures.explain_uncaught()  # a failed collective in this loop ends with its one-line cause
         self.strategy = strategies.build(cfg, self.dist)
         self.precision = precision_lib.build(cfg.precision, self.device, cfg.loss_scale)
         self.precision.max_grad_norm = cfg.clip_grad_norm  # bf16-true/fp16-true clip their fp32 masters

@@ -14,7 +14,7 @@ What it adds:
   rendezvous address is loopback, ``GLOO_SOCKET_IFNAME=lo``;
 * one line on stderr instead of a traceback when a worker or the rendezvous fails, and the
   failing worker's exit code as the return value (a collective timeout names the rank that did
-  not arrive, see :func:`paratrain.env.process.explain_timeout`);
+  not arrive, see :func:`paratrain.env.failures.explain_timeout`);
 * a frozen worker is woken once torchrun has asked it to terminate (:class:`_WakeStopped`).
 """
 

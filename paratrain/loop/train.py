@@ -16,7 +16,7 @@ from ..checkpoint import CheckpointError, load_latest
 from ..config import TrainConfig, to_toml
 from ..data.augment import augment_for, eval_augment_for
 from ..data.datasets import dataset_info
-from ..env.process import explain_failure
+from ..env.failures import explain_failure
 from ..env.provenance import provenance
 from ..models import build_model
 from ..parallel import Parallel
