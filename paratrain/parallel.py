@@ -129,6 +129,7 @@ class Parallel:
         process.seed_everything(cfg.seed)
         self.global_step = 0
         self.micro_step = 0
+        self._masters_from_model = False  # see load_state_dict
         self._scaler_skips = 0  # global batches the loop's own GradScaler skipped (see scaled_step)
         self._models: list[nn.Module] = []
         self._optimizers: list[torch.optim.Optimizer] = []  # the real ones, as the strategy/precision made them
@@ -496,6 +497,9 @@ class Parallel:
             raise ValueError(f"was written with global batch {state['global_batch']}, this run uses "
                              f"{self.plan.global_batch}: resume with the same global batch (the world size may change)")
         self.precision.load_state_dict(state["precision"])
+        # Written in a precision without fp32 masters (32, *-mixed) and resumed in bf16-true/fp16-true:
+        # the masters must start from the loaded weights, which the model gets after this (load_checkpoint).
+        self._masters_from_model = "masters" not in state["precision"]
         self.global_step, self.micro_step = int(state["global_step"]), 0
 
     def _checkpointed(self, model: nn.Module, optimizer: Any) -> tuple[nn.Module, Any]:
@@ -518,8 +522,11 @@ class Parallel:
     def load_checkpoint(self, source: str, model: nn.Module, optimizer: Any = None, scheduler: Any = None) -> Any:
         """Restore a run from a checkpoint file or the newest loadable one in a directory; the
         next ``train_loader`` iteration continues mid-epoch. Returns ``extra`` (``None`` if none found)."""
+        self._masters_from_model = False
         extra = checkpoint_lib.load_checkpoint(source, self, *self._checkpointed(model, optimizer), self.strategy,
                                                self._scheduler(scheduler))
+        if self._masters_from_model:
+            self.precision.sync_from_model()
         for s in self._schedulers:
             if isinstance(s, ParallelScheduler):
                 s._stepped_at = self.global_step  # the restored step is the one it last stepped on

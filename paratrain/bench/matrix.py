@@ -145,8 +145,9 @@ class BenchSpec:
         # Every name is checked before any cell runs: a typo fails at once, not after the matrix.
         for name in self.strategies:
             _strategies.resolve(name)
-        for name in self.precisions:
-            _precision.resolve(name)
+        # Aliases (fp32, bf16, O1...) become their canonical names: the fp32 reference, the probes and
+        # the labels know those, and "32,fp32" is one precision, not two.
+        self.precisions = list(dict.fromkeys(_precision.resolve(name) for name in self.precisions))
         for hook in self.comm_hooks:
             if hook not in COMM_HOOKS:
                 raise ValueError(f"comm hook {hook!r} is unknown: use one of {', '.join(COMM_HOOKS)}")

@@ -211,3 +211,14 @@ def test_full_matrix_has_devices_sequential_and_pipelined_quick_has_neither():
     assert not any(c.strategy == "devices" for c in build_matrix(quick_spec(), TrainConfig(), train_size=1438))
     none = build_matrix(BenchSpec(strategies=["devices"], micro_batches=1), TrainConfig(), train_size=1438)
     assert none and all(c.micro_batches == 1 for c in none)
+
+
+def test_precision_aliases_become_canonical_cells():
+    """fp32/O0 are the fp32 reference ("32"), bf16 and O1 their mixed modes; one cell per precision."""
+    spec = BenchSpec(strategies=["single"], world_sizes=[1], precisions=["fp32", "32", "O0", "bf16", "O1"],
+                     comm_hooks=["none"], baseline=False, trap=False)
+    assert spec.precisions == ["32", "bf16-mixed", "fp16-mixed"]
+    from paratrain.config import TrainConfig
+
+    cells = build_matrix(spec, TrainConfig(), train_size=1438)
+    assert sorted(c.precision for c in cells) == ["32", "bf16-mixed", "fp16-mixed"]

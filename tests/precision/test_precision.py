@@ -260,6 +260,25 @@ def test_master_weights_resume_exactly(tmp_path):
                 assert torch.equal(a, b), (precision, key)
 
 
+def test_a_checkpoint_of_another_precision_resumes_into_master_weights(tmp_path):
+    """Written in fp32 (no masters), resumed in bf16-true: the masters start from the loaded weights
+    (an lr-0 step copies them back unchanged), not from the fresh model's."""
+    pt = paratrain.Parallel(strategy="single", precision="32", global_batch=8)
+    net = tiny_model()
+    model, opt = pt.setup(net, torch.optim.SGD(net.parameters(), lr=0.0))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(0.5)
+    pt.save_checkpoint(str(tmp_path), model, opt)
+    pt = paratrain.Parallel(strategy="single", precision="bf16-true", global_batch=8)
+    net = tiny_model()
+    model, opt = pt.setup(net, torch.optim.SGD(net.parameters(), lr=0.0))
+    pt.load_checkpoint(str(tmp_path), model, opt)
+    x, y = tiny_batch()
+    assert train_step(pt, model, opt, x, y)
+    assert all(torch.equal(p, torch.full_like(p, 0.5)) for p in model.parameters())
+
+
 def test_fp16_true_scales_skips_overflow_and_keeps_fp16_weights():
     pt = paratrain.Parallel(strategy="single", precision="O2", global_batch=8)
     model = tiny_model()
