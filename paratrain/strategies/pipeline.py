@@ -12,8 +12,10 @@ schedule cuts the batch into ``n_microbatches``. The loss is computed on the las
 reduction over replicas) takes the last stage's values, so ``fit``'s logged loss and
 ``evaluate``'s counts are right on every rank.
 
-Numerics equal a one-process loop: each micro-batch loss is divided by ``n_microbatches`` (and
-by the accumulation steps) before the schedule's backward. The schedules' own ``scale_grads``
+Numerics equal a one-process loop for models without BatchNorm: each micro-batch loss is divided
+by ``n_microbatches`` (and by the accumulation steps) before the schedule's backward. BatchNorm
+normalises each of the ``n_microbatches`` chunks on its own and updates its running statistics once
+per chunk (as GPipe does); setup says so once. The schedules' own ``scale_grads``
 is off because it divides *all* of ``.grad`` after the step, which would also shrink gradients
 accumulated in earlier micro-steps (torch 2.13).
 
@@ -208,9 +210,14 @@ class PipelineStrategy(Strategy):
 
     # --- model ----------------------------------------------------------------------------
     def setup_model(self, model: nn.Module) -> nn.Module:
+        n = self.options.n_microbatches
         if self.sync_batchnorm:
-            self.warn("sync_batchnorm has no effect with pipeline: each stage's BatchNorm already sees the "
-                      "whole micro-batch", rank=self.proc.rank)
+            self.warn("sync_batchnorm has no effect with pipeline: a stage's BatchNorm is on one rank, and sees "
+                      f"each of the step's {n} micro-batches on its own", rank=self.proc.rank)
+        elif n > 1 and any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
+            self.warn(f"pipeline n_microbatches={n}: BatchNorm normalises each micro-batch on its own (and updates its "
+                      "running statistics once per micro-batch), not the whole batch; n_microbatches=1 keeps the "
+                      "one-process numerics but runs the stages one after another", rank=self.proc.rank)
         return self.wrap(model)
 
     def wrap(self, model: nn.Module) -> nn.Module:

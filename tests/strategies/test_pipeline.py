@@ -250,3 +250,20 @@ class _Skip(nn.Module):
 
     def forward(self, x):
         return self.fc2(self.fc1(x)) + x
+
+
+def test_batchnorm_under_micro_batches_is_said_once_at_setup():
+    """BatchNorm normalises each of the n_microbatches chunks on its own: setup warns (a world of one)."""
+    import warnings
+
+    import paratrain
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pt = paratrain.Parallel(strategy="pipeline", global_batch=8)
+        pt.setup(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 2)))
+        pt.close()
+    assert [str(w.message) for w in caught if "BatchNorm" in str(w.message)] == [
+        "pipeline n_microbatches=4: BatchNorm normalises each micro-batch on its own (and updates its running statistics "
+        "once per micro-batch), not the whole batch; n_microbatches=1 keeps the one-process numerics but runs the "
+        "stages one after another"]
