@@ -23,29 +23,35 @@ def add_launch_arguments(p: argparse.ArgumentParser, *, program: bool = False) -
     ``program``: the command runs the user's program (``paratrain run``), so torchrun's
     ``--no-python`` applies too."""
     g = p.add_argument_group("launch (torchrun)")
-    g.add_argument("--nproc-per-node", "--nproc_per_node", type=_nproc, default=1, metavar="N|auto|cpu|gpu",
+    g.add_argument("--nproc-per-node", "--nproc_per_node", type=_nproc, default=_env("NPROC_PER_NODE", 1), metavar="N|auto|cpu|gpu",
                    help="workers on this node: a number, or auto (one per GPU, else per CPU core), cpu, gpu "
                         "(default %(default)s)")
-    g.add_argument("--standalone", action="store_true",
+    g.add_argument("--standalone", action="store_true", default=_env("STANDALONE", "") not in ("", "0"),
                    help="one node, rendezvous on this machine only (the default when no address is given)")
-    g.add_argument("--nnodes", default="1", metavar="M|MIN:MAX", help="number of nodes (default 1)")
-    g.add_argument("--node-rank", "--node_rank", type=int, default=0, metavar="K",
+    g.add_argument("--nnodes", default=_env("NNODES", "1"), metavar="M|MIN:MAX", help="number of nodes (default 1)")
+    g.add_argument("--node-rank", "--node_rank", type=int, default=_env("NODE_RANK", 0), metavar="K",
                    help="this node's rank, for static rendezvous (default 0)")
-    g.add_argument("--master-addr", "--master_addr", default=None, metavar="A",
+    g.add_argument("--master-addr", "--master_addr", default=_env("MASTER_ADDR"), metavar="A",
                    help="address of node 0 (static rendezvous)")
-    g.add_argument("--master-port", "--master_port", type=int, default=None, metavar="P",
+    g.add_argument("--master-port", "--master_port", type=int, default=_env("MASTER_PORT"), metavar="P",
                    help="port on node 0 (static rendezvous)")
-    g.add_argument("--rdzv-endpoint", "--rdzv_endpoint", default=None, metavar="HOST:PORT",
+    g.add_argument("--rdzv-endpoint", "--rdzv_endpoint", default=_env("RDZV_ENDPOINT"), metavar="HOST:PORT",
                    help="c10d rendezvous endpoint (instead of --master-addr/--master-port)")
-    g.add_argument("--rdzv-backend", "--rdzv_backend", default=None, metavar="B",
+    g.add_argument("--rdzv-backend", "--rdzv_backend", default=_env("RDZV_BACKEND"), metavar="B",
                    help="rendezvous backend (default: static with --master-addr, c10d otherwise)")
-    g.add_argument("--rdzv-id", "--rdzv_id", default=None, metavar="ID", help="job id shared by all nodes")
-    g.add_argument("--max-restarts", "--max_restarts", type=int, default=0, metavar="R",
+    g.add_argument("--rdzv-id", "--rdzv_id", default=_env("RDZV_ID"), metavar="ID", help="job id shared by all nodes")
+    g.add_argument("--max-restarts", "--max_restarts", type=int, default=_env("MAX_RESTARTS", 0), metavar="R",
                    help="restart the worker group up to R times after a failure (default 0)")
-    g.add_argument("--monitor-interval", "--monitor_interval", type=float, default=None, metavar="S",
+    g.add_argument("--monitor-interval", "--monitor_interval", type=float, default=_env("MONITOR_INTERVAL"), metavar="S",
                    help="seconds between worker health checks")
-    g.add_argument("--local-addr", "--local_addr", default=None, metavar="A", help="this node's address")
+    g.add_argument("--local-addr", "--local_addr", default=_env("LOCAL_ADDR"), metavar="A", help="this node's address")
     _add_torchrun_flags(g, PASSTHROUGH + (("--no-python",) if program else ()))
+
+
+def _env(name: str, default: Any = None) -> Any:
+    """torchrun's default for a launch flag: ``PET_<NAME>`` when set (as the Kubeflow PyTorchJob
+    operator passes them), else ``default``. argparse converts a string default with the flag's type."""
+    return os.environ.get(f"PET_{name}", default)
 
 
 def _nproc(value: str) -> int:

@@ -39,7 +39,9 @@ __all__ = ["LaunchConfig", "PASSTHROUGH", "nproc_per_node", "torchrun"]
 
 # torchrun's own flags that paratrain hands to its parser unchanged (``--no-python`` only where
 # the user's program is run: ``paratrain run``).
-PASSTHROUGH = ("--rdzv-conf", "--start-method", "--tee", "--redirects", "--local-ranks-filter")
+PASSTHROUGH = ("--rdzv-conf", "--start-method", "--tee", "--redirects", "--local-ranks-filter", "--role", "--logs-specs",
+               "--event-log-handler", "--numa-binding", "--signals-to-handle", "--shutdown-timeout",
+               "--virtual-local-rank", "--duplicate-stdout-filters", "--duplicate-stderr-filters")
 
 _PREFIX = "paratrain run: error:"  # the default; paratrain train passes its own
 # The rendezvous id of a single-node job's private rendezvous: new for every invocation, so it

@@ -195,3 +195,23 @@ def test_own_script_collective_timeout_ends_with_its_cause(tmp_path):
     assert res.returncode != 0
     assert ("paratrain: CollectiveTimeoutError: rank 1 did not arrive at a collective (all_reduce) for 3 s "
             "(timeout_s)") in res.stderr, res.stderr[-3000:]
+
+
+def test_pet_variables_are_the_launch_flags_defaults(monkeypatch):
+    """torchrun reads every flag from PET_<FLAG> (how the Kubeflow PyTorchJob operator launches);
+    so do paratrain run/train, and a flag on the command line still wins. torchrun's other flags
+    (--role...) pass through."""
+    import argparse
+
+    from paratrain.cli.run import add_launch_arguments, launch_config, torchrun_flags
+
+    for k, v in dict(PET_NPROC_PER_NODE="4", PET_NNODES="2", PET_NODE_RANK="1", PET_MASTER_ADDR="10.0.0.1",
+                     PET_MASTER_PORT="23456", PET_MAX_RESTARTS="3").items():
+        monkeypatch.setenv(k, v)
+    p = argparse.ArgumentParser()
+    add_launch_arguments(p)
+    cfg = launch_config(p.parse_args([]))
+    assert (cfg.nproc_per_node, cfg.nnodes, cfg.node_rank, cfg.master_addr, cfg.master_port, cfg.max_restarts) == (
+        4, "2", 1, "10.0.0.1", 23456, 3)
+    args = p.parse_args(["--nproc-per-node", "2", "--role", "trainer"])
+    assert launch_config(args).nproc_per_node == 2 and torchrun_flags(args) == ["--role=trainer"]
