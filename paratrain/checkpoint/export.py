@@ -90,6 +90,26 @@ def _sharded_model(folder: Path) -> dict[str, torch.Tensor]:
     return state
 
 
+def _with_masters(weights: dict[str, Any], masters: list[torch.Tensor] | None, names: list[str] | None) -> dict[str, Any]:
+    """A bf16-true/fp16-true run's weights as its fp32 masters, not the rounded low-precision copy
+    the model holds (a tied parameter's other names too); the weights as they are otherwise."""
+    if not masters or not names or len(names) != len(masters):
+        return weights
+    out = dict(weights)
+    for name, master in zip(uncompiled_keys(dict.fromkeys(names)), masters):
+        if name not in weights:
+            continue
+        held = _where_in_memory(weights[name])
+        for key, value in weights.items():  # the names of this very tensor (tied weights)
+            if isinstance(value, torch.Tensor) and _where_in_memory(value) == held:
+                out[key] = master.to(torch.float32)
+    return out
+
+
+def _where_in_memory(t: torch.Tensor) -> tuple[Any, ...]:
+    return t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride()
+
+
 def export_checkpoint(source: str | os.PathLike, directory: str | os.PathLike) -> Path:
     """Export the model of ``source`` (a checkpoint file, a checkpoint folder: its newest good
     checkpoint, or a run folder holding ``checkpoints/``) to ``directory``; returns the weights' path."""
@@ -110,6 +130,8 @@ def export_checkpoint(source: str | os.PathLike, directory: str | os.PathLike) -
         weights = _sharded_model(Path(path).parent / state["sharded"])
     else:
         weights = uncompiled_keys(state["model"])
+    precision = state.get("precision") or {}
+    weights = _with_masters(weights, precision.get("masters"), precision.get("master_names"))
     info = {
         "source": str(Path(path).resolve()),
         "global_step": state["global_step"],

@@ -43,11 +43,13 @@ class MasterWeights:
 
     def _init_masters(self) -> None:
         self._pairs: dict[int, tuple[torch.Tensor, nn.Parameter]] = {}  # id(param) -> (param, master)
+        self._names: list[str] = []  # the parameters' names in the model, in _pairs' order (for export)
 
     def setup_model(self, model: nn.Module) -> nn.Module:
-        for p in model.parameters():
+        for name, p in model.named_parameters():
             if p.is_floating_point() and id(p) not in self._pairs:
                 self._pairs[id(p)] = (p, nn.Parameter(p.detach().to(torch.float32, copy=True)))
+                self._names.append(name)
         model.to(self.dtype)  # in place: the parameters keep their identity
         return model
 
@@ -81,7 +83,8 @@ class MasterWeights:
                     p.grad = m.grad = None
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "masters": self.masters_state()}  # type: ignore[misc]
+        return {**super().state_dict(), "masters": self.masters_state(),  # type: ignore[misc]
+                "master_names": list(self._names)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)  # type: ignore[misc]

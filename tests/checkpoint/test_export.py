@@ -59,3 +59,38 @@ def test_export_without_checkpoint_is_one_line(tmp_path: Path) -> None:
     assert res.returncode == 2
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and "no checkpoint in" in lines[0], res.stderr
+
+
+def test_export_of_master_weights_is_the_fp32_masters(tmp_path: Path) -> None:
+    """bf16-true: the export holds the fp32 masters the optimizer stepped (a tied weight under both
+    names), not the model's rounded bf16 copy; buffers stay as they are."""
+    import paratrain
+    from paratrain.checkpoint import export_checkpoint
+
+    class Tied(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = torch.nn.Linear(4, 4)
+            self.b = torch.nn.Linear(4, 4)
+            self.b.weight = self.a.weight
+            self.norm = torch.nn.BatchNorm1d(4)
+
+        def forward(self, x):
+            return self.b(self.norm(self.a(x)))
+
+    pt = paratrain.Parallel(strategy="single", precision="bf16-true", global_batch=8)
+    net = Tied()
+    model, opt = pt.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    x = torch.randn(8, 4)
+    opt.zero_grad()
+    pt.backward(model(x).float().pow(2).mean())
+    opt.step()
+    pt.save_checkpoint(str(tmp_path / "ck"), model, opt)
+    export_checkpoint(tmp_path / "ck", tmp_path / "out")
+    got = load_model(tmp_path / "out")
+    masters = dict(zip(pt.precision._names, pt.precision.masters_state()))
+    assert torch.equal(got["a.weight"], masters["a.weight"]) and torch.equal(got["b.weight"], masters["a.weight"])
+    assert got["a.weight"].dtype == torch.float32 and torch.equal(got["a.bias"], masters["a.bias"])
+    assert not torch.equal(got["a.weight"], net.a.weight.float())  # the rounded copy differs
+    assert torch.equal(got["norm.running_mean"], net.norm.running_mean)
+    pt.close()
