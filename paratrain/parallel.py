@@ -308,13 +308,18 @@ class Parallel:
             clip = lambda: [self.strategy.clip_grad_norm(m, max_norm) for m in self._models]  # noqa: E731
         self._check_lr_unchanged()
         stepped = self.strategy.optimizer_step(optimizer, lambda: self.precision.step(optimizer, clip))
+        self._end_global_batch(optimizer)
+        return stepped
+
+    def _end_global_batch(self, optimizer: torch.optim.Optimizer) -> None:
+        """After the optimizer step of a global batch (taken or skipped): gradients cleared, the
+        data position one step on, and the schedulers paratrain steps for ``optimizer`` stepped."""
         optimizer.zero_grad(set_to_none=True)
         self.micro_step = 0
         self.global_step += 1
         for scheduler, owner in self._auto_schedulers:
             if owner is optimizer:
                 scheduler.step()
-        return stepped
 
     def scaled_step(self, optimizer: ParallelOptimizer, found_inf: torch.Tensor, grad_scale: Any) -> bool:
         """:meth:`step` as the loop's own ``torch.amp.GradScaler`` drives it: ``scaler.step(optimizer)``
@@ -331,13 +336,8 @@ class Parallel:
         if self.micro_step < self.accumulation:
             return False
         if bool(found_inf.item()):
-            inner.zero_grad(set_to_none=True)
-            self.micro_step = 0
-            self.global_step += 1
             self._scaler_skips += 1
-            for scheduler, owner in self._auto_schedulers:
-                if owner is inner:
-                    scheduler.step()
+            self._end_global_batch(inner)
             return False
         if grad_scale is not None:
             inv = 1.0 / grad_scale.double()

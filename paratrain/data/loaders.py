@@ -19,7 +19,7 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, Subset, TensorDataset, get_worker_info
 from torch.utils.data._utils.collate import default_collate, default_convert
 
-from ..env.process import mix_seed
+from ..env.process import mix_seed, mix_step
 from .batch import to_device
 from .sampler import BatchPlan, GlobalBatchSampler, ShardedEvalSampler
 
@@ -97,14 +97,9 @@ def sample_seed(seed: int, epoch: int, index: int) -> int:
 
 
 def sample_seeds(seed: int, epoch: int, indices: list[int]) -> list[int]:
-    """:func:`sample_seed` of every index at once (NumPy's uint64 arithmetic wraps as ``mix_seed``'s masks do)."""
-    x = np.full(len(indices), mix_seed(seed, epoch), dtype=np.uint64)
-    x ^= np.asarray(indices, dtype=np.int64).astype(np.uint64)
-    x += np.uint64(0x9E3779B97F4A7C15)
-    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    x ^= x >> np.uint64(31)
-    return (x >> np.uint64(1)).tolist()
+    """:func:`sample_seed` of every index at once: the last mixing step on a NumPy array."""
+    state = np.full(len(indices), mix_seed(seed, epoch), dtype=np.uint64)
+    return (mix_step(state, np.asarray(indices, dtype=np.int64).astype(np.uint64)) >> 1).tolist()
 
 
 class SeededSamples(Dataset):
@@ -143,12 +138,12 @@ class SeededSamples(Dataset):
                 python = None if self.draws_python else random.getstate()
                 numpy = None if self.draws_numpy else np.random.get_state()
                 out = self._read(indices, seeds)
-                if python is not None and random.getstate() != python:
-                    self.draws_python = True
-                if numpy is not None and not _same_numpy_state(numpy, np.random.get_state()):
-                    self.draws_numpy = True
-                if (python is None or not self.draws_python) and (numpy is None or not self.draws_numpy):
+                drew_python = python is not None and random.getstate() != python
+                drew_numpy = numpy is not None and not _same_numpy_state(numpy, np.random.get_state())
+                if not (drew_python or drew_numpy):
                     return out  # no generator was drawn from unseeded
+                self.draws_python |= drew_python  # read the micro-batch again, those seeded too
+                self.draws_numpy |= drew_numpy
         finally:
             if saved is not None:
                 torch.set_rng_state(saved[0])

@@ -32,7 +32,7 @@ from .network import free_port, interface_towards, is_loopback, loopback_store, 
 
 __all__ = [
     "Dist", "UnavailableError", "free_port", "CollectiveTimeoutError", "PeerLostError", "explain_timeout", "explain_peer_loss", "explain_failure",
-    "explain_uncaught", "collective_of", "mix_seed", "init", "interface_towards", "is_loopback", "loopback_store", "store_init_method", "die_with_launcher", "destroy", "preload_dynamo", "available_accelerator", "select_device", "select_backend", "rank", "world_size",
+    "explain_uncaught", "collective_of", "mix_seed", "mix_step", "init", "interface_towards", "is_loopback", "loopback_store", "store_init_method", "die_with_launcher", "destroy", "preload_dynamo", "available_accelerator", "select_device", "select_backend", "rank", "world_size",
     "local_rank", "is_main_process", "barrier", "print_once", "save_on_main",
     "main_process_first", "seed_everything",
 ]
@@ -354,14 +354,23 @@ def main_process_first() -> Iterator[None]:
             barrier()
 
 
+_U64 = 0xFFFFFFFFFFFFFFFF
+
+
+def mix_step(x: Any, value: Any) -> Any:
+    """One splitmix64 step folding ``value`` into the state ``x``: Python ints, or NumPy uint64
+    arrays (one state per element; their arithmetic wraps at 64 bits, as the masks do for ints)."""
+    x = ((x ^ (value & _U64)) + 0x9E3779B97F4A7C15) & _U64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _U64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _U64
+    return x ^ (x >> 31)
+
+
 def mix_seed(*values: int) -> int:
     """A 64-bit seed from integers (splitmix64 steps): nearby inputs give unrelated seeds."""
     x = 0
     for v in values:
-        x = (x ^ (v & 0xFFFFFFFFFFFFFFFF)) + 0x9E3779B97F4A7C15 & 0xFFFFFFFFFFFFFFFF
-        x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
-        x = (x ^ (x >> 27)) * 0x94D049BB133111EB & 0xFFFFFFFFFFFFFFFF
-        x ^= x >> 31
+        x = mix_step(x, v)
     return x
 
 
