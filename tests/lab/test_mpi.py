@@ -33,7 +33,7 @@ def mpirun(lab_mpi, args, timeout, *, options=()):
 
 @pytest.mark.timeout(200)
 def test_mpirun_two_ranks_read_openmpi_and_train_like_nproc_per_node_2(lab_mpi, nproc2_run, tmp_path):
-    where = mpirun(lab_mpi, ["-c", "import json, paratrain.env as e; print(json.dumps(e.detect_process().__dict__))"], 60)
+    where = mpirun(lab_mpi, ["-c", "import json, os, paratrain.env as e; os.write(1, (json.dumps(e.detect_process().__dict__) + chr(10)).encode())"], 60)
     assert where.returncode == 0, where.stderr
     infos = sorted((json.loads(line) for line in where.stdout.splitlines()), key=lambda i: i["rank"])
     assert [(i["rank"], i["world_size"], i["local_rank"], i["source"]) for i in infos] == [(0, 2, 0, "mpi"), (1, 2, 1, "mpi")]

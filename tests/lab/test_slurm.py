@@ -37,7 +37,7 @@ def slurm_cmd(lab_slurm, argv, timeout, **extra):
 @pytest.mark.timeout(240)
 def test_srun_two_tasks_read_slurm_and_train_like_nproc_per_node_2(lab_slurm, nproc2_run, tmp_path):
     where = slurm_cmd(lab_slurm, ["srun", "-n", "2", sys.executable, "-c",
-                                  "import json, paratrain.env as e; print(json.dumps(e.detect_process().__dict__))"], 60)
+                                  "import json, os, paratrain.env as e; os.write(1, (json.dumps(e.detect_process().__dict__) + chr(10)).encode())"], 60)
     assert where.returncode == 0, where.stderr
     infos = sorted((json.loads(line) for line in where.stdout.splitlines()), key=lambda i: i["rank"])
     assert [(i["rank"], i["world_size"], i["local_rank"], i["source"]) for i in infos] == [
