@@ -28,8 +28,10 @@ Semantics:
 
 * ``fork`` returns a ``torch.futures.Future`` (= ``torch.jit.Future``); a TorchScript branch returns
   what a fork inside TorchScript returns, ``torch._C.Future``, the base class of both. ``wait``
-  takes either (and a ``concurrent.futures.Future``); ``torch.jit.wait(fut)`` and ``fut.wait()``
-  work too. ``wait`` on a branch that no thread has started yet runs it in the waiting thread, so a
+  takes either (and a ``concurrent.futures.Future``); ``fut.wait()`` works too. Not
+  ``torch.jit.wait(fut)`` while a TorchScript branch may still run: it keeps the GIL while it
+  waits, and such a branch then never finishes (torch 2.13 and 2.14 hang there with torch's own
+  scripted forks too); once a branch has finished it returns its result. ``wait`` on a branch that no thread has started yet runs it in the waiting thread, so a
   branch that forks and waits from inside a branch never deadlocks the pool.
 * Grad mode, inference mode, autocast (every device type) and the current CUDA device and stream
   are thread-local in torch; ``fork`` captures the caller's and sets them in the branch. Other

@@ -12,9 +12,28 @@ import fastlaunch  # noqa: E402
 fastlaunch.install()  # multi-process tests fork their workers from a server that has imported torch
 
 
+import pytest  # noqa: E402
+
+_STDERR_FD = -1  # a copy of stderr made before pytest captures output: where the stacks go
+
+
 def pytest_configure(config):
-    # A test blocked inside C (a native wait, a lock) never sees pytest-timeout's SIGALRM; pytest's
-    # faulthandler_timeout prints its stack. When scripts/test.sh's outer `timeout` then ends the
-    # run with SIGTERM, every thread's stack is printed first, to the terminal (as pytest's own
-    # faulthandler does, on a copy of stderr made before output is captured).
-    faulthandler.register(signal.SIGTERM, file=os.dup(sys.stderr.fileno()), all_threads=True, chain=True)
+    # When scripts/test.sh's outer `timeout` ends the run with SIGTERM, every thread's stack is
+    # printed first, to the terminal.
+    global _STDERR_FD
+    _STDERR_FD = os.dup(sys.stderr.fileno())
+    faulthandler.register(signal.SIGTERM, file=_STDERR_FD, all_threads=True, chain=True)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    # A test blocked inside C (a native wait, a lock held by another thread) never sees
+    # pytest-timeout's SIGALRM. 30 s after its timeout every thread's stack is printed and the run
+    # ends with exit status 1: a failure within minutes, not a CI stuck until the outer limit.
+    marker = item.get_closest_marker("timeout")
+    limit = float(marker.args[0]) if marker is not None and marker.args else float(item.config.getini("timeout"))
+    faulthandler.dump_traceback_later(limit + 30, exit=True, file=_STDERR_FD)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
