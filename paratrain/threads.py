@@ -309,7 +309,10 @@ def _launcher(fn: Any, n: int) -> Any | None:
         if n not in table:
             try:
                 with warnings.catch_warnings():
-                    warnings.simplefilter("ignore", DeprecationWarning)  # torch 2.13 deprecates TorchScript
+                    # torch deprecates TorchScript (2.13: DeprecationWarning, 2.14: FutureWarning); the
+                    # user scripted fn already, the launcher is paratrain's own
+                    warnings.simplefilter("ignore", DeprecationWarning)
+                    warnings.simplefilter("ignore", FutureWarning)
                     if isinstance(fn, torch.jit.ScriptModule):
                         table[n] = torch.jit.script(_MODULE_LAUNCHERS[n - 1](fn))
                     else:

@@ -19,7 +19,8 @@ from paratrain import threads
 pytestmark = pytest.mark.timeout(120)  # a branch that never runs concurrently would hang the spin tests
 
 with warnings.catch_warnings():
-    warnings.simplefilter("ignore", DeprecationWarning)  # torch 2.13 deprecates TorchScript
+    warnings.simplefilter("ignore", DeprecationWarning)  # torch 2.13 deprecates TorchScript,
+    warnings.simplefilter("ignore", FutureWarning)  # 2.14 with a FutureWarning
 
     @torch.jit.script
     def compute(x: Tensor) -> Tensor:  # the seed's example
@@ -49,6 +50,22 @@ def test_seed_example_with_paratrain_fork():
         # the GIL and hangs (paratrain.threads' docstring), so it comes after fut2.wait()
         assert torch.jit.wait(fut2).item() == 400 and torch.jit.wait(py).item() == 9
         assert paratrain.wait(torch.jit.fork(compute, torch.tensor(4))).item() == 16  # and paratrain's torch's
+
+
+@pytest.mark.smoke  # also on the CUDA wheel, whose torch warns about TorchScript with a FutureWarning
+def test_forking_a_scripted_function_warns_only_about_what_the_user_did():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+
+        @torch.jit.script
+        def cube(x: Tensor) -> Tensor:  # a fresh function: paratrain scripts a new launcher for it
+            return x * x * x
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fut = paratrain.fork(cube, torch.tensor(2.0))
+        assert type(fut) is torch._C.Future and paratrain.wait(fut).item() == 8
+    assert [str(w.message) for w in caught] == []  # paratrain's own launcher is no deprecation of the user's
 
 
 def test_eager_jit_fork_runs_in_the_caller():
