@@ -184,9 +184,10 @@ class Parallel:
 
         Returns a :class:`ParallelModule`, or ``(module, optimizer)``, or ``(module, optimizer,
         scheduler)``. Parameters are kept (moved in place), so an optimizer built before ``setup``
-        stays valid; a scheduler built on it follows it when a strategy rebuilds the optimizer
-        over sharded parameters (fsdp). The returned scheduler's ``step()`` acts once per optimizer
-        step whatever the accumulation (see :class:`ParallelScheduler`).
+        stays valid, also under fsdp/tensor, whose sharded parameters it is pointed at in place: a
+        scheduler built on it keeps acting on the optimizer that steps, passed to ``setup`` or not.
+        The returned scheduler's ``step()`` acts once per optimizer step whatever the accumulation
+        (see :class:`ParallelScheduler`).
         """
         compiled = model if _is_compiled(model) else None
         original = _uncompiled(model)  # its keys are the checkpoint's, compiled or not

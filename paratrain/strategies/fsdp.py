@@ -7,13 +7,12 @@ each rank ends with the gradient of its own shard and the optimizer steps 1/N of
 ``False`` keeps them until backward (ZeRO-2-like: more memory, one all-gather fewer per step).
 
 FSDP2 replaces parameters by sharded ``DTensor`` parameters, so an optimizer built before
-:meth:`Parallel.setup` is rebuilt over them (same class and hyperparameters). The helpers here
-(sharding, optimizer rebuild, DTensor-aware clipping, parameter bytes) are shared with ``tensor``.
+:meth:`Parallel.setup` is pointed at them in place (the same optimizer object, so a scheduler
+built on it still acts on it). The helpers here (sharding, that re-pointing, DTensor-aware clipping, parameter bytes) are shared with ``tensor``.
 """
 
 from __future__ import annotations
 
-import inspect
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -148,22 +147,23 @@ class ParameterSwap:
         return entry[1] if entry is not None and entry[0]() is p else p
 
     def rebuild(self, optimizer: torch.optim.Optimizer, strategy: str) -> torch.optim.Optimizer:
-        """The same optimizer over the new parameters (param groups mapped by position)."""
-        groups = [{**g, "params": [self._lookup(p) for p in g["params"]]} for g in optimizer.param_groups]
-        if all(n is o for g, og in zip(groups, optimizer.param_groups) for n, o in zip(g["params"], og["params"])):
+        """The same optimizer object, its param groups now over the new parameters (by position).
+
+        In place, so that whatever holds the optimizer (a learning-rate scheduler built before
+        ``setup`` and not passed to it, the user's own reference) keeps acting on the one that
+        steps; each ``params`` list is refilled rather than replaced (LBFGS keeps a reference to it).
+        """
+        new = [[self._lookup(p) for p in g["params"]] for g in optimizer.param_groups]
+        if all(n is o for ps, g in zip(new, optimizer.param_groups) for n, o in zip(ps, g["params"])):
             return optimizer  # built after setup: already over the sharded parameters
         if optimizer.state:
             raise ValueError(
                 f"{strategy}: the optimizer has already stepped; create it before pt.setup() or after, "
                 "but do not step it before: its state cannot follow the parameters into their shards"
             )
-        # Every group carries all its hyperparameters; the constructor's keyword arguments only set
-        # the defaults of later add_param_group calls. Some defaults are not constructor arguments
-        # (AdamW's decoupled_weight_decay), so pass only those its signature accepts.
-        accepted = inspect.signature(type(optimizer).__init__).parameters
-        takes_any = any(p.kind is p.VAR_KEYWORD for p in accepted.values())
-        defaults = {k: v for k, v in optimizer.defaults.items() if takes_any or k in accepted}
-        return type(optimizer)(groups, **defaults)
+        for ps, g in zip(new, optimizer.param_groups):
+            g["params"][:] = ps
+        return optimizer
 
 
 @torch.no_grad()
@@ -202,7 +202,7 @@ def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
 
 class DTensorStrategy(Strategy):
     """What ``fsdp`` and ``tensor`` share: both turn parameters into ``DTensor`` parameters in
-    place, so the optimizer is rebuilt over them (:class:`ParameterSwap`), ``no_sync`` is FSDP2's
+    place, so the optimizer is pointed at them (:class:`ParameterSwap`), ``no_sync`` is FSDP2's
     ``set_requires_gradient_sync``, clipping is DTensor-aware and checkpoints are sharded (DCP)."""
 
     master_weights_hint = "bf16-mixed (FSDP2 already keeps fp32 sharded master weights and computes in low precision)"

@@ -81,7 +81,7 @@ def auto_plan(model: nn.Module) -> dict[str, str]:
 class TensorParallelStrategy(DTensorStrategy):
     """DTensor tensor parallelism, with FSDP2 on the dp dimension of a 2-D mesh.
 
-    From :class:`~.fsdp.DTensorStrategy`: the in-place wrapping, the optimizer rebuild over
+    From :class:`~.fsdp.DTensorStrategy`: the in-place wrapping, the optimizer pointed at the
     DTensor parameters, ``no_sync`` for the dp reduction (tp all-reduces are part of the
     computation, they never wait), DTensor-aware clipping and DCP checkpoints.
     """

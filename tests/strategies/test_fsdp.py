@@ -55,9 +55,29 @@ def fsdp_run(options, problem):
     return {"state": full_state(model), "bytes": pt.strategy.parameter_bytes(pt.unwrap(model))}
 
 
+def scheduler_not_given_to_setup():
+    """A warmup schedule built on the optimizer before setup, and stepped by the user, not passed
+    to setup (transformers' get_linear_schedule_with_warmup habit): the lr that steps follows it."""
+    pt = paratrain.Parallel(strategy="fsdp", global_batch=PROBLEM.global_batch, seed=PROBLEM.seed)
+    model = PROBLEM.model()
+    user_opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(user_opt, lambda step: min(1.0, step / 2))  # lr 0 at step 0
+    model, opt = pt.setup(model, user_opt)
+    lrs = []
+    for xb, yb in pt.train_loader(TensorDataset(*PROBLEM.data())):
+        opt.zero_grad()
+        pt.backward(nn.functional.cross_entropy(model(xb), yb))
+        opt.step()
+        sched.step()
+        lrs.append(pt._optimizers[-1].param_groups[0]["lr"])  # the optimizer that steps the shards
+        if len(lrs) == 3:
+            break
+    return {"lrs": lrs, "same_object": pt._optimizers[-1] is user_opt}
+
+
 def fsdp_worker(rank, runs):
     # Several configurations in one launch: starting processes is the slow part of these tests.
-    out = [fsdp_run(*run) for run in runs]
+    out = [fsdp_run(*run) for run in runs] + [scheduler_not_given_to_setup()]
     paratrain.destroy()
     return out
 
@@ -70,7 +90,8 @@ def test_fsdp_matches_reference_shards_parameters_and_accumulates():
     outs = paratrain.launch(fsdp_worker, nprocs=2, args=(runs,), timeout=90)
     ref, ref_accumulated = PROBLEM.reference().state, ACCUMULATED.reference().state
     ref64 = ACCUMULATED.replace(dtype=F64).reference().state
-    for zero3, zero2, accumulated, accumulated64 in outs:
+    for zero3, zero2, accumulated, accumulated64, scheduled in outs:
+        assert scheduled == {"lrs": [0.05, 0.1, 0.1], "same_object": True}
         assert_same_state(zero3["state"], ref, PROBLEM.rtol)
         assert_same_state(zero2["state"], ref, PROBLEM.rtol)
         assert_same_state(accumulated["state"], ref_accumulated, ACCUMULATED.rtol)
