@@ -7,11 +7,42 @@ loop that steps both per micro-batch keeps the schedule it has without accumulat
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+import warnings
+from typing import Any, Iterable, Protocol
 
 import torch
 
-__all__ = ["ParallelOptimizer", "ParallelScheduler"]
+__all__ = ["ParallelOptimizer", "ParallelScheduler", "GradientWatch"]
+
+
+class GradientWatch:
+    """Notices gradients changed *between* the micro-steps of one global batch.
+
+    With accumulation, the gradients between two ``backward`` calls are partial sums: a
+    ``clip_grad_norm_`` (or ``model.zero_grad()``, or any in-place edit) there acts on a part of the
+    global batch, so the result depends on the accumulation and hence on the world size. After
+    each backward but the last the watch records every gradient's tensor and version counter
+    (in-place edits bump it); the next backward compares. Reported once, as a warning.
+    """
+
+    def __init__(self) -> None:
+        self._seen: list[tuple[torch.Tensor, torch.Tensor, int]] = []
+        self.warned = False
+
+    def record(self, params: Iterable[torch.Tensor]) -> None:
+        if not self.warned:
+            self._seen = [(p, p.grad, p.grad._version) for p in params if p.grad is not None]
+
+    def check(self, accumulation: int, micro_step: int) -> None:
+        seen, self._seen = self._seen, []
+        if self.warned or not any(p.grad is not g or g._version != v for p, g, v in seen):
+            return
+        self.warned = True
+        warnings.warn(
+            f"gradients changed between micro-batches {micro_step} and {micro_step + 1} of a global batch "
+            f"(accumulation {accumulation}): a clip_grad_norm_ or zero_grad in the loop body acted on partial "
+            "gradients, so the result depends on the accumulation and world size; clip with "
+            "Parallel(clip_grad_norm=...), or only when pt.micro_step == pt.accumulation", stacklevel=3)
 
 
 class Runtime(Protocol):

@@ -42,7 +42,7 @@ from .data.sampler import BatchPlan, check_dataset_fits
 from .env import failures, process
 from .env.provenance import provenance
 from .metrics import batch_targets, model_loss, predictions
-from .optim import ParallelOptimizer, ParallelScheduler
+from .optim import GradientWatch, ParallelOptimizer, ParallelScheduler
 
 # What train_loader keeps of a user's DataLoader (its sampler, batch size and drop_last are paratrain's).
 _KEPT_LOADER_SETTINGS = ("collate_fn", "num_workers", "pin_memory", "worker_init_fn", "persistent_workers", "timeout",
@@ -137,6 +137,7 @@ class Parallel:
         self._auto_schedulers: list[tuple[Any, torch.optim.Optimizer]] = []  # stepped by paratrain
         self._lrs_at_start: list[float] | None = None
         self._warned_lr_change = False
+        self._grad_watch = GradientWatch()  # gradients edited mid-accumulation (a clip in the loop body)
         # checked on every rank (a bad name fails everywhere alike); opened on the main process only
         self.trackers = tracking.Trackers(log_to, log_dir, loggers, enabled=self.is_main_process, config=self._run_config)
 
@@ -279,7 +280,12 @@ class Parallel:
         if callable(loss):
             loss(self.accumulation)
         else:
+            watch = self.accumulation > 1
+            if watch and self.micro_step > 0:
+                self._grad_watch.check(self.accumulation, self.micro_step)
             self.precision.backward(loss / self.accumulation if self.accumulation > 1 else loss)
+            if watch and self.micro_step < self.accumulation - 1:
+                self._grad_watch.record(p for m in self._models for p in m.parameters())
         self.micro_step += 1
 
     def training_step(self, model: nn.Module, batch: Any,

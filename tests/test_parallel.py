@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from collections import OrderedDict, namedtuple
 
 import pytest
@@ -214,6 +215,33 @@ def assert_states_equal(got, ref, rtol):
     for k in ref:
         err = ((got[k] - ref[k]).norm() / ref[k].norm()).item()
         assert err <= rtol, f"{k}: relative error {err:.1e}"
+
+
+@pytest.mark.parametrize("edit", ["clip", "zero_grad", None, "clip at the last micro-step"])
+def test_gradients_edited_between_micro_steps_are_reported_once(edit):
+    # clip_grad_norm_ in the loop body with accumulation > 1 clips partial gradients: the result
+    # then depends on the accumulation, hence on the world size
+    pt = paratrain.Parallel(global_batch=8, accumulation=2)
+    net = nn.Linear(4, 2, dtype=torch.float64)
+    model, opt = pt.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for xb, yb in pt.train_loader(torch.utils.data.TensorDataset(*regression_data())):
+            opt.zero_grad()
+            pt.backward(nn.functional.mse_loss(model(xb), yb))
+            if edit == "clip":
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+            elif edit == "zero_grad":
+                model.zero_grad()
+            elif edit is not None and pt.micro_step == pt.accumulation:  # the whole global batch's gradients
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+            opt.step()
+    messages = [str(w.message) for w in caught]
+    if edit in ("clip", "zero_grad"):
+        assert len(messages) == 1 and messages[0].startswith("gradients changed between micro-batches 1 and 2")
+        assert caught[0].filename == __file__  # points at the loop
+    else:
+        assert messages == []
 
 
 def test_scheduler_accepts_setup_optimizer_without_warnings():
@@ -535,12 +563,15 @@ def strategy_checks(rank, strategy, directory):
     model, opt, sched = pt.setup(net, opt, torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5))
     ids = []
     user_loader = torch.utils.data.DataLoader(DictData(32), batch_size=2, shuffle=True, collate_fn=tag_collate)
-    for batch in pt.train_loader(user_loader):  # dict batches, model(**batch), out.loss
-        ids.append(batch["id"])
-        opt.zero_grad()
-        pt.backward(model(**batch)["loss"])
-        opt.step()
-        sched.step()
+    with warnings.catch_warnings(record=True) as caught:  # accumulation 2, nothing edits gradients mid-way
+        warnings.simplefilter("always")
+        for batch in pt.train_loader(user_loader):  # dict batches, model(**batch), out.loss
+            ids.append(batch["id"])
+            opt.zero_grad()
+            pt.backward(model(**batch)["loss"])
+            opt.step()
+            sched.step()
+    report["loop warnings"] = [str(w.message) for w in caught]
     report["ids"] = ids
     report["lr"] = (pt._optimizers[-1].param_groups[0]["lr"], sched.get_last_lr()[0], pt.global_step)
     # evaluation of 5 samples on 2 ranks: shards of 2 and 3, batches of 2 (fsdp pads the short shard)
@@ -574,6 +605,7 @@ def test_own_loop_at_world_size_2(strategy, world2_reports):
                               "dataclass": ("Output", ["torch.float32"]),
                               "namedtuple": ("Pair", ["torch.float32", "torch.int64"])}
         assert r["lr"] == (0.5 * 0.5 ** 4, 0.5 * 0.5 ** 4, 4)  # 32 samples / 8 = 4 optimizer steps
+        assert r["loop warnings"] == []
         assert r["gather"] == [[0, 0], [1, 1], [1, 1]]
         assert r["objects"] == [{"rank": 0}, {"rank": 1}]
         assert r["reduce"] == (3.0, 1)
