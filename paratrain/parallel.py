@@ -55,14 +55,17 @@ class ParallelModule(nn.Module):
     """What :meth:`Parallel.setup` returns: the strategy's wrapper (DDP...) with forward run
     under the precision's autocast and floating outputs returned in fp32 (losses are computed
     outside the model). ``state_dict``/``load_state_dict`` are the user's module's, so
-    checkpoints have the user's keys whatever the strategy.
+    checkpoints have the user's keys whatever the strategy, and so is ``.module`` (as Lightning
+    Fabric's): a DDP script's ``model.module.state_dict()`` or ``model.module.save_pretrained(...)``
+    means the same at every world size (under fsdp/tensor that module holds sharded parameters:
+    use :meth:`Parallel.full_state_dict`).
     """
 
     def __init__(self, wrapped: nn.Module, original: nn.Module, precision: precision_lib.Precision,
                  before_forward: Callable[[nn.Module], None], after_load: Callable[[nn.Module], None],
                  strategy_module: nn.Module | None = None, checkpointed: nn.Module | None = None) -> None:
         super().__init__()
-        self.module = wrapped  # what forward runs: the strategy's wrapper, compiled if asked
+        self._forward_module = wrapped  # what forward runs: the strategy's wrapper, compiled if asked
         object.__setattr__(self, "original", original)  # not a submodule: no duplicate keys
         object.__setattr__(self, "_strategy_module", wrapped if strategy_module is None else strategy_module)
         object.__setattr__(self, "_checkpointed", original if checkpointed is None else checkpointed)
@@ -70,12 +73,17 @@ class ParallelModule(nn.Module):
         object.__setattr__(self, "_before_forward", before_forward)
         object.__setattr__(self, "_after_load", after_load)
 
+    @property
+    def module(self) -> nn.Module:
+        """The user's module (not DDP or another strategy wrapper, whatever the world size)."""
+        return self.__dict__["original"]
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._before_forward(self._strategy_module)
         if not self._precision.autocast:
-            return self.module(*args, **kwargs)
+            return self._forward_module(*args, **kwargs)
         with self._precision.forward_context():
-            out = self.module(*args, **kwargs)
+            out = self._forward_module(*args, **kwargs)
         return evaluation.to_float32(out)
 
     def checkpointed_module(self) -> nn.Module:

@@ -348,7 +348,7 @@ def test_parallel_dp_bf16_on_two_gpus(two_gpus, fake_group, fake_to, fake_dp):
     (dp,) = fake_dp.made
     assert dp.kwargs["device_ids"] == [0, 1] and isinstance(dp.module, ReplicaAutocast)
     assert dp.module.module is net and dp.module.dtype == torch.bfloat16
-    assert pt.unwrap(model) is net and pt.strategy.unwrap(model.module) is net
+    assert pt.unwrap(model) is net and pt.strategy.unwrap(model._forward_module) is net and model.module is net
 
 
 def test_parallel_accelerator_cuda_on_cuda_build_without_gpu(cuda_no_gpu, fake_group):

@@ -561,6 +561,8 @@ def strategy_checks(rank, strategy, directory):
     net = KwargsModel()
     opt = torch.optim.SGD(net.parameters(), lr=0.5)
     model, opt, sched = pt.setup(net, opt, torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5))
+    # a DDP script's model.module: the user's module at every world size, keys without "module."
+    report["module"] = (model.module is net, sorted(model.module.state_dict()) == sorted(KwargsModel().state_dict()))
     ids = []
     user_loader = torch.utils.data.DataLoader(DictData(32), batch_size=2, shuffle=True, collate_fn=tag_collate)
     with warnings.catch_warnings(record=True) as caught:  # accumulation 2, nothing edits gradients mid-way
@@ -606,6 +608,7 @@ def test_own_loop_at_world_size_2(strategy, world2_reports):
                               "namedtuple": ("Pair", ["torch.float32", "torch.int64"])}
         assert r["lr"] == (0.5 * 0.5 ** 4, 0.5 * 0.5 ** 4, 4)  # 32 samples / 8 = 4 optimizer steps
         assert r["loop warnings"] == []
+        assert r["module"] == (True, True)
         assert r["gather"] == [[0, 0], [1, 1], [1, 1]]
         assert r["objects"] == [{"rank": 0}, {"rank": 1}]
         assert r["reduce"] == (3.0, 1)

@@ -31,7 +31,8 @@ def devices_worker(local_rank):
     model = p.model()
     opt = p.optimizer(model.parameters())
     model, opt = pt.setup(model, opt)
-    split = model.module
+    split = model._forward_module
+    assert model.module is pt.unwrap(model)  # .module is the user's model, as at world size 1
     assert isinstance(split, DeviceSplit) and len(split.parts) == 3
     assert [list(part._modules) for part in split.parts] == [["0", "1"], ["2", "3"], ["4"]]
     for xb, yb in pt.train_loader(TensorDataset(*p.data())):  # one epoch = p.steps
