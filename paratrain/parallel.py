@@ -19,6 +19,7 @@ at the step boundary, so the loop body stays the same.
 
 from __future__ import annotations
 
+import os
 import sys
 import warnings
 from dataclasses import asdict, fields
@@ -270,6 +271,21 @@ class Parallel:
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """The whole model's state (unsharded, every pipeline stage) as CPU tensors. Collective."""
         return self.strategy.full_state_dict(self.unwrap(model))
+
+    def save_pretrained(self, model: nn.Module, directory: str | os.PathLike[str], **kwargs: Any) -> None:
+        """``save_pretrained(directory, **kwargs)`` of a HuggingFace model (anything with that
+        method) under any strategy: the whole state gathered (:meth:`full_state_dict`), written by
+        the main process. Collective: call it on every rank. (Under fsdp/tensor the module's own
+        ``save_pretrained`` would meet sharded parameters.)"""
+        user = self.unwrap(model)
+        save = getattr(user, "save_pretrained", None)
+        if not callable(save):
+            raise TypeError(f"save_pretrained: {type(user).__name__} has no save_pretrained method; save "
+                            "pt.full_state_dict(model) instead, e.g. with paratrain.save_on_main")
+        state = self.full_state_dict(model)
+        if self.is_main_process:
+            save(directory, state_dict=state, **kwargs)
+        process.barrier()
 
     # --- the step --------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor | Callable[[int], None]) -> None:

@@ -48,7 +48,7 @@ def exact_run(strategy, kind):
     return pt, pt.full_state_dict(model)
 
 
-def hf_worker(rank):
+def hf_worker(rank, directory):
     report = {}
     for strategy in STRATEGIES:
         for kind in KINDS:
@@ -57,15 +57,23 @@ def hf_worker(rank):
             model, losses = hf_loop.train(pt, kind, steps=STEPS, n=8 * STEPS)
             evaluation = pt.evaluate(model, pt.eval_loader(hf_loop.TokenData(kind, 12, seed=1), batch_size=4))
             report[strategy, kind, "bf16"] = (losses, evaluation)
+            saved = os.path.join(directory, f"{strategy}-{kind}-{pt.world_size}")
+            pt.save_pretrained(model, saved)  # every rank calls it; the main process writes
+            trained = pt.full_state_dict(model)
+            if pt.is_main_process:  # what transformers loads back is the trained model
+                loaded = type(pt.unwrap(model)).from_pretrained(saved).state_dict()
+                report[strategy, kind, "saved"] = (sorted(loaded) == sorted(trained),
+                                                   all(torch.equal(loaded[k], trained[k]) for k in trained))
             pt, report[strategy, kind, "f64"] = exact_run(strategy, kind)
     pt.close()
     return report
 
 
 @pytest.fixture(scope="module")
-def reports():
-    world2 = paratrain.launch(hf_worker, nprocs=2, timeout=360)
-    world1 = hf_worker(0)
+def reports(tmp_path_factory):
+    directory = str(tmp_path_factory.mktemp("pretrained"))
+    world2 = paratrain.launch(hf_worker, nprocs=2, args=(directory,), timeout=360)
+    world1 = hf_worker(0, directory)
     return world1, world2
 
 
@@ -78,6 +86,10 @@ def test_bf16_mixed_trains_at_world_sizes_1_and_2(reports):
                 assert sum(losses[-2:]) < sum(losses[:2]), (strategy, kind, losses)  # batches of 8: noisy per step
                 assert evaluation["count"] == 12 and evaluation["loss"] > 0
                 assert ("accuracy" in evaluation) == (kind == "bert")  # a language model's targets are not classes
+    for report in (reports[0], reports[1][0]):  # the main processes: pt.save_pretrained wrote what was trained
+        for strategy in STRATEGIES:
+            for kind in KINDS:
+                assert report[strategy, kind, "saved"] == (True, True), (strategy, kind)
 
 
 def assert_close(got, ref, rtol):
