@@ -49,6 +49,15 @@ from .optim import GradientWatch, ParallelOptimizer, ParallelScheduler
 _KEPT_LOADER_SETTINGS = ("collate_fn", "num_workers", "pin_memory", "worker_init_fn", "persistent_workers", "timeout",
                          "prefetch_factor", "multiprocessing_context", "pin_memory_device", "in_order")
 
+
+def _loader_settings(loader: DataLoader) -> dict[str, Any]:
+    """The settings of a user's DataLoader that paratrain keeps (not its sampler or batch size)."""
+    kept = {k: getattr(loader, k) for k in _KEPT_LOADER_SETTINGS if hasattr(loader, k)}
+    if loader.num_workers == 0:  # DataLoader refuses these without workers
+        kept.pop("prefetch_factor", None)
+        kept.pop("persistent_workers", None)
+    return kept
+
 __all__ = ["Parallel", "ParallelModule", "ParallelOptimizer", "ParallelScheduler"]
 
 
@@ -442,10 +451,7 @@ class Parallel:
 
     def _from_dataloader(self, loader: DataLoader, shuffle: bool | None) -> tuple[Any, dict[str, Any], bool | None]:
         """The dataset and settings of a user's DataLoader that paratrain keeps, and its shuffle."""
-        kept: dict[str, Any] = {k: getattr(loader, k) for k in _KEPT_LOADER_SETTINGS if hasattr(loader, k)}
-        if loader.num_workers == 0:  # DataLoader refuses these without workers
-            kept.pop("prefetch_factor", None)
-            kept.pop("persistent_workers", None)
+        kept = _loader_settings(loader)
         m = self.plan
         if loader.batch_size is not None and loader.batch_size != m.micro_batch:
             warnings.warn(f"train_loader: the DataLoader's batch_size {loader.batch_size} is replaced by the micro-batch "
@@ -462,9 +468,17 @@ class Parallel:
                               "global-batch sampler (shuffled: pass shuffle=False for the dataset's order)", stacklevel=3)
         return loader.dataset, kept, shuffle
 
-    def eval_loader(self, dataset: Dataset, batch_size: int | None = None,
+    def eval_loader(self, dataset: Dataset | DataLoader, batch_size: int | None = None,
                     transform: Callable[[torch.Tensor], torch.Tensor] | None = None, **dataloader_kwargs: Any) -> EvalLoader:
-        """This rank's shard of an evaluation set: every sample exactly once across ranks."""
+        """This rank's shard of an evaluation set: every sample exactly once across ranks.
+
+        ``dataset`` may be your own :class:`~torch.utils.data.DataLoader`: its dataset, batch size,
+        ``collate_fn`` and worker settings are kept, its sampler is replaced by this rank's shard.
+        """
+        if isinstance(dataset, DataLoader):
+            loader = dataset
+            dataloader_kwargs = {**_loader_settings(loader), **dataloader_kwargs}
+            dataset, batch_size = loader.dataset, batch_size or loader.batch_size
         return EvalLoader(dataset, batch_size or self.plan.micro_batch * self.accumulation,
                           self.strategy.data_parallel_size, self.strategy.data_parallel_rank, self.device,
                           transform, **dataloader_kwargs)

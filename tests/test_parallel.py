@@ -582,6 +582,9 @@ def strategy_checks(rank, strategy, directory):
     if torchmetrics is not None:
         metrics["tm_acc"] = torchmetrics.classification.MulticlassAccuracy(num_classes=3, average="micro")
     report["eval"] = pt.evaluate(model, pt.eval_loader(eval_set, batch_size=2), metrics=metrics)
+    # the user's own validation DataLoader: its batch size and collate_fn kept, its sampler sharded
+    user_eval = torch.utils.data.DataLoader(eval_set, batch_size=2, collate_fn=tag_collate)
+    report["eval of a DataLoader"] = pt.evaluate(model, pt.eval_loader(user_eval), metrics=metrics)
     report["state"] = pt.full_state_dict(model)
     # all_gather of uneven tensors and of objects; reduce
     report["gather"] = pt.all_gather(torch.full((rank + 1, 2), rank)).tolist()
@@ -622,6 +625,7 @@ def test_own_loop_at_world_size_2(strategy, world2_reports):
     if "tm_acc" in got:  # torchmetrics synced across ranks by itself
         assert got["tm_acc"] == pytest.approx(ref_acc)
     assert reports[1]["eval"] == got
+    assert all(r["eval of a DataLoader"] == got for r in reports)
     ref = reports[0]["compiled"]["plain"]  # compiled or not, the same training
     for r in reports:
         for mode in ("config", "before", "after"):
