@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 import os
 import re
 import sys
@@ -101,6 +102,12 @@ class ParallelConfig:
             self.ps = from_dict(PSOptions, self.ps, "parallel.ps")
         _strategies.resolve(self.strategy)
         self.precision = _precision.resolve(self.precision)
+        for name in ("global_batch", "accumulation", "micro_batch", "seed"):
+            setattr(self, name, _integer(getattr(self, name), name))
+        for name in ("clip_grad_norm", "loss_scale", "timeout_s"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                raise ValueError(f"{name}={value!r} must be a number")
         if self.global_batch < 1:
             raise ValueError(f"global_batch {self.global_batch} must be at least 1")
         if self.clip_grad_norm is not None and self.clip_grad_norm <= 0:
@@ -318,6 +325,22 @@ class TrainConfig:
 
 
 # --- building from dicts, files and overrides ----------------------------------------------
+
+def _integer(value: Any, name: str) -> Any:
+    """``value`` as an ``int`` (a NumPy integer, or a float such as ``64 / 2``, with no fraction);
+    None stays None; anything else is refused in one line naming it."""
+    if value is None:
+        return None
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if not isinstance(value, bool):
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass
+    raise ValueError(f"{name}={value!r} must be an integer")
+
+
 
 def _coerce(value: Any, tp: Any, where: str) -> Any:
     """Convert ``value`` (possibly a command-line string) to the annotated type ``tp``."""

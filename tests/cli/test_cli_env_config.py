@@ -94,3 +94,26 @@ def test_one_set_parser_for_train_and_bench() -> None:
         assert res.returncode == 2 and len(lines) == 1, res.stderr
         assert f"paratrain {command}: error: --set 'optim.lr' is not KEY=VALUE, e.g. --set parallel.global_batch=128" \
             in lines[0]
+
+
+@pytest.mark.parametrize("kwargs, error", [
+    ({"global_batch": "8"}, "global_batch='8' must be an integer"),
+    ({"global_batch": 8.5}, "global_batch=8.5 must be an integer"),
+    ({"micro_batch": True}, "micro_batch=True must be an integer"),
+    ({"seed": 0.5}, "seed=0.5 must be an integer"),
+    ({"clip_grad_norm": "1.0"}, "clip_grad_norm='1.0' must be a number"),
+])
+def test_parallel_options_of_the_wrong_type_are_refused_by_name(kwargs: dict, error: str) -> None:
+    import paratrain
+
+    with pytest.raises(ValueError, match=error.replace(".", r"\.")):
+        paratrain.Parallel(**kwargs)
+
+
+def test_parallel_integers_may_come_as_whole_floats_or_numpy() -> None:
+    import numpy as np
+
+    from paratrain.config import ParallelConfig
+
+    config = ParallelConfig(global_batch=64 / 2, micro_batch=np.int64(8))
+    assert (config.global_batch, config.micro_batch) == (32, 8) and type(config.global_batch) is int
