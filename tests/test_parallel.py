@@ -427,6 +427,16 @@ def test_evaluate_reports_what_the_task_has():
     pt.close()
 
 
+def test_token_logits_whose_vocabulary_equals_the_length_get_no_accuracy():
+    from paratrain.metrics import is_classification
+
+    tokens = torch.randint(0, 5, (2, 5))
+    assert not is_classification(torch.randn(2, 5, 5), tokens)  # (N, T, V) with V == T: ambiguous
+    assert not is_classification(torch.randn(2, 5, 7), tokens)  # a language model's (N, T, V)
+    assert is_classification(torch.randn(2, 7, 5), tokens)  # (N, C, d1), as cross_entropy reads it
+    assert is_classification(torch.randn(2, 3), torch.tensor([0, 2]))
+
+
 def test_all_gather_and_reduce_in_one_process():
     pt = paratrain.Parallel(global_batch=8)
     assert torch.equal(pt.all_gather(torch.arange(3)), torch.arange(3))
