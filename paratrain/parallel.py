@@ -50,6 +50,18 @@ _KEPT_LOADER_SETTINGS = ("collate_fn", "num_workers", "pin_memory", "worker_init
                          "prefetch_factor", "multiprocessing_context", "pin_memory_device", "in_order")
 
 
+def _check_setup_arguments(model: Any, optimizer: Any, scheduler: Any) -> None:
+    """setup(model, optimizer, scheduler) in that order and of those kinds, or a one-line error."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"setup: the model is a {type(model).__name__}, not a torch.nn.Module")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        hint = " (a scheduler? pass pt.setup(model, optimizer, scheduler))" if hasattr(optimizer, "optimizer") else ""
+        raise TypeError(f"setup: the optimizer is a {type(optimizer).__name__}, not a torch.optim.Optimizer{hint}")
+    if scheduler is not None and not (callable(getattr(scheduler, "step", None)) and hasattr(scheduler, "optimizer")):
+        raise TypeError(f"setup: the scheduler {scheduler!r} is not an LR scheduler (one with step() and an "
+                        "optimizer, as torch.optim.lr_scheduler's)")
+
+
 def _loader_settings(loader: DataLoader) -> dict[str, Any]:
     """The settings of a user's DataLoader that paratrain keeps (not its sampler or batch size)."""
     kept = {k: getattr(loader, k) for k in _KEPT_LOADER_SETTINGS if hasattr(loader, k)}
@@ -208,6 +220,7 @@ class Parallel:
         The returned scheduler's ``step()`` acts once per optimizer step whatever the accumulation
         (see :class:`ParallelScheduler`).
         """
+        _check_setup_arguments(model, optimizer, scheduler)
         compiled = model if _is_compiled(model) else None
         original = _uncompiled(model)  # its keys are the checkpoint's, compiled or not
         wrapped = self.strategy.adopt(original)  # a wrapper the user made (their DDP) is kept

@@ -427,6 +427,19 @@ def test_evaluate_reports_what_the_task_has():
     pt.close()
 
 
+def test_setup_refuses_arguments_of_the_wrong_kind_at_once():
+    pt = paratrain.Parallel(global_batch=4)
+    net = nn.Linear(2, 2)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    with pytest.raises(TypeError, match="the scheduler 'cosine' is not an LR scheduler"):
+        pt.setup(net, opt, "cosine")
+    with pytest.raises(TypeError, match=r"the optimizer is a StepLR, not a torch.optim.Optimizer \(a scheduler\?"):
+        pt.setup(net, torch.optim.lr_scheduler.StepLR(opt, 1))
+    with pytest.raises(TypeError, match="the model is a list, not a torch.nn.Module"):
+        pt.setup([net], opt)
+    pt.close()
+
+
 def test_token_logits_whose_vocabulary_equals_the_length_get_no_accuracy():
     from paratrain.metrics import is_classification
 
