@@ -73,10 +73,11 @@ def explain_timeout(error: BaseException, timeout_s: float | None, step: int | N
     if not missing:
         return CollectiveTimeoutError(
             f"every rank waited {waited_for} in a collective{at}: they wait in different collectives "
-            "(code that runs a collective on some ranks only?)")
+            f"{_some_ranks_only(error)}")
+    hint = f" {_some_ranks_only(error)}" if collective_call(error) is not None else ""
     return CollectiveTimeoutError(
         f"{_ranks(missing)} did not arrive at a collective{at} for {waited_for}: hung, frozen or unreachable; "
-        f"{_ranks(answered)} waited for {'them' if len(missing) > 1 else 'it'}")
+        f"{_ranks(answered)} waited for {'them' if len(missing) > 1 else 'it'}{hint}")
 
 
 # gloo's words (tcp/pair.cc) for a peer whose end of the connection closed: it exited or was killed
@@ -124,10 +125,37 @@ def collective_of(error: BaseException) -> str:
     return "a collective"
 
 
+# Parallel's methods that are collectives themselves: each rank must call them
+_COLLECTIVE_METHODS = frozenset((
+    "save_checkpoint", "load_checkpoint", "evaluate", "full_state_dict", "save_pretrained", "all_gather", "reduce",
+    "min_over_ranks",
+))
+_PARALLEL_FILE = os.path.join("paratrain", "parallel.py")
+
+
+def collective_call(error: BaseException) -> str | None:
+    """The collective method of :class:`~paratrain.Parallel` the failed collective ran in
+    (``save_checkpoint``...), read off the traceback; None outside one."""
+    for frame in traceback.extract_tb(error.__traceback__):  # outermost first: the user's own call
+        if frame.name in _COLLECTIVE_METHODS and frame.filename.endswith(_PARALLEL_FILE):
+            return frame.name
+    return None
+
+
 def _where(error: BaseException, step: int | None) -> str:
-    """`` (all_reduce) at step 3``: the collective, where known, and the step."""
-    op = collective_of(error)
-    return (f" ({op})" if op != "a collective" else "") + (f" at step {step}" if step is not None else "")
+    """`` (all_reduce in Parallel.save_checkpoint) at step 3``: the collective and the paratrain call
+    it ran in, where known, and the step."""
+    op, call = collective_of(error), collective_call(error)
+    inside = f"Parallel.{call}" if call is not None else ""
+    what = " in ".join(x for x in (op if op != "a collective" else "", inside) if x)
+    return (f" ({what})" if what else "") + (f" at step {step}" if step is not None else "")
+
+
+def _some_ranks_only(error: BaseException) -> str:
+    call = collective_call(error)
+    if call is None:
+        return "(code that runs a collective on some ranks only?)"
+    return f"(Parallel.{call} is a collective: does every rank call it, not the main process only?)"
 
 
 def explain_failure(error: BaseException, step: int | None = None) -> CollectiveTimeoutError | None:

@@ -193,7 +193,7 @@ def test_own_script_collective_timeout_ends_with_its_cause(tmp_path):
     script.write_text(HANGING_LOOP)
     res = run_cli(["--nproc-per-node", "2", str(script)], timeout=75)
     assert res.returncode != 0
-    assert ("paratrain: CollectiveTimeoutError: rank 1 did not arrive at a collective (all_reduce) for 3 s "
+    assert ("paratrain: CollectiveTimeoutError: rank 1 did not arrive at a collective (all_reduce in Parallel.reduce) for 3 s "
             "(timeout_s)") in res.stderr, res.stderr[-3000:]
 
 

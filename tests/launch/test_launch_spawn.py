@@ -75,8 +75,26 @@ def test_own_loop_collective_timeout_names_the_rank_and_the_collective():
     """Your own loop, not paratrain train: a rank that never arrives is named, with the collective
     the others waited in, in the one line the launch raises (rank 0's error)."""
     with pytest.raises(LaunchError, match=r"rank 0 failed: .*CollectiveTimeoutError: rank 1 did not arrive at a "
-                                          r"collective \(all_reduce\) for 3 s \(timeout_s\).*rank 0 waited for it"):
+                                          r"collective \(all_reduce in Parallel\.reduce\) for 3 s \(timeout_s\).*rank 0 waited for it"):
         paratrain.launch(_own_loop_hangs_on_rank_1, nprocs=2, timeout=90)
+
+
+def _saves_on_the_main_process_only(local_rank, directory):
+    import time
+
+    pt = paratrain.Parallel(strategy="ddp", global_batch=2, timeout_s=3)
+    net = torch.nn.Linear(2, 2)
+    model, opt = pt.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    if pt.rank == 1:
+        time.sleep(30)  # the habit of a hand-written DDP script: only rank 0 saves
+        return None
+    pt.save_checkpoint(directory, model, opt)
+
+
+def test_a_collective_method_called_on_one_rank_is_named(tmp_path):
+    with pytest.raises(LaunchError, match=r"rank 1 did not arrive at a collective \(\w+ in Parallel\.save_checkpoint\).*"
+                                          r"Parallel\.save_checkpoint is a collective: does every rank call it"):
+        paratrain.launch(_saves_on_the_main_process_only, nprocs=2, args=(str(tmp_path / "ckpt"),), timeout=90)
 
 
 def test_collective_of_reads_the_traceback():
