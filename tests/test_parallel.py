@@ -427,6 +427,22 @@ def test_evaluate_reports_what_the_task_has():
     pt.close()
 
 
+def test_the_epoch_loop_resumes_from_the_loader_epoch():
+    pt = paratrain.Parallel(global_batch=8)
+    loader = pt.train_loader(torch.utils.data.TensorDataset(*regression_data()))
+    per_epoch = loader.steps_per_epoch
+    assert per_epoch > 2 and loader.epoch == 0
+    pt.global_step = per_epoch + 1  # what load_checkpoint restores: one step into the second epoch
+    assert loader.epoch == 1 and len(loader) == per_epoch - 1
+    steps = 0
+    for epoch in range(loader.epoch, 3):  # the README's loop, resumed
+        for _ in loader:
+            pt.global_step += 1  # what optimizer.step() does at the end of each global batch
+            steps += 1
+    assert steps == 3 * per_epoch - (per_epoch + 1) and loader.epoch == 3
+    pt.close()
+
+
 def test_setup_refuses_arguments_of_the_wrong_kind_at_once():
     pt = paratrain.Parallel(global_batch=4)
     net = nn.Linear(2, 2)

@@ -238,6 +238,13 @@ class GlobalBatchLoader:
     def steps_per_epoch(self) -> int:
         return self.sampler.steps_per_epoch
 
+    @property
+    def epoch(self) -> int:
+        """The epoch the next batch belongs to (from the global step): after a resume,
+        ``for epoch in range(loader.epoch, epochs)`` continues the epoch loop, its first pass
+        reading the rest of the interrupted epoch."""
+        return self.position() // self.steps_per_epoch
+
     def __len__(self) -> int:
         self.sampler.set_position(self.position())
         return len(self.sampler)
