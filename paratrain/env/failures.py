@@ -8,6 +8,7 @@ train``, ``paratrain.launch`` and (through ``sys.excepthook``) a script's own lo
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import threading
@@ -179,7 +180,11 @@ def _initialized() -> bool:
 def explain_uncaught() -> None:
     """Make an uncaught failed collective end this process with its one-line cause (who did not
     arrive, or which peer ended first), printed after the traceback: for a script's own loop,
-    where no paratrain code is on the stack to catch it. Chains to the current ``sys.excepthook``."""
+    where no paratrain code is on the stack to catch it. Chains to the current ``sys.excepthook``.
+
+    Under torchrun's agent (``paratrain run``, ``torchrun``) the exception, or that cause, is also
+    written to the worker's error file as ``@record`` would (unless the script's own ``@record``
+    did), so that the launcher's last line names it."""
     previous = sys.excepthook
     if getattr(previous, "_paratrain", False):
         return
@@ -192,9 +197,26 @@ def explain_uncaught() -> None:
             why = None
         if why is not None:
             print(f"paratrain: {type(why).__name__}: {why}", file=sys.stderr, flush=True)
+        _record_for_the_agent(why or value, tb)
 
     hook._paratrain = True  # type: ignore[attr-defined]
     sys.excepthook = hook
+
+
+def _record_for_the_agent(error: BaseException, tb: Any) -> None:
+    """Write ``error`` to ``TORCHELASTIC_ERROR_FILE`` in the format of torch's
+    ``ErrorHandler.record_exception`` (which formats only the exception being handled)."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path or os.path.exists(path):
+        return
+    data = {"message": {"message": f"{type(error).__name__}: {error}", "extraInfo": {
+        "py_callstack": "".join(traceback.format_exception(type(error), error, tb)),
+        "timestamp": str(int(time.time()))}}}
+    try:
+        with open(path, "w") as f:
+            json.dump(data, f)
+    except OSError:  # the launcher's line then names no cause; the traceback above still does
+        pass
 
 
 def _ranks(ranks: list[int]) -> str:

@@ -197,6 +197,26 @@ def test_own_script_collective_timeout_ends_with_its_cause(tmp_path):
             "(timeout_s)") in res.stderr, res.stderr[-3000:]
 
 
+RAISES_ON_RANK_1 = """
+import torch
+import paratrain
+
+pt = paratrain.Parallel(strategy="ddp", global_batch=2, timeout_s=20)
+if pt.rank == 1:
+    raise KeyError("input_ids")  # a script's own error, no @record
+pt.reduce(torch.tensor(1.0), "sum")
+"""
+
+
+def test_own_script_error_is_named_in_the_launchers_last_line(tmp_path):
+    script = tmp_path / "fails.py"
+    script.write_text(RAISES_ON_RANK_1)
+    res = run_cli(["--nproc-per-node", "2", str(script)], timeout=75)
+    last = res.stderr.strip().splitlines()[-1]
+    assert res.returncode == 1 and last.startswith("paratrain run: error: worker "), res.stderr[-3000:]
+    assert "rank 1" in last and last.endswith("failed (exit code 1): KeyError: 'input_ids'"), last
+
+
 def test_pet_variables_are_the_launch_flags_defaults(monkeypatch):
     """torchrun reads every flag from PET_<FLAG> (how the Kubeflow PyTorchJob operator launches);
     so do paratrain run/train, and a flag on the command line still wins. torchrun's other flags
