@@ -24,6 +24,7 @@ from .base import CollectiveTimeoutError, PeerLostError
 __all__ = ["explain_timeout", "explain_peer_loss", "explain_failure", "explain_uncaught", "collective_of",
            "remember_timeout"]
 
+_uncaught = False  # an uncaught exception reached explain_uncaught's hook: the process is failing
 _joined_timeout_s: float | None = None  # timeout_s of the process group this process joined (see remember_timeout)
 
 
@@ -190,6 +191,8 @@ def explain_uncaught() -> None:
         return
 
     def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+        global _uncaught
+        _uncaught = True
         previous(kind, value, tb)
         try:
             why = explain_failure(value)
@@ -201,6 +204,11 @@ def explain_uncaught() -> None:
 
     hook._paratrain = True  # type: ignore[attr-defined]
     sys.excepthook = hook
+
+
+def uncaught_seen() -> bool:
+    """Whether this process is ending with an uncaught exception (seen by :func:`explain_uncaught`'s hook)."""
+    return _uncaught
 
 
 def _record_for_the_agent(error: BaseException, tb: Any) -> None:

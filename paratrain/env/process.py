@@ -6,6 +6,7 @@ of a world of 1, so the same script runs on one device and on many.
 
 from __future__ import annotations
 
+import atexit
 import builtins
 import contextlib
 import importlib
@@ -270,6 +271,7 @@ def _join(info: ProcessInfo, device: torch.device, chosen: str, timeout_s: float
             **({"store": store} if store is not None else {"init_method": "env://"}),
             **kwargs,
         )
+        atexit.register(_leave_at_exit)
     except dist.DistError as e:  # the store: not every rank joined, rank 0's cannot be reached, a port in use
         first = " ".join(str(e).split("Exception raised from")[0].split())[:300]
         what = f"rank {info.rank} of {info.world_size} ({info.source}) could not form the process group at {where}"
@@ -296,6 +298,21 @@ def destroy(wait_for_peers: bool = False) -> None:
             dist.barrier()
             time.sleep(0.05)  # let gloo's threads drop their finished work while we hold no GIL
         dist.destroy_process_group()
+
+
+def _leave_at_exit() -> None:
+    """At the exit of a script that did not call ``Parallel.close``/``destroy``: leave the group
+    paratrain joined. Without it a gloo rank that ends while a peer still uses their connection
+    dies at exit with SIGABRT ("terminate called without an active exception": 2 runs in 5 of a
+    plain torchrun + gloo script, torch 2.13 and 2.14). After a normal end the ranks first meet in
+    a barrier; after an uncaught exception they do not (peers may never arrive)."""
+    if not _initialized():
+        return
+    try:
+        destroy(wait_for_peers=not failures.uncaught_seen())
+    except Exception as e:  # noqa: BLE001 - a peer that failed: this rank's own end is what matters here
+        print(f"paratrain: leaving the process group at exit: {type(e).__name__}: {str(e).splitlines()[0][:200]}",
+              file=sys.stderr, flush=True)
 
 
 def _initialized() -> bool:

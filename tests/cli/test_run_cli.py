@@ -217,6 +217,34 @@ def test_own_script_error_is_named_in_the_launchers_last_line(tmp_path):
     assert "rank 1" in last and last.endswith("failed (exit code 1): KeyError: 'input_ids'"), last
 
 
+NO_CLOSE = """
+import atexit
+import os
+
+import torch
+import torch.distributed as dist
+
+import paratrain
+
+# registered before Parallel's, so it runs after it (atexit is last in, first out)
+atexit.register(lambda: os.write(1, f"rank {rank}: in a group at exit: {dist.is_initialized()}\\n".encode()))
+pt = paratrain.Parallel(strategy="ddp", global_batch=2)
+rank = pt.rank
+pt.reduce(torch.tensor(1.0), "sum")  # and no pt.close()
+"""
+
+
+def test_a_script_that_does_not_close_leaves_the_group_at_exit(tmp_path):
+    # Without it a gloo rank can die at exit with SIGABRT while its peer still uses their connection
+    # (2 runs in 5 of a plain torchrun script): paratrain meets its peers in a barrier, then leaves.
+    script = tmp_path / "no_close.py"
+    script.write_text(NO_CLOSE)
+    res = run_cli(["--nproc-per-node", "2", str(script)], timeout=75)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert sorted(line for line in res.stdout.splitlines() if "at exit" in line) == [
+        "rank 0: in a group at exit: False", "rank 1: in a group at exit: False"]
+
+
 def test_pet_variables_are_the_launch_flags_defaults(monkeypatch):
     """torchrun reads every flag from PET_<FLAG> (how the Kubeflow PyTorchJob operator launches);
     so do paratrain run/train, and a flag on the command line still wins. torchrun's other flags
