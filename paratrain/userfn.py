@@ -30,11 +30,18 @@ def load_callable(spec: str, what: str = "--entry") -> Callable[..., Any]:
         path = os.path.abspath(target)
         if not os.path.isfile(path):
             raise FileNotFoundError(f"{what} script {target!r} does not exist")
+        folder = os.path.dirname(path)
+        if folder not in sys.path:  # as `python file.py` does: the file imports its neighbours
+            sys.path.insert(0, folder)
         mod_name = "_paratrain_user_" + os.path.splitext(os.path.basename(path))[0]
         loader_spec = importlib.util.spec_from_file_location(mod_name, path)
         module = importlib.util.module_from_spec(loader_spec)  # type: ignore[arg-type]
         sys.modules[mod_name] = module
-        loader_spec.loader.exec_module(module)  # type: ignore[union-attr]
+        try:
+            loader_spec.loader.exec_module(module)  # type: ignore[union-attr]
+        except ModuleNotFoundError as e:
+            raise ValueError(f"{what} {spec!r}: {target} imports a module that is not installed or not on the "
+                             f"path ({e}); install it or set PYTHONPATH") from None
     else:
         if os.getcwd() not in sys.path:
             sys.path.insert(0, os.getcwd())

@@ -99,7 +99,7 @@ def predict_from_bench(result: BenchResult, cfg: TrainConfig, link_text: str | N
     ref = reference(result.results)
     if ref is None or not ref.step_time_s:
         return "--predict: no single-device cell ran, so there is no compute time to scale"
-    info = dataset_info(cfg.data.dataset)
+    info = dataset_info(cfg.data.dataset, cfg.data.data_dir)
     model = build_model(cfg.model, tuple(info["input_shape"]), info["num_classes"])
     shapes = tuple(tuple(p.shape) for p in model.parameters() if p.requires_grad)
     link = Link.parse(link_text) if link_text else measured_link()

@@ -175,7 +175,7 @@ def _run_baseline(local_rank: int, cfg: TrainConfig, cell: Cell, job: dict[str, 
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     try:
         world = dist.get_world_size()
-        info = dataset_info(cfg.data.dataset)
+        info = dataset_info(cfg.data.dataset, cfg.data.data_dir)
         shape, classes = tuple(info["input_shape"]), info["num_classes"]
         torch.manual_seed(cfg.parallel.seed)  # same initial weights as paratrain's cells
         net = build_model(cfg.model, shape, classes).to(device)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import pickle
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -300,23 +301,39 @@ def build_dataset(
     )
 
 
-def _infer_info(ds: Dataset) -> dict[str, Any]:
+def _input_and_label(sample: Any, name: str) -> tuple[Any, Any]:
+    """A sample's input and label: ``(x, y)``, or a dict's first tensor (``input_ids``,
+    ``pixel_values``...) and its ``labels``/``label``."""
+    if isinstance(sample, Mapping):
+        label = sample.get("labels", sample.get("label"))
+        inputs = [v for k, v in sample.items() if k not in ("labels", "label") and isinstance(v, (torch.Tensor, list))]
+        if inputs and label is not None:
+            return inputs[0], label
+    elif isinstance(sample, (tuple, list)) and len(sample) == 2:
+        return sample[0], sample[1]
+    raise ValueError(f"dataset {name!r}: a sample is a {type(sample).__name__}; paratrain's job reads (input, label) "
+                     "pairs or dicts with 'labels' (or write your own loop with paratrain.Parallel)")
+
+
+def _infer_info(ds: Dataset, name: str) -> dict[str, Any]:
     """Input shape from the first sample; classes from ``ds.classes``/``ds.num_classes`` or the labels."""
-    x, _ = ds[0]  # type: ignore[index]
+    x, _ = _input_and_label(ds[0], name)  # type: ignore[index]
     num_classes = getattr(ds, "num_classes", None) or len(getattr(ds, "classes", []) or [])
     if not num_classes:
-        num_classes = 1 + max(int(ds[i][1]) for i in range(len(ds)))  # type: ignore[arg-type, index]
+        num_classes = 1 + max(int(torch.as_tensor(_input_and_label(ds[i], name)[1]).max())  # type: ignore[index]
+                              for i in range(len(ds)))  # type: ignore[arg-type]
     return {"input_shape": tuple(torch.as_tensor(x).shape), "num_classes": int(num_classes)}
 
 
-def dataset_info(name: str) -> dict[str, Any]:
-    """``{"input_shape": (C, H, W), "num_classes": K}`` for a dataset name, without loading it."""
+def dataset_info(name: str, data_dir: str | None = None) -> dict[str, Any]:
+    """``{"input_shape": (C, H, W), "num_classes": K}`` for a dataset name, without loading it (a
+    user's own dataset, ``file.py:function``, is built from ``data_dir`` and its first sample read)."""
     if name in _INFO:
         info = _INFO[name]
     elif name.startswith("torchvision:") and name.split(":", 1)[1] in _TORCHVISION_INFO:
         info = _TORCHVISION_INFO[name.split(":", 1)[1]]
     elif is_user_spec(name):
-        return _infer_info(build_dataset(name, train=True))
+        return _infer_info(build_dataset(name, train=True, data_dir=data_dir), name)
     else:
         known = list(DATASET_NAMES) + [f"torchvision:{k}" for k in _TORCHVISION_INFO]
         raise ValueError(f"no shape information for dataset {name!r}: known are {', '.join(known)}")

@@ -37,7 +37,7 @@ def build_optimizer(params: Any, cfg: TrainConfig) -> torch.optim.Optimizer:
 def setup_task(pt: Parallel, cfg: TrainConfig, total_steps: int = 1) -> tuple[Any, Any, Any]:
     """The configured model and optimizer, set up by ``pt``, and the LR schedule over
     ``total_steps`` optimizer steps (``None`` for a constant, unscaled lr)."""
-    info = dataset_info(cfg.data.dataset)
+    info = dataset_info(cfg.data.dataset, cfg.data.data_dir)
     model = build_model(cfg.model, tuple(info["input_shape"]), info["num_classes"])
     model, optimizer = pt.setup(model, build_optimizer(model.parameters(), cfg))
     o = cfg.optim

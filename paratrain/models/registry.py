@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 
 from torch import nn
@@ -64,7 +65,14 @@ def build_model(name: str, input_shape: tuple[int, ...], num_classes: int) -> nn
         depth = int(name[len("resnet"):])
         return resnet_cifar(depth, in_channels=_channels(name, input_shape), num_classes=num_classes)
     if is_user_spec(name):  # the user's own factory: fn(input_shape=..., num_classes=...) -> nn.Module
-        model = load_callable(name, "model")(input_shape=input_shape, num_classes=num_classes)
+        factory = load_callable(name, "model")
+        try:
+            inspect.signature(factory).bind(input_shape=input_shape, num_classes=num_classes)
+        except TypeError:
+            raise ValueError(f"model {name!r}: paratrain calls it as {name.rpartition(':')[2]}(input_shape=..., "
+                             "num_classes=...); write a function that takes those two keyword arguments and "
+                             "builds your model with its own") from None
+        model = factory(input_shape=input_shape, num_classes=num_classes)
         if not isinstance(model, nn.Module):
             raise ValueError(f"model {name!r} returned {type(model).__name__}, not an nn.Module")
         return model

@@ -11,6 +11,7 @@ from torch import nn
 
 from ..checkpoint.sharded import full_state_dict as sharded_full_state_dict
 from ..env.process import Dist
+from ..metrics import predictions
 from ..nn.syncbn import convert_sync_batchnorm
 from ..precision import MASTER_WEIGHTS
 
@@ -130,7 +131,12 @@ class Strategy:
 
         Strategies whose schedule runs forward and backward together (pipeline) override this.
         """
-        loss = loss_fn(model(batch[0]), batch[1])
+        out = model(batch[0])
+        logits = predictions(out)  # a dict, dataclass or HuggingFace ModelOutput: its logits
+        if logits is None:
+            raise TypeError(f"the model returned a {type(out).__name__} with no logits to compute the loss from: "
+                            "return a tensor, or an output with a 'logits' entry")
+        loss = loss_fn(logits, batch[1])
         backward(loss)
         return loss
 

@@ -85,6 +85,59 @@ def test_users_own_model_and_dataset(tmp_path):
     assert result["test_count"] == 64 and result["test_accuracy"] > 0.8
 
 
+NETLIB = """
+import torch
+from torch import nn
+
+
+class DictNet(nn.Module):  # returns a dict, as many user models do
+    def __init__(self, features, classes):
+        super().__init__()
+        self.fc = nn.Linear(features, classes)
+
+    def forward(self, x):
+        return {"logits": self.fc(x)}
+"""
+TASK = """
+import os
+
+import torch
+from torch.utils.data import TensorDataset
+
+from netlib import DictNet  # a neighbour of this file
+
+
+def make_net(input_shape, num_classes):
+    return DictNet(input_shape[0], num_classes)
+
+
+def make_data(train, data_dir=None):
+    if data_dir is None:
+        raise ValueError("make_data needs data_dir")
+    g = torch.Generator().manual_seed(int(open(os.path.join(data_dir, "seed.txt")).read()) + (0 if train else 1))
+    x = torch.randn(256 if train else 64, 6, generator=g)
+    return TensorDataset(x, (x[:, 0] > 0).long())
+"""
+
+
+def test_users_files_import_their_neighbours_get_data_dir_and_may_return_dicts(tmp_path):
+    (tmp_path / "netlib.py").write_text(NETLIB)
+    (tmp_path / "task.py").write_text(TASK)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "seed.txt").write_text("3")
+    res = run_cli(["train", "--model", "task.py:make_net", "--dataset", "task.py:make_data", "--data-dir",
+                   str(tmp_path / "data"), "--epochs", "3", "--global-batch", "32", "--lr", "0.1", "--no-progress",
+                   "--log-dir", str(tmp_path / "run")], timeout=60, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    result = json.loads((tmp_path / "run" / "result.json").read_text())
+    assert result["test_count"] == 64 and result["test_accuracy"] > 0.8
+    res = run_cli(["train", "--model", "netlib.py:DictNet", "--dataset", "task.py:make_data", "--data-dir",
+                   str(tmp_path / "data"), "--no-progress", "--log-dir", "none"], timeout=60, cwd=tmp_path)
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode != 0 and len(lines) == 1, res.stderr
+    assert "paratrain calls it as DictNet(input_shape=..., num_classes=...)" in lines[0]
+
+
 SLURM_STEP = dict(SLURM_STEP_ID="0", SLURM_NNODES="2", SLURM_NODELIST="node[01-02]", SLURM_JOB_ID="4242")
 
 
