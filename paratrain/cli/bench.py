@@ -88,8 +88,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def base_config(args: argparse.Namespace) -> TrainConfig:
     """The job's config (file, then flags, then --set), validated: a one-line error before any process starts."""
+    from ..data.datasets import dataset_info
+    from ..models import build_model
+
     flags = {key: getattr(args, key) for key, *_ in _JOB_FLAGS.values() if getattr(args, key) is not None}
-    return TrainConfig.load(args.config, {**flags, **parse_set(args.overrides)})
+    cfg = TrainConfig.load(args.config, {**flags, **parse_set(args.overrides)})
+    info = dataset_info(cfg.data.dataset, cfg.data.data_dir)  # the user's own model and data, built once here:
+    build_model(cfg.model, tuple(info["input_shape"]), info["num_classes"])  # their mistakes before any launch
+    return cfg
 
 
 def build_spec(args: argparse.Namespace) -> Any:

@@ -71,6 +71,11 @@ def test_bad_matrix_values_are_one_line_errors():
         BenchSpec(world_sizes=[0])
     r = run_cli(["bench", "--precisions", "fp8"], timeout=60)
     assert r.returncode == 2 and "precision 'fp8' is unknown" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    # the user's own model is built once before any launch: its mistakes are one line, not a table of failures
+    r = run_cli(["bench", "--quick", "--model", "tests/scripts/user_task.py:no_such_function"], timeout=60)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode != 0 and len(lines) == 1 and "has no function 'no_such_function'" in lines[0], r.stderr
+    assert "configuration" not in r.stdout
 
 
 @pytest.mark.timeout(650)
