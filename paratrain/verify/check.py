@@ -84,18 +84,19 @@ def _launch(name: str, nprocs: int, job: dict[str, Any], opts: VerifyOptions) ->
 def _compare(title: str, run: RunView, ref: RunView, tol: float) -> Comparison:
     if run.error or ref.error:
         return Comparison(title=title, tolerance=tol, error=run.error or f"the reference run failed: {ref.error}")
-    return compare_runs(title, run.state, ref.state, tol, run.losses, ref.losses)
+    return compare_runs(title, run.state, ref.state, tol, run.losses, ref.losses, ref.noise_gradients())
 
 
 def _checks(ref: RunView, run: RunView, repeat: RunView | None, findings: list[Finding]) -> list[tuple[str, str]]:
     """One line per classic mistake that was looked for and not found."""
     causes = {f.cause for f in findings}
     out = []
-    if ref.samples and run.samples and "effective batch changed with world size" not in causes:
+    counted = bool(ref.samples and run.samples and ref.samples[0] > 0)  # inputs the probe could see
+    if counted and "effective batch changed with world size" not in causes:
         out.append(("effective batch", f"{ref.samples[0]} samples per optimizer step at world size 1 and "
                                        f"{run.world_size}"))
     if not ({"data order differs across world sizes", "effective batch changed with world size"} & causes) \
-            and ref.samples and run.samples and not run.error:
+            and counted and not run.error:
         out.append(("data order", f"the same samples in each of {min(len(ref.samples), len(run.samples))} steps "
                                   f"at world size 1 and {run.world_size}"))
     if repeat is not None and ref.samples and repeat.samples and \
@@ -209,7 +210,8 @@ def format_report(report: VerifyReport, max_tensors: int = 40) -> str:
         limit = max_tensors if c is report.comparisons[0] or not (c.passed or c.expected) else 3
         shown = sorted(c.tensors, key=lambda t: -t.divergence)[:limit]
         for t in shown:
-            lines.append(f"  {t.name:<{width}}  {t.divergence:9.2e}  {'PASS' if t.passed else 'FAIL'}")
+            verdict = "not counted: its gradient is rounding noise" if t.noise else "PASS" if t.passed else "FAIL"
+            lines.append(f"  {t.name:<{width}}  {t.divergence:9.2e}  {verdict}")
         if len(c.tensors) > len(shown):
             lines.append(f"  ... {len(c.tensors) - len(shown)} more tensors, all below {shown[-1].divergence:.2e}")
     lines.append("")

@@ -43,6 +43,14 @@ class RunView:
     unused: list[str] = field(default_factory=list)
     init_checksum: float | None = None
     unsynced_bn: list[str] = field(default_factory=list)
+    grad_norms: dict[str, float] = field(default_factory=dict)
+    """Per parameter, its largest gradient norm at an optimizer step (rank 0's)."""
+
+    def noise_gradients(self, ratio: float = 1e-7) -> set[str]:
+        """Parameters whose gradient was rounding noise at every step (at most ``ratio`` of the
+        largest): zero in exact arithmetic (an attention key bias, which softmax ignores)."""
+        top = max(self.grad_norms.values(), default=0.0)
+        return {name for name, norm in self.grad_norms.items() if top > 0 and norm <= ratio * top}
 
     @classmethod
     def merge(cls, name: str, world_size: int, ranks: list[dict[str, Any]] | None,
@@ -67,6 +75,7 @@ class RunView:
         view.unused = r0["probe"]["unused"] or []
         view.init_checksum = r0["probe"]["init_checksum"]
         view.unsynced_bn = r0["unsynced_bn"]
+        view.grad_norms = r0["probe"].get("grad_norms", {})
         return view
 
 

@@ -21,7 +21,7 @@ from torch import nn
 
 __all__ = ["Probe", "clean_name"]
 
-_PREFIXES = ("module.", "original.", "_orig_mod.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
+_PREFIXES = ("module.", "_forward_module.", "original.", "_orig_mod.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
 
 
 def clean_name(name: str) -> str:
@@ -42,6 +42,7 @@ class Probe:
         self.steps: list[dict[str, Any]] = []
         self.unused: list[str] | None = None
         self.init_checksum: float | None = None
+        self.grad_norms: dict[str, float] = {}  # per parameter, the largest local gradient norm at a step
         self.root: nn.Module | None = None
         self._depth = 0
         self._samples = 0
@@ -59,7 +60,7 @@ class Probe:
 
         self._handles = [
             register_module_forward_pre_hook(self._pre_forward),
-            register_module_forward_hook(self._post_forward, always_call=True),
+            register_module_forward_hook(self._post_forward, with_kwargs=True, always_call=True),
             register_optimizer_step_pre_hook(self._pre_step),
         ]
         return self
@@ -71,23 +72,31 @@ class Probe:
 
     def _pre_forward(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         self._depth += 1
-        if self._depth != 1 or not module.training or not torch.is_grad_enabled():
-            return
-        x = args[0] if args and isinstance(args[0], torch.Tensor) else None
-        if x is None or x.dim() == 0:
-            return
-        if self.root is None:
-            self.root = module
-        if self.count_forwards:
-            self.record_batch(x)
+
+    @staticmethod
+    def _inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
+        """The batch's inputs: the first positional tensor, or the first keyword tensor that is not
+        the labels (``model(**batch)``: ``input_ids``, ``pixel_values``...)."""
+        if args:
+            return args[0] if isinstance(args[0], torch.Tensor) else None
+        return next((v for k, v in kwargs.items() if isinstance(v, torch.Tensor) and k not in ("labels", "label")),
+                    None)
+
+    def _post_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+        # The outermost forward (depth 1) of a training step: seen here, where keyword inputs are too.
+        if self._depth == 1 and module.training and torch.is_grad_enabled():
+            x = self._inputs(args, kwargs)
+            if x is not None and x.dim() > 0:
+                if self.root is None:
+                    self.root = module
+                if self.count_forwards:
+                    self.record_batch(x)
+        self._depth = max(0, self._depth - 1)
 
     def record_batch(self, x: torch.Tensor) -> None:
         """Count ``x`` (one micro-batch of inputs) towards the current optimizer step."""
         self._samples += int(x.shape[0])
         self._fingerprints += self._fingerprint(x).tolist()
-
-    def _post_forward(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        self._depth = max(0, self._depth - 1)
 
     def _pre_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -99,6 +108,13 @@ class Probe:
                            if p.requires_grad and p.grad is None]
             with torch.no_grad():
                 self.init_checksum = float(sum(_local(p).double().sum().item() for p in params))
+        names = self._names()
+        with torch.no_grad():
+            for i, p in enumerate(params):
+                if p.grad is not None:
+                    name = names.get(id(p), f"param[{i}]")
+                    norm = float(_local(p.grad).double().norm().item())
+                    self.grad_norms[name] = max(norm, self.grad_norms.get(name, 0.0))
         self.steps.append({"samples": self._samples, "fingerprints": sorted(self._fingerprints),
                            "lr": float(optimizer.param_groups[0]["lr"])})
         self._samples, self._fingerprints = 0, []
@@ -117,7 +133,8 @@ class Probe:
         return {id(p): clean_name(n) for n, p in self.root.named_parameters()}
 
     def summary(self) -> dict[str, Any]:
-        return {"steps": self.steps, "unused": self.unused, "init_checksum": self.init_checksum}
+        return {"steps": self.steps, "unused": self.unused, "init_checksum": self.init_checksum,
+                "grad_norms": self.grad_norms}
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:

@@ -29,6 +29,40 @@ def test_compare_runs_reports_relative_divergence_per_tensor():
     assert compare_runs("x", ref, ref, 1e-5).passed
 
 
+def test_a_tensor_whose_gradient_is_rounding_noise_is_not_counted():
+    # BERT's attention key bias: softmax ignores it, its gradient is ~1e-13, and AdamW turns that
+    # noise into lr-sized steps whose signs differ between world sizes
+    view = RunView(name="ref", world_size=1, grad_norms={"w": 2.0, "key.bias": 1e-13})
+    assert view.noise_gradients() == {"key.bias"}
+    ref = {"w": torch.ones(4), "key.bias": torch.full((4,), 1e-3)}
+    got = {"w": torch.ones(4), "key.bias": torch.full((4,), -1e-3)}
+    assert not compare_runs("x", got, ref, 1e-5).passed
+    c = compare_runs("x", got, ref, 1e-5, noise=view.noise_gradients())
+    assert c.passed and c.worst.name == "w" and [t.noise for t in c.tensors] == [False, True]
+
+
+def test_the_probe_counts_keyword_inputs():
+    from paratrain.verify.probe import Probe
+
+    class KwargsNet(torch.nn.Module):  # a HuggingFace-style model(**batch)
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(3, 2)
+
+        def forward(self, input_ids=None, labels=None):
+            return {"loss": torch.nn.functional.cross_entropy(self.fc(input_ids), labels)}
+
+    net = KwargsNet()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    probe = Probe().install()
+    try:
+        net(input_ids=torch.randn(5, 3), labels=torch.zeros(5, dtype=torch.long))["loss"].backward()
+        opt.step()
+    finally:
+        probe.remove()
+    assert [s["samples"] for s in probe.steps] == [5] and set(probe.grad_norms) == {"fc.weight", "fc.bias"}
+
+
 def test_diagnose_names_data_order_seeding_and_unused_parameters():
     ref = _view("world size 1", 1, [4, 4], [[1, 2, 3, 4], [5, 6, 7, 8]], unused=["head.weight"])
     shuffled = _view("world size 2", 2, [4, 4], [[1, 2, 3, 5], [4, 6, 7, 8]])
