@@ -43,6 +43,8 @@ class RunView:
     unused: list[str] = field(default_factory=list)
     init_checksum: float | None = None
     unsynced_bn: list[str] = field(default_factory=list)
+    dropout: list[str] = field(default_factory=list)
+    """Dropout layers with p > 0 (their masks are drawn per rank)."""
     grad_norms: dict[str, float] = field(default_factory=dict)
     """Per parameter, its largest gradient norm at an optimizer step (rank 0's)."""
 
@@ -75,6 +77,7 @@ class RunView:
         view.unused = r0["probe"]["unused"] or []
         view.init_checksum = r0["probe"]["init_checksum"]
         view.unsynced_bn = r0["unsynced_bn"]
+        view.dropout = r0.get("dropout", [])
         view.grad_norms = r0["probe"].get("grad_norms", {})
         return view
 
@@ -139,6 +142,13 @@ def diagnose(ref: RunView, runs: list[RunView], failed: set[str], repeat: RunVie
                                        "differ from one process's: use --sync-bn (parallel.sync_batchnorm = true, "
                                        "paratrain.Parallel(sync_batchnorm=True)) or "
                                        "nn.SyncBatchNorm.convert_sync_batchnorm"))
+        if run.world_size > 1 and run.dropout and run.name in failed:
+            out.append(Finding(cause="dropout masks differ across world sizes",
+                               message=f"{len(run.dropout)} dropout layer(s) ({_names(run.dropout)}) draw their masks "
+                                       "from each rank's random stream over its share of the batch, so no world size "
+                                       "can draw world size 1's masks and the parameters differ; verify with dropout "
+                                       "off (p=0, e.g. a config's hidden_dropout_prob=0) to check everything else",
+                               fail=False))
         if not batch and not run.error:
             step = _first_data_mismatch(ref, run)
             if step is not None:

@@ -96,7 +96,16 @@ def run_job(local_rank: int, job: dict[str, Any]) -> dict[str, Any]:
     model = model if model is not None else (_unwrap(probe.root) if probe.root is not None else None)
     return {"rank": int(os.environ.get("RANK", local_rank)), "world_size": int(os.environ.get("WORLD_SIZE", 1)),
             "state": state, "losses": losses, "probe": probe.summary(), "error": error,
-            "unsynced_bn": unsynced_batchnorm_layers(model)}
+            "unsynced_bn": unsynced_batchnorm_layers(model), "dropout": dropout_layers(model)}
+
+
+def dropout_layers(model: nn.Module | None) -> list[str]:
+    """Names of dropout layers that drop something in training (p > 0)."""
+    if model is None:
+        return []
+    from torch.nn.modules.dropout import _DropoutNd
+
+    return [clean_name(n) for n, m in model.named_modules() if isinstance(m, _DropoutNd) and m.p > 0]
 
 
 def _run_entry(job: dict[str, Any]) -> tuple[dict[str, torch.Tensor], list[float] | None, nn.Module | None]:

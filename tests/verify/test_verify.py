@@ -74,6 +74,16 @@ def test_diagnose_names_data_order_seeding_and_unused_parameters():
     assert not causes["parameters unused in backward"].fail  # a warning while the N run did not fail
 
 
+def test_diagnose_names_dropout_when_world_size_n_differs():
+    ref = _view("world size 1", 1, [4], [[1, 2, 3, 4]])
+    run = _view("world size 2", 2, [4], [[1, 2, 3, 4]])
+    run.dropout = ["encoder.dropout"]
+    causes = {f.cause: f for f in diagnose(ref, [run], {"world size 2"})}
+    finding = causes["dropout masks differ across world sizes"]
+    assert "encoder.dropout" in finding.message and "p=0" in finding.message and not finding.fail
+    assert "dropout masks differ across world sizes" not in {f.cause for f in diagnose(ref, [run], set())}
+
+
 def test_diagnose_lr_scaled_with_batch_is_only_a_warning():
     ref = _view("world size 1", 1, [4], [[1, 2, 3, 4]], lr=0.1)
     grown = _view("world size 2", 2, [8], [[1, 2, 3, 4, 5, 6, 7, 8]], lr=0.2)
