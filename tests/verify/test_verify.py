@@ -103,6 +103,10 @@ def test_bad_values_are_one_line_errors():
     assert len(r.stderr.strip().splitlines()) == 1
     r = run_cli(["verify", "--nproc", "3", "--global-batch", "64"], timeout=60)
     assert r.returncode == 2 and "not divisible by world size 3" in r.stderr
+    r = run_cli(["verify", "--entry", f"{ENTRY}:global_batch", "--strategy", "fsdp", "--also-precision", "bf16-mixed"],
+                timeout=60)  # options of a built-in job would be silently ignored: refused instead
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "--strategy, --also-precision would be ignored; drop them" in r.stderr
 
 
 # ps: the server's own optimizer steps are not the loop's; tensor, pipeline: both ranks read the same batch
