@@ -94,7 +94,7 @@ def format_table(res: BenchResult) -> str:
     rec = res.recommendation
     tol = res.meta["spec"]["tolerance"]
     if rec is None and reference(res.results) is None:
-        single_ran = any(r.cell.strategy == "single" for r in res.results)
+        single_ran = any(r.cell.strategy_class.reference for r in res.results)
         lines.append("recommendation: none (" + ("the single-device run did not succeed (see its row), so there is"
                                                  " no accuracy to compare with)" if single_ran else
                                                  "no single-device run to compare accuracy with: add single to "

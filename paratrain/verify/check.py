@@ -103,6 +103,8 @@ def _checks(ref: RunView, run: RunView, repeat: RunView | None, findings: list[F
             not ({"data order not seeded", "model initialisation not seeded"} & causes):
         out.append(("seeding", f"identical initial weights and samples in two runs at world size 1 ({ref.name}, "
                                f"{repeat.name})"))
+    if run.error or ref.error:  # what a failed run did not do proves nothing
+        return out
     if not run.unsynced_bn:
         out.append(("BatchNorm", "no unsynced BatchNorm layer at world size " + str(run.world_size)))
     elif "BatchNorm not synced across ranks" not in causes:
