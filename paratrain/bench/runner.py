@@ -129,9 +129,10 @@ def _run_one(cell: Cell, spec: BenchSpec, base: TrainConfig, data: Any) -> CellR
             reason = str(e) + (" (twice)" if attempt == 2 else "")
             return CellResult(cell=cell, status="failed", reason=reason, wall_s=time.perf_counter() - start)
     wall = time.perf_counter() - start
-    skipped = next((r for r in ranks if r.get("status") == "skipped"), None)
-    if skipped is not None:
-        return CellResult(cell=cell, status="skipped", reason=skipped["reason"], wall_s=wall)
+    for status in ("failed", "skipped"):  # reported by a rank that caught its error (bench/worker.py)
+        said = next((r for r in ranks if r.get("status") == status), None)
+        if said is not None:
+            return CellResult(cell=cell, status=status, reason=said["reason"], wall_s=wall)
     r0 = ranks[0]
     step_time = max(r["step_time_s"] for r in ranks)  # a step is as slow as its slowest rank
     return CellResult(

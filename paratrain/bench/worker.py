@@ -24,6 +24,7 @@ from ..data.augment import augment_for, eval_augment_for
 from ..data.datasets import dataset_info
 from ..env.process import destroy, preload_dynamo, select_device
 from ..models import build_model
+from ..strategies.base import NotApplicable
 from .matrix import BASELINE, Cell
 from .measure import CommCounter, PeakMemory, ddp_bucket_bytes, sync
 
@@ -105,8 +106,10 @@ def _run_paratrain(cfg: TrainConfig, job: dict[str, Any], train_set: Any, test_s
     pt = Parallel(cfg.parallel)
     try:
         result = _train_paratrain(pt, counter, cfg, job, train_set, test_set)
-    except ValueError as e:  # the strategy refuses this model (no Linear pair, not sequential...) on every rank
+    except NotApplicable as e:  # the strategy cannot run this model (no Linear pair, not sequential...) on every rank
         result = {"status": "skipped", "reason": str(e).splitlines()[0]}
+    except ValueError as e:  # a mistake in the job (the user's model or data): the cell failed, say why
+        result = {"status": "failed", "reason": f"{type(e).__name__}: {str(e).splitlines()[0]}"}
     except BaseException:
         counter.uninstall()
         pt.close(wait_for_peers=False)  # peers may be gone: no barrier

@@ -14,6 +14,8 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
+from .base import NotApplicable
+
 __all__ = ["split_model", "balanced_cuts", "check_sequential", "is_plain_sequential", "parse_split_points"]
 
 
@@ -31,7 +33,7 @@ def parse_split_points(value: Any, owner: str) -> list[str]:
 def _children(model: nn.Module, owner: str) -> list[tuple[str, nn.Module]]:
     direct = [name for name, p in model.named_parameters(recurse=False)]
     if direct:
-        raise ValueError(
+        raise NotApplicable(
             f"{owner}: {type(model).__name__} has parameters outside its top-level children ({', '.join(direct)}): "
             "move them into a child module so that one part owns them"
         )
@@ -80,7 +82,7 @@ def split_model(model: nn.Module, n_parts: int, split_points: Sequence[str] = ()
         raise ValueError(f"{owner}: {n_parts} parts must be at least 1")
     if n_parts > len(children):
         unit = "stages (processes)" if owner == "pipeline" else "parts (devices)"
-        raise ValueError(
+        raise NotApplicable(
             f"{owner}: {n_parts} {unit} but {type(model).__name__} has only {len(children)} top-level "
             f"layers ({_names(children)}): use fewer {unit.split('(')[1][:-1]} or a deeper model"
         )
@@ -137,7 +139,7 @@ def check_sequential(model: nn.Module, parts: Sequence[nn.Module], x: torch.Tens
     same = (isinstance(got, torch.Tensor) and isinstance(expected, torch.Tensor) and got.shape == expected.shape
             and torch.allclose(got.float(), expected.float(), rtol=1e-4, atol=1e-5))
     if not same:
-        raise ValueError(
+        raise NotApplicable(
             f"{owner}: {type(model).__name__}.forward is not its top-level children called in order "
             f"({_names(list(model.named_children()))}), so it cannot be cut into stages: use an nn.Sequential "
             "(e.g. put the flatten in a child nn.Flatten)"

@@ -15,7 +15,13 @@ from ..metrics import predictions
 from ..nn.syncbn import convert_sync_batchnorm
 from ..precision import MASTER_WEIGHTS
 
-__all__ = ["Strategy"]
+__all__ = ["Strategy", "NotApplicable"]
+
+
+class NotApplicable(ValueError):
+    """This strategy cannot run this model (or batch) as configured: no Linear pair to split, a
+    forward that is not its children in order... ``paratrain bench`` shows such a cell as skipped;
+    any other error of a cell is a failure."""
 
 
 class Strategy:

@@ -42,7 +42,7 @@ from torch import nn
 
 from ..env.process import Dist
 from ._split import check_sequential, parse_split_points, split_model
-from .base import Strategy
+from .base import NotApplicable, Strategy
 
 __all__ = ["PipelineOptions", "PipelineStrategy", "PipelineModule"]
 
@@ -268,7 +268,7 @@ class PipelineStrategy(Strategy):
         x, y = batch
         n = self.options.n_microbatches
         if len(x) % n:
-            raise ValueError(
+            raise NotApplicable(
                 f"pipeline: a step's batch of {len(x)} samples is not divisible by n_microbatches={n}: "
                 f"pick a global batch (/ accumulation) that is a multiple of {n}"
             )

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..env.process import Dist
+from .base import NotApplicable
 from .fsdp import DTensorStrategy, FSDPOptions, format_bytes, parameter_bytes, shard_model
 
 __all__ = ["TensorOptions", "TensorParallelStrategy", "auto_plan"]
@@ -99,7 +100,7 @@ class TensorParallelStrategy(DTensorStrategy):
         world = dist_info.world_size
         self.tp = self.options.tp_size or world
         if world % self.tp:
-            raise ValueError(f"tensor: world size {world} is not divisible by tp_size {self.tp}: "
+            raise NotApplicable(f"tensor: world size {world} is not divisible by tp_size {self.tp}: "
                              f"use a tp_size that divides {world}")
         self.dp = world // self.tp
         self._mesh: Any = None
@@ -127,11 +128,11 @@ class TensorParallelStrategy(DTensorStrategy):
         """The checked plan for ``model``: the explicit one from the options, or :func:`auto_plan`."""
         linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
         if not linears:
-            raise ValueError(f"tensor: the model ({type(model).__name__}) has no nn.Linear layer to "
+            raise NotApplicable(f"tensor: the model ({type(model).__name__}) has no nn.Linear layer to "
                              "parallelize: use fsdp or ddp")
         plan = self.options.plan or auto_plan(model)
         if not plan:
-            raise ValueError(f"tensor: found no Linear -> activation -> Linear pair among {len(linears)} Linear "
+            raise NotApplicable(f"tensor: found no Linear -> activation -> Linear pair among {len(linears)} Linear "
                              "layers: give an explicit plan in the tensor options")
         for fqn, style in plan.items():
             if fqn not in linears:
