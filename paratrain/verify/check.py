@@ -215,7 +215,9 @@ def format_report(report: VerifyReport, max_tensors: int = 40) -> str:
             verdict = "not counted: its gradient is rounding noise" if t.noise else "PASS" if t.passed else "FAIL"
             lines.append(f"  {t.name:<{width}}  {t.divergence:9.2e}  {verdict}")
         if len(c.tensors) > len(shown):
-            lines.append(f"  ... {len(c.tensors) - len(shown)} more tensors, all below {shown[-1].divergence:.2e}")
+            bound = shown[-1].divergence
+            rest = "all equal" if bound == 0 else f"all at most {bound:.2e}"
+            lines.append(f"  ... {len(c.tensors) - len(shown)} more tensors, {rest}")
     lines.append("")
     for f in report.findings:
         lines.append(f"{'FAIL' if f.fail else 'WARN'}: {f.cause}: {f.message}")
