@@ -32,6 +32,13 @@ def _num(v: float | None, fmt: str) -> str:
     return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, fmt)
 
 
+def _seconds(v: float | None) -> str:
+    """Seconds with two decimals, or three significant digits below 0.1 s (a tiny model's epoch)."""
+    if v is None or math.isnan(v):
+        return "-"
+    return f"{v:.2f}" if v >= 0.1 else f"{v:.3g}"
+
+
 def _bytes(v: float | None) -> str:
     if v is None:
         return "n/a"
@@ -46,7 +53,7 @@ def _cells(r: CellResult) -> list[str]:
     if r.status != "ok":
         return [r.cell.label, f"{r.status}: {r.reason}"]
     acc = None if r.test_accuracy is None else 100 * r.test_accuracy
-    return [r.cell.label, _num(r.seconds_per_epoch, ".2f"), _num(r.samples_per_s, ",.0f"),
+    return [r.cell.label, _seconds(r.seconds_per_epoch), _num(r.samples_per_s, ",.0f"),
             _num(r.speedup, ".2f") + ("x" if r.speedup else ""),
             _num(None if r.efficiency is None else 100 * r.efficiency, ".0f") + ("%" if r.efficiency else ""),
             _num(r.peak_mem_mib, ".0f"), _bytes(r.comm_bytes_per_step) if r.cell.world_size > 1 else "-",
@@ -105,7 +112,7 @@ def format_table(res: BenchResult) -> str:
     else:
         lines.append(f"recommendation: {rec.cell.label} — fastest configuration whose test accuracy "
                      f"({100 * (rec.test_accuracy or 0):.1f}%) is within {100 * tol:.1f} points of single's "
-                     f"({rec.seconds_per_epoch:.2f} s/epoch, {_num(rec.speedup, '.2f')}x)")
+                     f"({_seconds(rec.seconds_per_epoch)} s/epoch, {_num(rec.speedup, '.2f')}x)")
     skipped = sum(r.status != "ok" for r in res.results)
     if skipped:
         lines.append(f"{skipped} cell(s) did not run here; each is listed with the reason")

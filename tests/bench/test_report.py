@@ -50,3 +50,9 @@ def test_chart_png_is_written(tmp_path):
     res = BenchResult(meta={"model": "mlp", "dataset": "digits", "global_batch": 64}, results=_results())
     assert write_chart(res, str(tmp_path / "chart.png"))
     assert (tmp_path / "chart.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_seconds_keep_three_digits_for_tiny_epochs():
+    from paratrain.bench.report import _seconds
+
+    assert (_seconds(1.234), _seconds(0.0312), _seconds(0.1), _seconds(None)) == ("1.23", "0.0312", "0.10", "-")
