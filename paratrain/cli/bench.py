@@ -88,14 +88,23 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def base_config(args: argparse.Namespace) -> TrainConfig:
     """The job's config (file, then flags, then --set), validated: a one-line error before any process starts."""
+    flags = {key: getattr(args, key) for key, *_ in _JOB_FLAGS.values() if getattr(args, key) is not None}
+    return TrainConfig.load(args.config, {**flags, **parse_set(args.overrides)})
+
+
+def check_model(cfg: TrainConfig, multi_process: bool) -> None:
+    """Build the job's model once here: a mistake in the user's own model or data is one line
+    before any launch; unsynced BatchNorm in multi-process cells is noted."""
     from ..data.datasets import dataset_info
     from ..models import build_model
+    from ..nn.syncbn import has_unsynced_batchnorm
 
-    flags = {key: getattr(args, key) for key, *_ in _JOB_FLAGS.values() if getattr(args, key) is not None}
-    cfg = TrainConfig.load(args.config, {**flags, **parse_set(args.overrides)})
-    info = dataset_info(cfg.data.dataset, cfg.data.data_dir)  # the user's own model and data, built once here:
-    build_model(cfg.model, tuple(info["input_shape"]), info["num_classes"])  # their mistakes before any launch
-    return cfg
+    info = dataset_info(cfg.data.dataset, cfg.data.data_dir)
+    model = build_model(cfg.model, tuple(info["input_shape"]), info["num_classes"])
+    if multi_process and not cfg.parallel.sync_batchnorm and has_unsynced_batchnorm(model):
+        print("paratrain bench: note: the model has BatchNorm layers and --sync-bn is off, so multi-process cells "
+              "normalise each worker's micro-batch and may train differently from single (paratrain verify shows "
+              "it)", file=sys.stderr, flush=True)
 
 
 def build_spec(args: argparse.Namespace) -> Any:
@@ -118,6 +127,7 @@ def main(args: argparse.Namespace) -> int:
 
     base = base_config(args)
     spec = build_spec(args)
+    check_model(base, any(w > 1 for w in spec.world_sizes))
     result = run_bench(spec, base, progress=not args.no_progress)
     print(format_table(result))
     paths = write_all(result, args.out)

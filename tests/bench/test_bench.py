@@ -227,3 +227,15 @@ def test_precision_aliases_become_canonical_cells():
 
     cells = build_matrix(spec, TrainConfig(), train_size=1438)
     assert sorted(c.precision for c in cells) == ["32", "bf16-mixed", "fp16-mixed"]
+
+
+def test_unsynced_batchnorm_is_noted_before_multi_process_cells(capsys):
+    from paratrain.cli.bench import check_model
+    from paratrain.config import TrainConfig
+
+    cnn = TrainConfig.load(None, {"model": "cnn"})
+    check_model(cnn, multi_process=False)
+    check_model(TrainConfig.load(None, {"model": "mlp"}), multi_process=True)
+    assert capsys.readouterr().err == ""
+    check_model(cnn, multi_process=True)
+    assert "note: the model has BatchNorm layers and --sync-bn is off" in capsys.readouterr().err
