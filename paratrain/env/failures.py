@@ -207,8 +207,16 @@ def explain_uncaught() -> None:
 
 
 def uncaught_seen() -> bool:
-    """Whether this process is ending with an uncaught exception (seen by :func:`explain_uncaught`'s hook)."""
+    """Whether this process is ending with an exception: one :func:`explain_uncaught`'s hook saw,
+    or one a worker wrapper caught (:func:`mark_failed`)."""
     return _uncaught
+
+
+def mark_failed() -> None:
+    """Record that this process is ending with an error its own code caught (``paratrain.launch``'s
+    worker wrapper): at exit it leaves the group without waiting for its peers."""
+    global _uncaught
+    _uncaught = True
 
 
 def _record_for_the_agent(error: BaseException, tb: Any) -> None:

@@ -271,6 +271,7 @@ def _join(info: ProcessInfo, device: torch.device, chosen: str, timeout_s: float
             **({"store": store} if store is not None else {"init_method": "env://"}),
             **kwargs,
         )
+        explain_uncaught()  # also notes an uncaught exception, so that the exit does not wait for peers
         atexit.register(_leave_at_exit)
     except dist.DistError as e:  # the store: not every rank joined, rank 0's cannot be reached, a port in use
         first = " ".join(str(e).split("Exception raised from")[0].split())[:300]
@@ -300,17 +301,27 @@ def destroy(wait_for_peers: bool = False) -> None:
         dist.destroy_process_group()
 
 
+_EXIT_WAIT_S = 60.0  # the most a finished rank waits at exit for its peers to finish too
+
+
 def _leave_at_exit() -> None:
     """At the exit of a script that did not call ``Parallel.close``/``destroy``: leave the group
     paratrain joined. Without it a gloo rank that ends while a peer still uses their connection
     dies at exit with SIGABRT ("terminate called without an active exception": 2 runs in 5 of a
-    plain torchrun + gloo script, torch 2.13 and 2.14). After a normal end the ranks first meet in
-    a barrier; after an uncaught exception they do not (peers may never arrive)."""
+    plain torchrun + gloo script, torch 2.13 and 2.14). So after a normal end, gloo ranks first
+    meet in torch's ``monitored_barrier``, bounded by ``_EXIT_WAIT_S``: a peer that failed, or is
+    still busy (main-process-only work), costs at most that, never a hang. After an exception no
+    rank waits. NCCL ranks only destroy the group, as torch asks."""
     if not _initialized():
         return
     try:
-        destroy(wait_for_peers=not failures.uncaught_seen())
-    except Exception as e:  # noqa: BLE001 - a peer that failed: this rank's own end is what matters here
+        if not failures.uncaught_seen() and dist.get_backend() == "gloo":
+            try:
+                dist.monitored_barrier(timeout=timedelta(seconds=_EXIT_WAIT_S), wait_all_ranks=True)
+            except RuntimeError:  # a peer failed or is still busy: leave without it
+                pass
+        dist.destroy_process_group()
+    except Exception as e:  # noqa: BLE001 - this rank's own end is what matters here
         print(f"paratrain: leaving the process group at exit: {type(e).__name__}: {str(e).splitlines()[0][:200]}",
               file=sys.stderr, flush=True)
 

@@ -31,8 +31,9 @@ def _worker(local_rank: int, fn: Callable, nprocs: int, env: dict[str, str], arg
     try:
         result = fn(local_rank, *args)
     except BaseException as e:
-        from ..env.failures import explain_failure
+        from ..env.failures import explain_failure, mark_failed
 
+        mark_failed()  # at exit: no barrier with peers that may never come
         why = explain_failure(e)  # a failed collective: who did not arrive, or which peer ended first
         if why is not None:
             raise why from e
