@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import math
 import time
 import warnings
@@ -48,8 +49,14 @@ def _server_optimizer(optimizer: torch.optim.Optimizer, params: list[torch.Tenso
     """The same optimizer class and param groups as ``optimizer``, over the server's copies."""
     groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [params[index[id(p)]] for p in g["params"]]}
               for g in optimizer.param_groups]
+    # Every group carries all its hyperparameters; the defaults only matter for later groups. Some
+    # defaults are not constructor arguments (torch 2.13's AdamW: decoupled_weight_decay): pass
+    # only those the constructor takes.
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in accepted.values())
+    defaults = {k: v for k, v in optimizer.defaults.items() if takes_any or k in accepted}
     try:
-        return type(optimizer)(groups, **optimizer.defaults)
+        return type(optimizer)(groups, **defaults)
     except Exception as e:
         raise ValueError(f"ps: cannot rebuild {type(optimizer).__name__} on the parameter server from its param "
                          f"groups and defaults ({type(e).__name__}: {e}): use a torch.optim optimizer") from None

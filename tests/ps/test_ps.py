@@ -233,3 +233,15 @@ def test_server_rank_failing_tells_the_others_why():
     closed, heard = paratrain.launch(server_fails_worker, nprocs=2, timeout=60)
     assert closed == "closed"
     assert heard == "parameter server: rank 0 (which hosts the server) stopped after an error"
+
+
+def test_the_server_rebuilds_adamw_whose_defaults_are_not_all_constructor_arguments():
+    # torch 2.13's AdamW has a 'decoupled_weight_decay' default that its constructor does not take
+    from paratrain.strategies.ps import _server_optimizer
+
+    net = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(net.parameters(), lr=0.01, weight_decay=0.1)
+    copies = [p.detach().clone().requires_grad_() for p in net.parameters()]
+    server = _server_optimizer(opt, copies, {id(p): i for i, p in enumerate(net.parameters())})
+    assert type(server) is torch.optim.AdamW and server.param_groups[0]["params"] == copies
+    assert server.param_groups[0]["weight_decay"] == 0.1 and server.param_groups[0]["lr"] == 0.01
