@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import operator
 import os
 import re
@@ -106,7 +107,7 @@ class ParallelConfig:
             setattr(self, name, _integer(getattr(self, name), name))
         for name in ("clip_grad_norm", "loss_scale", "timeout_s"):
             value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real)):
                 raise ValueError(f"{name}={value!r} must be a number")
         if self.global_batch < 1:
             raise ValueError(f"global_batch {self.global_batch} must be at least 1")
@@ -331,8 +332,8 @@ def _integer(value: Any, name: str) -> Any:
     None stays None; anything else is refused in one line naming it."""
     if value is None:
         return None
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
+    if isinstance(value, numbers.Real) and not isinstance(value, (bool, numbers.Integral)) and float(value).is_integer():
+        return int(float(value))  # 64 / 2, np.float32(64)
     if not isinstance(value, bool):
         try:
             return operator.index(value)

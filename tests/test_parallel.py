@@ -443,6 +443,29 @@ def test_the_epoch_loop_resumes_from_the_loader_epoch():
     pt.close()
 
 
+def test_training_step_gives_a_dict_output_to_the_users_loss_and_its_logits_to_cross_entropy():
+    class AuxNet(nn.Module):  # logits plus an auxiliary loss, as some user models return
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 3)
+
+        def forward(self, x):
+            logits = self.fc(x)
+            return {"logits": logits, "aux": logits.pow(2).mean()}
+
+    pt = paratrain.Parallel(global_batch=4)
+    model = pt.setup(AuxNet())
+    x, y = torch.randn(4, 4), torch.tensor([0, 1, 2, 0])
+    with torch.no_grad():
+        out = pt.unwrap(model)(x)
+    own = pt.training_step(model, (x, y), lambda out, y: nn.functional.cross_entropy(out["logits"], y) + out["aux"])
+    assert own.item() == pytest.approx((nn.functional.cross_entropy(out["logits"], y) + out["aux"]).item())
+    pt.micro_step = 0
+    default = pt.training_step(model, (x, y))
+    assert default.item() == pytest.approx(nn.functional.cross_entropy(out["logits"], y).item())
+    pt.close()
+
+
 def test_setup_refuses_arguments_of_the_wrong_kind_at_once():
     pt = paratrain.Parallel(global_batch=4)
     net = nn.Linear(2, 2)

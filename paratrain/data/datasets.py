@@ -305,8 +305,9 @@ def _input_and_label(sample: Any, name: str) -> tuple[Any, Any]:
     """A sample's input and label: ``(x, y)``, or a dict's first tensor (``input_ids``,
     ``pixel_values``...) and its ``labels``/``label``."""
     if isinstance(sample, Mapping):
-        label = sample.get("labels", sample.get("label"))
-        inputs = [v for k, v in sample.items() if k not in ("labels", "label") and isinstance(v, (torch.Tensor, list))]
+        label = sample.get("labels") if sample.get("labels") is not None else sample.get("label")
+        inputs = [v for k, v in sample.items()
+                  if k not in ("labels", "label") and isinstance(v, (torch.Tensor, np.ndarray, list))]
         if inputs and label is not None:
             return inputs[0], label
     elif isinstance(sample, (tuple, list)) and len(sample) == 2:

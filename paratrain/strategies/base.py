@@ -138,11 +138,15 @@ class Strategy:
         Strategies whose schedule runs forward and backward together (pipeline) override this.
         """
         out = model(batch[0])
-        logits = predictions(out)  # a dict, dataclass or HuggingFace ModelOutput: its logits
-        if logits is None:
-            raise TypeError(f"the model returned a {type(out).__name__} with no logits to compute the loss from: "
-                            "return a tensor, or an output with a 'logits' entry")
-        loss = loss_fn(logits, batch[1])
+        if loss_fn is nn.functional.cross_entropy and not isinstance(out, torch.Tensor):
+            # the default loss of a model returning a dict, dataclass or HuggingFace output: its logits
+            # (a loss_fn of the user's own gets the output as it is)
+            logits = predictions(out)
+            if logits is None:
+                raise TypeError(f"the model returned a {type(out).__name__} with no logits for cross-entropy: "
+                                "return a tensor, or an output with a 'logits' entry, or give a loss_fn")
+            out = logits
+        loss = loss_fn(out, batch[1])
         backward(loss)
         return loss
 

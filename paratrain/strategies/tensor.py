@@ -141,7 +141,7 @@ class TensorParallelStrategy(DTensorStrategy):
             dim = "out_features" if style == "colwise" else "in_features"
             size = getattr(linears[fqn], dim)
             if size % self.tp:
-                raise ValueError(
+                raise NotApplicable(
                     f"tensor: Linear {fqn!r} ({style}) has {dim} {size}, not divisible by tp_size {self.tp}")
         return plan
 

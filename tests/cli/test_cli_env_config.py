@@ -115,5 +115,6 @@ def test_parallel_integers_may_come_as_whole_floats_or_numpy() -> None:
 
     from paratrain.config import ParallelConfig
 
-    config = ParallelConfig(global_batch=64 / 2, micro_batch=np.int64(8))
+    config = ParallelConfig(global_batch=64 / 2, micro_batch=np.int64(8), clip_grad_norm=np.float32(1.0))
     assert (config.global_batch, config.micro_batch) == (32, 8) and type(config.global_batch) is int
+    assert ParallelConfig(global_batch=np.float32(64)).global_batch == 64

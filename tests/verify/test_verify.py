@@ -39,6 +39,8 @@ def test_a_tensor_whose_gradient_is_rounding_noise_is_not_counted():
     assert not compare_runs("x", got, ref, 1e-5).passed
     c = compare_runs("x", got, ref, 1e-5, noise=view.noise_gradients())
     assert c.passed and c.worst.name == "w" and [t.noise for t in c.tensors] == [False, True]
+    got["key.bias"] = torch.full((4,), float("nan"))  # a NaN is never rounding noise
+    assert not compare_runs("x", got, ref, 1e-5, noise=view.noise_gradients()).passed
 
 
 def test_the_probe_counts_keyword_inputs():
