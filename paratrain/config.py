@@ -23,11 +23,12 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
+from torch import nn
 from torch.utils.data import Dataset
 
 from . import precision as _precision
 from . import strategies as _strategies
-from .data.datasets import build_dataset
+from .data.datasets import build_dataset, dataset_info
 from .strategies.ddp import DDPOptions
 from .strategies.devices import DevicesOptions
 from .strategies.fsdp import FSDPOptions
@@ -319,6 +320,15 @@ class TrainConfig:
         place that turns a config into its data: the job, its pre-launch checks, bench and verify."""
         d = self.data
         return build_dataset(d.dataset, train, d.data_dir, d.synthetic_size, self.parallel.seed)
+
+    def build_model(self) -> nn.Module:
+        """The configured model, built for the configured data's input shape and classes (a
+        user's own dataset is built from ``data.data_dir`` to read them): the one place that turns
+        a config into its model, for the job, bench's pre-launch check and its predictor."""
+        from .models import build_model  # only where a model is built: not on every config load
+
+        info = dataset_info(self.data.dataset, self.data.data_dir)
+        return build_model(self.model, tuple(info["input_shape"]), info["num_classes"])
 
     def to_dict(self) -> dict[str, Any]:
         """This config as nested plain dicts (a deep copy), as :func:`load_config` reads a file."""

@@ -49,6 +49,8 @@ from .optim import GradientWatch, ParallelOptimizer, ParallelScheduler
 _KEPT_LOADER_SETTINGS = ("collate_fn", "num_workers", "pin_memory", "worker_init_fn", "persistent_workers", "timeout",
                          "prefetch_factor", "multiprocessing_context", "pin_memory_device", "in_order")
 
+__all__ = ["Parallel", "ParallelModule", "ParallelOptimizer", "ParallelScheduler"]
+
 
 def _check_setup_arguments(model: Any, optimizer: Any, scheduler: Any) -> None:
     """setup(model, optimizer, scheduler) in that order and of those kinds, or a one-line error."""
@@ -69,8 +71,6 @@ def _loader_settings(loader: DataLoader) -> dict[str, Any]:
         kept.pop("prefetch_factor", None)
         kept.pop("persistent_workers", None)
     return kept
-
-__all__ = ["Parallel", "ParallelModule", "ParallelOptimizer", "ParallelScheduler"]
 
 
 class ParallelModule(nn.Module):

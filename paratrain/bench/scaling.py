@@ -20,9 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import TrainConfig
-from ..data.datasets import dataset_info
 from ..env.network import free_port
-from ..models import build_model
 from ..strategies import data_parallel_reference
 from .predict import Link, Prediction, Workload, fit_link, format_predictions, predict, scheme_comm_s
 from .runner import BenchResult, reference
@@ -99,8 +97,7 @@ def predict_from_bench(result: BenchResult, cfg: TrainConfig, link_text: str | N
     ref = reference(result.results)
     if ref is None or not ref.step_time_s:
         return "--predict: no single-device cell ran, so there is no compute time to scale"
-    info = dataset_info(cfg.data.dataset, cfg.data.data_dir)
-    model = build_model(cfg.model, tuple(info["input_shape"]), info["num_classes"])
+    model = cfg.build_model()
     shapes = tuple(tuple(p.shape) for p in model.parameters() if p.requires_grad)
     link = Link.parse(link_text) if link_text else measured_link()
     w = Workload(ref.step_time_s, ref.cell.global_batch, shapes, 1.0, cfg.parallel.ddp.powersgd_rank)

@@ -95,12 +95,9 @@ def base_config(args: argparse.Namespace) -> TrainConfig:
 def check_model(cfg: TrainConfig, multi_process: bool) -> None:
     """Build the job's model once here: a mistake in the user's own model or data is one line
     before any launch; unsynced BatchNorm in multi-process cells is noted."""
-    from ..data.datasets import dataset_info
-    from ..models import build_model
     from ..nn.syncbn import has_unsynced_batchnorm
 
-    info = dataset_info(cfg.data.dataset, cfg.data.data_dir)
-    model = build_model(cfg.model, tuple(info["input_shape"]), info["num_classes"])
+    model = cfg.build_model()
     if multi_process and not cfg.parallel.sync_batchnorm and has_unsynced_batchnorm(model):
         print("paratrain bench: note: the model has BatchNorm layers and --sync-bn is off, so multi-process cells "
               "normalise each worker's micro-batch and may train differently from single (paratrain verify shows "

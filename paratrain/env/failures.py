@@ -191,8 +191,7 @@ def explain_uncaught() -> None:
         return
 
     def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
-        global _uncaught
-        _uncaught = True
+        mark_failed()
         previous(kind, value, tb)
         try:
             why = explain_failure(value)

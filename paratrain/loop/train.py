@@ -15,10 +15,8 @@ from torch.distributed import DistError
 from ..checkpoint import CheckpointError, load_latest
 from ..config import TrainConfig, to_toml
 from ..data.augment import augment_for, eval_augment_for
-from ..data.datasets import dataset_info
 from ..env.failures import explain_failure
 from ..env.provenance import provenance
-from ..models import build_model
 from ..parallel import Parallel
 from .fit import fit, planned_steps
 from .logging import RunLogger
@@ -37,8 +35,7 @@ def build_optimizer(params: Any, cfg: TrainConfig) -> torch.optim.Optimizer:
 def setup_task(pt: Parallel, cfg: TrainConfig, total_steps: int = 1) -> tuple[Any, Any, Any]:
     """The configured model and optimizer, set up by ``pt``, and the LR schedule over
     ``total_steps`` optimizer steps (``None`` for a constant, unscaled lr)."""
-    info = dataset_info(cfg.data.dataset, cfg.data.data_dir)
-    model = build_model(cfg.model, tuple(info["input_shape"]), info["num_classes"])
+    model = cfg.build_model()
     model, optimizer = pt.setup(model, build_optimizer(model.parameters(), cfg))
     o = cfg.optim
     scheduler = build_schedule(optimizer.optimizer, schedule=o.schedule, total_steps=total_steps, warmup_steps=o.warmup_steps,

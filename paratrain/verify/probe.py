@@ -102,13 +102,12 @@ class Probe:
         if threading.current_thread() is not threading.main_thread():
             return  # not the training loop (the ps server steps its own optimizer in RPC threads)
         params = [p for g in optimizer.param_groups for p in g["params"]]
+        names = self._names()
         if not self.steps:
-            names = self._names()
             self.unused = [names.get(id(p), f"param[{i}]") for i, p in enumerate(params)
                            if p.requires_grad and p.grad is None]
             with torch.no_grad():
                 self.init_checksum = float(sum(_local(p).double().sum().item() for p in params))
-        names = self._names()
         with torch.no_grad():
             for i, p in enumerate(params):
                 if p.grad is not None:
