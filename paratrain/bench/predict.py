@@ -16,9 +16,17 @@ The model (weak scaling: each worker keeps the measured per-worker batch):
   bucket all-reduces with the backward; 1 = none hidden). It is measured from the bench's 2-worker
   ``ddp`` cell, or given.
 
+* **nodes** (:class:`Nodes`, optional): ``G`` workers per node joined by a faster link (NVLink,
+  PCIe) and the nodes by the network link. A collective then runs in two levels, as NCCL's and
+  Horovod's hierarchical all-reduce do: an all-reduce is a reduce-scatter inside each node, an
+  all-reduce across the ``n = N/G`` nodes (the node's ``G`` rings share its network link, so the
+  network carries ``2(n−1)/n · S`` per node, and pays ``2(n−1)α``, not ``2(N−1)α``), then an
+  all-gather inside the node; an all-gather or reduce-scatter is one level of each. Without it
+  every hop is a network hop.
+
 ``samples/s = N·b / (t_c + exposed · t_comm(N))`` and ``efficiency = t_c / (t_c + exposed · t_comm(N))``.
-Not modelled: the compression's own compute, stragglers, hierarchical (intra-node) links, tree
-all-reduce (NCCL switches to it at scale, which makes the latency term ``log N`` rather than ``N``).
+Not modelled: the compression's own compute, stragglers, congestion, tree all-reduce (NCCL switches
+to it at scale, which makes the latency term ``log N`` rather than ``N``).
 """
 
 from __future__ import annotations
@@ -28,8 +36,8 @@ import re
 from dataclasses import dataclass
 from typing import Sequence
 
-__all__ = ["Link", "Workload", "Prediction", "ring_all_reduce_s", "ring_gather_s", "scheme_comm_s",
-           "predict", "fit_link", "format_predictions", "SCHEMES", "DEFAULT_WORKERS", "BUCKET_BYTES"]
+__all__ = ["Link", "Nodes", "Workload", "Prediction", "ring_all_reduce_s", "ring_gather_s", "all_reduce_s", "gather_s",
+           "scheme_comm_s", "predict", "fit_link", "format_predictions", "SCHEMES", "DEFAULT_WORKERS", "BUCKET_BYTES"]
 
 BUCKET_BYTES = 25 * 2**20
 """DDP's default ``bucket_cap_mb``."""
@@ -54,7 +62,7 @@ class Link:
             raise ValueError(f"a link needs latency >= 0 and bandwidth > 0, got {self.latency_s} s, {self.bandwidth} B/s")
 
     @classmethod
-    def parse(cls, text: str) -> "Link":
+    def parse(cls, text: str, flag: str = "--link") -> "Link":
         """``"100gbit,5us"`` (either order; bandwidth in bit/kbit/mbit/gbit/tbit (or gbps...) or
         b/kb/mb/gb/tb (bytes) per second, latency in s/ms/us/ns)."""
         bandwidth = latency = None
@@ -65,14 +73,33 @@ class Link:
             elif m and m.group(2) in _BANDWIDTH and bandwidth is None:
                 bandwidth = float(m.group(1)) * _BANDWIDTH[m.group(2)]
             else:
-                raise ValueError(f"--link {text!r}: {part!r} is neither a bandwidth (e.g. 100gbit) nor a latency "
+                raise ValueError(f"{flag} {text!r}: {part!r} is neither a bandwidth (e.g. 100gbit) nor a latency "
                                  "(e.g. 5us); write it as 100gbit,5us")
         if bandwidth is None or latency is None:
-            raise ValueError(f"--link {text!r} needs a bandwidth and a latency, e.g. 100gbit,5us")
-        return cls(latency, bandwidth, f"--link {text}")
+            raise ValueError(f"{flag} {text!r} needs a bandwidth and a latency, e.g. 100gbit,5us")
+        return cls(latency, bandwidth, f"{flag} {text}")
 
     def describe(self) -> str:
         return f"{self.bandwidth * 8 / 1e9:.3g} Gbit/s, {self.latency_s * 1e6:.3g} µs ({self.source})"
+
+
+@dataclass(frozen=True)
+class Nodes:
+    """``per_node`` workers to a node, joined by ``link`` (NVLink, PCIe); nodes by the network."""
+
+    per_node: int
+    link: Link
+
+    def __post_init__(self) -> None:
+        if self.per_node < 1:
+            raise ValueError(f"--workers-per-node {self.per_node} must be at least 1")
+
+    def split(self, workers: int) -> tuple[int, int]:
+        """``(workers in a node, nodes)`` for ``workers`` in all, nodes filled first."""
+        return min(self.per_node, workers), math.ceil(workers / self.per_node)
+
+    def describe(self) -> str:
+        return f"{self.per_node} workers per node joined by {self.link.describe()}"
 
 
 @dataclass(frozen=True)
@@ -135,22 +162,40 @@ def ring_gather_s(nbytes: float, workers: int, link: Link) -> float:
     return (n - 1) * link.latency_s + (n - 1) / n * nbytes / link.bandwidth
 
 
-def _bucketed(collective: str, nbytes: float, buckets: int, workers: int, link: Link) -> float:
-    one = ring_all_reduce_s if collective == "all_reduce" else ring_gather_s
-    return buckets * one(nbytes / buckets, workers, link)
+def all_reduce_s(nbytes: float, workers: int, link: Link, nodes: Nodes | None = None) -> float:
+    """One all-reduce of ``nbytes``: a ring over ``link``, or in two levels over ``nodes``:
+    reduce-scatter in the node, all-reduce across nodes, all-gather in the node."""
+    if nodes is None:
+        return ring_all_reduce_s(nbytes, workers, link)
+    g, n = nodes.split(workers)
+    return 2 * ring_gather_s(nbytes, g, nodes.link) + ring_all_reduce_s(nbytes, n, link)
 
 
-def scheme_comm_s(scheme: str, w: Workload, workers: int, link: Link) -> float:
+def gather_s(nbytes: float, workers: int, link: Link, nodes: Nodes | None = None) -> float:
+    """One all-gather (or reduce-scatter) of ``nbytes``: a ring over ``link``, or one level in the
+    node and one across nodes."""
+    if nodes is None:
+        return ring_gather_s(nbytes, workers, link)
+    g, n = nodes.split(workers)
+    return ring_gather_s(nbytes, g, nodes.link) + ring_gather_s(nbytes, n, link)
+
+
+def _bucketed(collective: str, nbytes: float, buckets: int, workers: int, link: Link, nodes: Nodes | None) -> float:
+    one = all_reduce_s if collective == "all_reduce" else gather_s
+    return buckets * one(nbytes / buckets, workers, link, nodes)
+
+
+def scheme_comm_s(scheme: str, w: Workload, workers: int, link: Link, nodes: Nodes | None = None) -> float:
     """Seconds of communication per step of ``scheme`` (before overlap)."""
     grad = 4.0 * w.params
     if scheme == "all-reduce (ddp)":
-        return _bucketed("all_reduce", grad, w.buckets(grad), workers, link)
+        return _bucketed("all_reduce", grad, w.buckets(grad), workers, link, nodes)
     if scheme == "fp16 all-reduce":
-        return _bucketed("all_reduce", grad / 2, w.buckets(grad), workers, link)
+        return _bucketed("all_reduce", grad / 2, w.buckets(grad), workers, link, nodes)
     if scheme == "PowerSGD all-reduce":  # P then Q: two all-reduces per bucket
-        return _bucketed("all_reduce", 4.0 * w.powersgd_floats(), 2 * w.buckets(grad), workers, link)
+        return _bucketed("all_reduce", 4.0 * w.powersgd_floats(), 2 * w.buckets(grad), workers, link, nodes)
     if scheme == "sharded (fsdp)":  # all-gather (forward), all-gather (backward), reduce-scatter (gradients)
-        return 3 * _bucketed("gather", grad, w.buckets(grad), workers, link)
+        return 3 * _bucketed("gather", grad, w.buckets(grad), workers, link, nodes)
     raise ValueError(f"scheme {scheme!r} is unknown: use one of {', '.join(SCHEMES)}")
 
 
@@ -166,11 +211,11 @@ class Prediction:
 
 
 def predict(w: Workload, link: Link, schemes: Sequence[str] = SCHEMES,
-            workers: Sequence[int] = DEFAULT_WORKERS) -> list[Prediction]:
+            workers: Sequence[int] = DEFAULT_WORKERS, nodes: Nodes | None = None) -> list[Prediction]:
     out = []
     for scheme in schemes:
         for n in workers:
-            comm = scheme_comm_s(scheme, w, n, link)
+            comm = scheme_comm_s(scheme, w, n, link, nodes)
             step = w.compute_s + w.exposed * comm
             out.append(Prediction(scheme, n, step, comm, n * w.batch_per_worker / step, w.compute_s / step))
     return out
@@ -195,7 +240,7 @@ def fit_link(samples: Sequence[tuple[float, float]], workers: int = 2, source: s
     return Link(max(intercept, 0.0) / (2 * (n - 1)), 2 * (n - 1) / n / slope, source)
 
 
-def format_predictions(w: Workload, link: Link, preds: Sequence[Prediction]) -> str:
+def format_predictions(w: Workload, link: Link, preds: Sequence[Prediction], nodes: Nodes | None = None) -> str:
     """A table: one row per worker count, samples/s and efficiency per scheme."""
     schemes = list(dict.fromkeys(p.scheme for p in preds))
     by = {(p.scheme, p.workers): p for p in preds}
@@ -204,7 +249,7 @@ def format_predictions(w: Workload, link: Link, preds: Sequence[Prediction]) -> 
     lines = [
         f"predicted scaling (weak: {w.batch_per_worker} samples per worker per step; compute {w.compute_s * 1e3:.3g} ms "
         f"a step; {w.params:,} parameters; {w.exposed:.0%} of communication exposed)",
-        f"link: {link.describe()}",
+        f"link: {link.describe()}" + (f"; {nodes.describe()}" if nodes else ""),
         head, "-" * len(head),
     ]
     for n in workers:

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from ..config import TrainConfig
 from ..env.network import free_port
 from ..strategies import data_parallel_reference
-from .predict import Link, Prediction, Workload, fit_link, format_predictions, predict, scheme_comm_s
+from .predict import Link, Nodes, Prediction, Workload, fit_link, format_predictions, predict, scheme_comm_s
 from .runner import BenchResult, reference
 
 __all__ = ["measure_all_reduce", "measured_link", "exposed_fraction", "predict_from_bench"]
@@ -92,8 +92,10 @@ def exposed_fraction(result: BenchResult, w: Workload, link: Link) -> float | No
 
 
 def predict_from_bench(result: BenchResult, cfg: TrainConfig, link_text: str | None, exposed: float | None,
-                       out_dir: str) -> str:
-    """The prediction table for the bench's job (and predict.png in ``out_dir`` with matplotlib)."""
+                       out_dir: str, workers_per_node: int = 1, node_link: str | None = None) -> str:
+    """The prediction table for the bench's job (and predict.png in ``out_dir`` with matplotlib);
+    with ``workers_per_node`` > 1, ``link_text`` is the network between nodes and ``node_link`` the
+    link inside one."""
     ref = reference(result.results)
     if ref is None or not ref.step_time_s:
         return "--predict: no single-device cell ran, so there is no compute time to scale"
@@ -108,8 +110,9 @@ def predict_from_bench(result: BenchResult, cfg: TrainConfig, link_text: str | N
             exposed, how = 1.0, ("assumed (no 2-worker ddp cell ran, or its communication is under 5% of its "
                                  "step, too little to read the overlap from; --exposed sets it)")
     w = Workload(w.compute_s, w.batch_per_worker, shapes, exposed, w.powersgd_rank)
-    preds = predict(w, link)
-    text = format_predictions(w, link, preds) + f"\nexposed fraction {exposed:.2f}: {how}"
+    nodes = Nodes(workers_per_node, Link.parse(node_link, "--node-link")) if node_link else None
+    preds = predict(w, link, nodes=nodes)
+    text = format_predictions(w, link, preds, nodes) + f"\nexposed fraction {exposed:.2f}: {how}"
     chart = os.path.join(out_dir, "predict.png")
     if write_prediction_chart(preds, chart, f"{cfg.model}: {link.describe()}"):
         text += f"\nwrote {chart}"

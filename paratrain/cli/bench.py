@@ -41,14 +41,17 @@ def _csv(tp: Any) -> Any:
     return parse
 
 
-def _link(text: str) -> str:
-    from ..bench.predict import Link  # startup time: paid only when --link is given, before any cell runs
+def _link(flag: str) -> Any:
+    def parse(text: str) -> str:
+        from ..bench.predict import Link  # startup time: paid only when a link is given, before any cell runs
 
-    try:
-        Link.parse(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return text
+        try:
+            Link.parse(text, flag)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        return text
+
+    return parse
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -78,8 +81,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--predict", action="store_true",
                    help="also predict samples/s and scaling efficiency at 2-1024 workers for ddp, fsdp, fp16 and "
                         "PowerSGD compression (compute measured here + communication over the link)")
-    p.add_argument("--link", metavar="BW,LAT", type=_link, help="the link to predict for, e.g. 100gbit,5us (default: fitted to "
-                                                    "gloo all-reduces between 2 local processes)")
+    p.add_argument("--link", metavar="BW,LAT", type=_link("--link"),
+                   help="the network link to predict for (each node's, with --workers-per-node), e.g. 100gbit,5us "
+                        "(default: fitted to gloo all-reduces between 2 local processes)")
+    p.add_argument("--workers-per-node", type=int, default=1, metavar="G",
+                   help="workers (GPUs) per node for --predict: collectives run in two levels, inside a node over "
+                        "--node-link and across nodes over --link (default 1: every hop crosses --link)")
+    p.add_argument("--node-link", metavar="BW,LAT", type=_link("--node-link"),
+                   help="the link between the workers of one node, e.g. 300GB/s,2us (NVLink) or 25GB/s,5us (PCIe)")
     p.add_argument("--exposed", type=float, metavar="F", help="fraction of communication not hidden behind the "
                                                             "backward, 0-1 (default: measured from the ddp 2-worker cell)")
     p.set_defaults(func=main)
@@ -119,9 +128,23 @@ def build_spec(args: argparse.Namespace) -> Any:
     return dataclasses.replace(spec, **changes)  # __post_init__ checks every name and value
 
 
+def check_nodes(args: argparse.Namespace) -> None:
+    """--workers-per-node and --node-link go together, with --predict: a one-line error before any cell runs."""
+    if args.workers_per_node < 1:
+        raise ValueError(f"--workers-per-node {args.workers_per_node} must be at least 1")
+    if (args.workers_per_node > 1 or args.node_link) and not args.predict:
+        raise ValueError("--workers-per-node and --node-link shape the prediction: add --predict")
+    if args.workers_per_node > 1 and not args.node_link:
+        raise ValueError(f"--workers-per-node {args.workers_per_node} needs --node-link, the link inside a node: "
+                         "e.g. 300GB/s,2us (NVLink) or 25GB/s,5us (PCIe)")
+    if args.node_link and args.workers_per_node == 1:
+        raise ValueError(f"--node-link {args.node_link} needs --workers-per-node above 1: how many workers share a node")
+
+
 def main(args: argparse.Namespace) -> int:
     from ..bench import format_table, run_bench, write_all
 
+    check_nodes(args)
     base = base_config(args)
     spec = build_spec(args)
     check_model(base, any(w > 1 for w in spec.world_sizes))
@@ -132,6 +155,7 @@ def main(args: argparse.Namespace) -> int:
     if args.predict:
         from ..bench.scaling import predict_from_bench
 
-        print(predict_from_bench(result, base, args.link, args.exposed, args.out))
+        print(predict_from_bench(result, base, args.link, args.exposed, args.out, args.workers_per_node,
+                                 args.node_link))
     sys.stdout.flush()
     return 0 if any(r.status == "ok" for r in result.results) else 1

@@ -4,8 +4,8 @@ import math
 
 import pytest
 
-from paratrain.bench.predict import (BUCKET_BYTES, Link, Workload, fit_link, format_predictions, predict,
-                                     ring_all_reduce_s, ring_gather_s, scheme_comm_s)
+from paratrain.bench.predict import (BUCKET_BYTES, Link, Nodes, Workload, all_reduce_s, fit_link, format_predictions,
+                                     gather_s, predict, ring_all_reduce_s, ring_gather_s, scheme_comm_s)
 
 # 1 ms latency, 1 MB/s: the hand computations below are in milliseconds and megabytes.
 SLOW = Link(1e-3, 1e6)
@@ -30,6 +30,33 @@ def test_ring_collectives_by_hand():
     # all-gather of 3 MB over 4 workers: 3 ms + 3/4 * 3 s
     assert ring_gather_s(3e6, 4, SLOW) == pytest.approx(0.003 + 2.25)
     assert ring_all_reduce_s(3e6, 1, SLOW) == ring_gather_s(3e6, 1, SLOW) == 0.0
+
+
+def test_two_level_collectives_by_hand():
+    # 4 workers per node on a 1 us, 1 GB/s node link; nodes on SLOW (1 ms, 1 MB/s)
+    fast = Link(1e-6, 1e9)
+    nodes = Nodes(4, fast)
+    assert nodes.split(16) == (4, 4) and nodes.split(2) == (2, 1) and nodes.split(6) == (4, 2)
+    # all-reduce of 3 MB over 16 workers = 4 nodes:
+    #   reduce-scatter in the node: 3 us + 3/4 * 3 ms; all-gather in the node: the same;
+    #   all-reduce across 4 nodes: 2*3 ms + 2*3/4 * 3 s (the node's 4 rings share its link)
+    in_node = 3e-6 + 0.75 * 3e-3
+    assert all_reduce_s(3e6, 16, SLOW, nodes) == pytest.approx(2 * in_node + 0.006 + 4.5)
+    # flat, every one of the 16 hops is a network hop: 2*15 ms of latency instead of 2*3 ms
+    assert all_reduce_s(3e6, 16, SLOW) == pytest.approx(0.030 + 2 * 15 / 16 * 3.0)
+    # inside one node only the node link is used
+    assert all_reduce_s(3e6, 4, SLOW, nodes) == pytest.approx(ring_all_reduce_s(3e6, 4, fast))
+    # all-gather of 3 MB over 16: one level in the node, one across the 4 nodes (3 ms + 3/4 * 3 s)
+    assert gather_s(3e6, 16, SLOW, nodes) == pytest.approx(in_node + 0.003 + 2.25)
+    # a node of one worker is the flat ring
+    assert all_reduce_s(3e6, 8, SLOW, Nodes(1, fast)) == pytest.approx(ring_all_reduce_s(3e6, 8, SLOW))
+    w = Workload(compute_s=1.0, batch_per_worker=32, shapes=((1000, 1000),))
+    assert scheme_comm_s("sharded (fsdp)", w, 16, SLOW, nodes) == pytest.approx(3 * gather_s(4e6, 16, SLOW, nodes))
+    flat, two = (predict(w, SLOW, ["all-reduce (ddp)"], [64], nd)[0] for nd in (None, nodes))
+    assert two.efficiency > flat.efficiency
+    with pytest.raises(ValueError, match="--workers-per-node 0"):
+        Nodes(0, fast)
+    assert "4 workers per node" in format_predictions(w, SLOW, [two], nodes)
 
 
 def test_schemes_by_hand():
@@ -116,6 +143,15 @@ def test_bench_flags_and_the_prediction_from_a_bench_result(tmp_path):
     assert (args.predict, args.link, args.exposed) == (True, "1gbit,1ms", 0.5)
     with pytest.raises(SystemExit):
         parser.parse_args(["bench", "--link", "fast"])
+    from paratrain.cli.bench import check_nodes
+
+    check_nodes(parser.parse_args(["bench", "--predict", "--workers-per-node", "8", "--node-link", "300GB/s,2us"]))
+    for argv, message in ((["--predict", "--workers-per-node", "8"], "needs --node-link"),
+                          (["--predict", "--node-link", "300GB/s,2us"], "needs --workers-per-node above 1"),
+                          (["--workers-per-node", "8", "--node-link", "300GB/s,2us"], "add --predict"),
+                          (["--predict", "--workers-per-node", "0"], "--workers-per-node 0")):
+        with pytest.raises(ValueError, match=message):
+            check_nodes(parser.parse_args(["bench", *argv]))
 
     single = CellResult(cell=Cell(strategy="single", global_batch=64), status="ok", step_time_s=1.0)
     ddp2 = CellResult(cell=Cell(strategy="ddp", world_size=2, global_batch=64), status="ok", step_time_s=0.75)
@@ -126,3 +162,5 @@ def test_bench_flags_and_the_prediction_from_a_bench_result(tmp_path):
     cfg = TrainConfig.load(None, {"model": "mlp", "data.dataset": "synthetic"})
     text = predict_from_bench(result, cfg, "1gbit,1ms", 0.5, str(tmp_path))
     assert "exposed fraction 0.50: given" in text and "1024 |" in text
+    text = predict_from_bench(result, cfg, "1gbit,1ms", 0.5, str(tmp_path), 8, "300GB/s,2us")
+    assert "8 workers per node joined by" in text and "--node-link 300GB/s,2us" in text
