@@ -16,14 +16,14 @@ import paratrain
 from paratrain.launch import spawn
 
 _LAUNCH_KEYS = {"WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GLOO_SOCKET_IFNAME", "RANK",
-                "LOCAL_RANK", "GROUP_RANK", "PARATRAIN_SPAWNED"}
+                "LOCAL_RANK", "GROUP_RANK", "PARATRAIN_SPAWNED", "PARATRAIN_AGENT_PID"}
 
 
 def _in_callers_env(local_rank: int, fn: Callable[..., Any], callers_env: dict[str, str], extra: Sequence[str],
                     *args: Any) -> Any:
     keep = {k: os.environ[k] for k in _LAUNCH_KEYS | set(extra) if k in os.environ}
     os.environ.clear()
-    os.environ.update(callers_env)
+    os.environ.update({k: v for k, v in callers_env.items() if not k.startswith(spawn._INHERITED)})
     os.environ.update(keep)
     return fn(local_rank, *args)
 

@@ -102,7 +102,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             # A torchrun worker: the agent prints one line for the whole job from this record.
             from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
-            ErrorHandler().record_exception(type(e)(line))
+            # under the error's own name; not type(e)(line): some (JSONDecodeError) take more arguments
+            ErrorHandler().record_exception(type(type(e).__name__, (Exception,), {})(line))
             # Exit now: Python's teardown with torch loaded takes seconds, and until this process is
             # gone the agent cannot stop the others (a hung peer, the rest of the group).
             sys.stdout.flush()

@@ -32,6 +32,9 @@ class ProcessInfo:
             raise ValueError(
                 f"rank {self.rank} from {self.source} is outside world size {self.world_size}"
             )
+        if self.world_size > 1 and not 1 <= self.master_port <= 65535:
+            raise ValueError(f"MASTER_PORT {self.master_port} (from {self.source}) is not a TCP port: use one in "
+                             "1024-65535 that is free on rank 0's host, the same on every rank")
 
     @property
     def nnodes(self) -> int:

@@ -5,16 +5,24 @@ from __future__ import annotations
 from . import mpi, slurm, torchelastic
 from .base import ProcessInfo
 
-# torchrun's variables win: torchrun inside a Slurm allocation or under mpirun sets them explicitly.
-# Slurm before MPI: ``srun --mpi=pmi2`` also sets PMI_RANK.
-_ENVIRONMENTS = (torchelastic.detect, slurm.detect, mpi.detect, mpi.detect_hydra)
-
 
 def detect_process() -> ProcessInfo:
-    """Rank, world size and rendezvous address from torchrun, Slurm, OpenMPI or MPICH/Intel MPI;
-    else one process."""
-    for detect in _ENVIRONMENTS:
+    """Rank, world size and rendezvous address from torchrun, OpenMPI, Slurm or MPICH/Intel MPI;
+    else one process.
+
+    torchrun's variables win: torchrun inside a Slurm allocation or under mpirun sets them
+    explicitly. OpenMPI's next: ``mpirun`` inside a Slurm allocation starts its daemons with
+    ``srun``, so its ranks also carry the daemons' Slurm variables (one task per node). Slurm before
+    Hydra's ``PMI_RANK``, which ``srun --mpi=pmi2`` sets too, unless the two disagree: then Hydra's
+    ``mpiexec`` started the process through ``srun`` (``-bootstrap slurm``) and Slurm's are its
+    proxies'.
+    """
+    for detect in (torchelastic.detect, mpi.detect):
         info = detect()
         if info is not None:
             return info
-    return ProcessInfo()
+    from_slurm, from_hydra = slurm.detect(), mpi.detect_hydra()
+    if from_slurm is not None and (from_hydra is None or (from_hydra.rank, from_hydra.world_size)
+                                   == (from_slurm.rank, from_slurm.world_size)):
+        return from_slurm
+    return from_hydra or ProcessInfo()

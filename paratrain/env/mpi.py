@@ -12,11 +12,11 @@ from .base import ProcessInfo, env_int
 def _from_env(rank: str, size: str, local_rank: str, local_size: str) -> ProcessInfo | None:
     if rank not in os.environ or size not in os.environ:
         return None
-    r = env_int(rank)
+    r, world = env_int(rank), env_int(size)
     local_world = env_int(local_size, 1)
     return ProcessInfo(
         rank=r,
-        world_size=env_int(size),
+        world_size=world,
         local_rank=env_int(local_rank, 0),
         local_world_size=local_world,
         node_rank=r // max(1, local_world),

@@ -14,7 +14,8 @@ import torch.distributed as dist
 
 from .base import UnavailableError
 
-__all__ = ["free_port", "interface_towards", "is_loopback", "loopback_store", "store_init_method"]
+__all__ = ["free_port", "interface_towards", "default_route_interface", "gloo_interface", "is_loopback",
+           "loopback_store", "store_init_method"]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -37,6 +38,34 @@ def interface_towards(host: str) -> str | None:
             if _ipv4_address(ifname) == local:
                 return ifname
     except (OSError, ImportError):
+        pass
+    return None
+
+
+def gloo_interface(master_addr: str, several_nodes: bool) -> str | None:
+    """The interface gloo should use (``GLOO_SOCKET_IFNAME``): the one this machine reaches the
+    master through. gloo's own choice is the address this machine's hostname resolves to, and
+    loopback when that is not a local address: on hosts whose /etc/hosts maps the hostname to
+    127.0.x.1 (Debian's default) every rank would advertise 127.0.0.1, which ranks on other hosts
+    cannot reach. On the master's own node that name resolves to loopback too: with several nodes
+    the interface of the default route is taken instead."""
+    if is_loopback(master_addr):
+        return "lo"
+    ifname = interface_towards(master_addr)
+    if ifname == "lo" and several_nodes:
+        return default_route_interface()
+    return ifname
+
+
+def default_route_interface() -> str | None:
+    """The interface of this machine's default IPv4 route (Linux ``/proc/net/route``), or None."""
+    try:
+        with open("/proc/net/route") as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if len(fields) > 3 and fields[1] == "00000000" and int(fields[3], 16) & 0x1:  # RTF_UP
+                    return fields[0]
+    except (OSError, ValueError):
         pass
     return None
 
@@ -83,10 +112,10 @@ def _store_on(host: str, port: int, rank: int, world_size: int, timeout: timedel
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as TCPStore's own server does
         sock.bind((addr, port))
         sock.listen(socket.SOMAXCONN)
-    except OSError as e:
+    except (OSError, OverflowError) as e:
         sock.close()
-        raise UnavailableError(f"rank 0 cannot listen on {addr}:{port} ({e.strerror or e}): choose another "
-                               "MASTER_PORT") from None
+        raise UnavailableError(f"rank 0 cannot listen on {addr}:{port} ({getattr(e, 'strerror', None) or e}): choose "
+                               "another MASTER_PORT") from None
     return dist.TCPStore(addr, port, world_size, True, timeout, multi_tenant=True, master_listen_fd=sock.detach())
 
 

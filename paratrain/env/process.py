@@ -29,7 +29,7 @@ from . import failures
 from .base import CollectiveTimeoutError, PeerLostError, ProcessInfo, UnavailableError, env_int
 from .failures import collective_of, explain_failure, explain_peer_loss, explain_timeout, explain_uncaught
 from .detect import detect_process
-from .network import free_port, interface_towards, is_loopback, loopback_store, store_init_method
+from .network import free_port, gloo_interface, interface_towards, is_loopback, loopback_store, store_init_method
 
 __all__ = [
     "Dist", "UnavailableError", "free_port", "CollectiveTimeoutError", "PeerLostError", "explain_timeout", "explain_peer_loss", "explain_failure",
@@ -150,16 +150,20 @@ def die_with_launcher() -> bool:
             return False
     except (OSError, AttributeError):
         return False
-    if os.getppid() == 1:  # the launcher died before the signal was armed
-        os.kill(os.getpid(), signal.SIGTERM)
     agent = os.environ.get(AGENT_PID, "")
+    if os.getppid() == 1 and agent.isdigit() and int(agent) != 1:
+        # paratrain's launcher (not PID 1 itself, as it is as a container's command) died before
+        # the signal was armed. Under another launcher a parent of PID 1 may be that launcher.
+        os.kill(os.getpid(), signal.SIGTERM)
     if agent.isdigit() and int(agent) != os.getppid():
         _end_with(int(agent))
     return True
 
 
-# Set by paratrain's launcher for workers that fork from its forkserver: the agent's pid. Their
-# parent is the forkserver, which PR_SET_PDEATHSIG watches, and which lives as long as any worker.
+# Set by paratrain's launchers for their workers: the launching process's pid (torchrun's agent,
+# or the process that called paratrain.launch). Workers that fork from a forkserver have the
+# forkserver as parent, which PR_SET_PDEATHSIG watches and which lives as long as any worker; they
+# also watch the agent.
 AGENT_PID = "PARATRAIN_AGENT_PID"
 _WATCHED: set[int] = set()
 
@@ -243,15 +247,16 @@ def _as_the_group_says(info: ProcessInfo) -> ProcessInfo:
 
 def _join(info: ProcessInfo, device: torch.device, chosen: str, timeout_s: float) -> None:
     """``init_process_group`` for this process of the job, its store on loopback when the job is."""
+    if info.world_size > info.local_world_size and not os.environ.get("MASTER_ADDR") and is_loopback(info.master_addr):
+        # mpirun/mpiexec choose no rendezvous address: every node would wait on its own loopback
+        raise ValueError(f"{info.world_size} ranks from {info.source} on several nodes ({info.local_world_size} on this "
+                         "one) but MASTER_ADDR is not set: export MASTER_ADDR=<rank 0's host> and pass it to every "
+                         "rank (mpirun -x MASTER_ADDR)")
     preload_dynamo()
     os.environ.setdefault("MASTER_ADDR", info.master_addr)
     os.environ.setdefault("MASTER_PORT", str(info.master_port))
     if chosen == "gloo" and "GLOO_SOCKET_IFNAME" not in os.environ:
-        # gloo's own choice is the address this machine's hostname resolves to, and loopback when
-        # that is not a local address: on hosts whose /etc/hosts maps the hostname to 127.0.x.1 (Debian's
-        # default) every rank then advertises 127.0.0.1 and ranks on other hosts cannot connect.
-        # The interface that reaches the master is one the other ranks can reach.
-        ifname = "lo" if is_loopback(os.environ["MASTER_ADDR"]) else interface_towards(os.environ["MASTER_ADDR"])
+        ifname = gloo_interface(os.environ["MASTER_ADDR"], info.world_size > info.local_world_size)
         if ifname:
             os.environ["GLOO_SOCKET_IFNAME"] = ifname
     kwargs: dict[str, Any] = {}

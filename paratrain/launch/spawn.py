@@ -17,6 +17,7 @@ import torch.multiprocessing as mp
 from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
 
 from ..env.network import free_port  # re-exported: the launch API's port picker
+from ..env.process import AGENT_PID
 
 __all__ = ["launch", "free_port", "LaunchError"]
 
@@ -25,7 +26,14 @@ class LaunchError(RuntimeError):
     """A launched worker failed, or the launch ran past its time limit."""
 
 
+# A launcher's variables that a worker of paratrain.launch must not inherit from its caller (a
+# torchrun worker itself): its rendezvous is its own, not the caller's agent's store.
+_INHERITED = ("TORCHELASTIC_", "ROLE_", "GROUP_WORLD_SIZE")
+
+
 def _worker(local_rank: int, fn: Callable, nprocs: int, env: dict[str, str], args: tuple, out_dir: str) -> None:
+    for name in [n for n in os.environ if n.startswith(_INHERITED)]:
+        del os.environ[name]
     os.environ.update(env)
     os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), GROUP_RANK="0", PARATRAIN_SPAWNED="1")
     try:
@@ -90,6 +98,7 @@ def launch(
         "LOCAL_WORLD_SIZE": str(nprocs),
         "MASTER_ADDR": master_addr,
         "MASTER_PORT": str(master_port or free_port(master_addr)),
+        AGENT_PID: str(os.getpid()),  # the workers end with this process
         **(env or {}),
     }
     if master_addr in ("127.0.0.1", "localhost"):

@@ -404,6 +404,9 @@ def torchrun(cfg: LaunchConfig, program: list[str], module: bool = False, comman
         args.training_script_args = list(program[1:])
         with _WakeStopped():
             if worker is None:
+                from ..env.process import AGENT_PID
+
+                os.environ[AGENT_PID] = str(os.getpid())  # the script's workers: their launcher is this process
                 trun.run(args)
             else:
                 _run_function(trun, args, worker, worker_args, cfg)

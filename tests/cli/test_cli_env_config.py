@@ -118,3 +118,28 @@ def test_parallel_integers_may_come_as_whole_floats_or_numpy() -> None:
     config = ParallelConfig(global_batch=64 / 2, micro_batch=np.int64(8), clip_grad_norm=np.float32(1.0))
     assert (config.global_batch, config.micro_batch) == (32, 8) and type(config.global_batch) is int
     assert ParallelConfig(global_batch=np.float32(64)).global_batch == 64
+
+
+_RECORD = """
+import json, os, sys
+import paratrain.cli.env as env_command
+from paratrain.cli.main import main
+env_command.main = lambda args: json.loads("{bad")  # a ValueError whose class takes more than a message
+main(["env"])
+"""
+
+
+def test_a_torchrun_worker_records_any_user_error_for_the_agent(tmp_path: Path) -> None:
+    """In a torchrun worker the one-line error goes to the agent's error file, also for a ValueError
+    subclass that cannot be rebuilt from one string (it once raised TypeError instead)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    error_file = tmp_path / "error.json"
+    out = subprocess.run([sys.executable, "-c", _RECORD], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "TORCHELASTIC_ERROR_FILE": str(error_file), "PARATRAIN_ERROR_DIR": str(tmp_path)})
+    assert out.returncode == 2, out.stderr[-2000:]
+    message = json.loads(error_file.read_text())["message"]["message"]
+    assert message.startswith("JSONDecodeError: Expecting property name"), message

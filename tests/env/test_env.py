@@ -12,7 +12,9 @@ LAUNCH_VARS = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RA
                "TORCHELASTIC_RUN_ID", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NODEID",
                "SLURM_NNODES", "SLURM_NODELIST", "SLURM_JOB_ID", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
                "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID",
-               "MPI_LOCALNRANKS", "SLURM_TASKS_PER_NODE", "SLURM_STEP_ID", "SLURM_STEPID"]
+               "MPI_LOCALNRANKS", "SLURM_TASKS_PER_NODE", "SLURM_STEP_ID", "SLURM_STEPID", "SLURM_STEP_NUM_TASKS",
+               "SLURM_STEP_NUM_NODES", "SLURM_STEP_TASKS_PER_NODE", "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST",
+               "SLURM_NPROCS"]
 
 
 @pytest.fixture(autouse=True)
@@ -93,6 +95,74 @@ def test_slurm_tasks_per_node_parsing():
         tasks_per_node("x")
 
 
+def _set(monkeypatch, **env):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+
+
+# What a task of `srun` started by mpirun/mpiexec inside an allocation carries: the daemon's (or
+# Hydra proxy's) step, one task per node, here the second of two nodes.
+_DAEMON_STEP = dict(SLURM_STEP_ID="0", SLURM_PROCID="1", SLURM_NTASKS="2", SLURM_LOCALID="0", SLURM_NODEID="1",
+                    SLURM_NNODES="2", SLURM_NODELIST="n[1-2]", SLURM_JOB_ID="9")
+
+
+def test_mpirun_inside_a_slurm_allocation_is_mpi(monkeypatch):
+    _set(monkeypatch, **_DAEMON_STEP, OMPI_COMM_WORLD_RANK="5", OMPI_COMM_WORLD_SIZE="8", OMPI_COMM_WORLD_LOCAL_RANK="1",
+         OMPI_COMM_WORLD_LOCAL_SIZE="4", MASTER_ADDR="n1")
+    info = detect_process()
+    assert (info.rank, info.world_size, info.local_rank, info.source) == (5, 8, 1, "mpi")
+
+
+def test_hydra_mpiexec_inside_a_slurm_allocation_is_mpi(monkeypatch):
+    _set(monkeypatch, **_DAEMON_STEP, PMI_RANK="6", PMI_SIZE="8", MPI_LOCALRANKID="2", MPI_LOCALNRANKS="4",
+         MASTER_ADDR="n1")
+    info = detect_process()
+    assert (info.rank, info.world_size, info.local_rank, info.source) == (6, 8, 2, "mpi")
+
+
+def test_mpi_on_several_nodes_needs_master_addr(monkeypatch):
+    """mpirun on 2 nodes without MASTER_ADDR: one line before joining (each node once waited on its
+    own loopback until the timeout)."""
+    _set(monkeypatch, OMPI_COMM_WORLD_RANK="5", OMPI_COMM_WORLD_SIZE="8", OMPI_COMM_WORLD_LOCAL_RANK="1",
+         OMPI_COMM_WORLD_LOCAL_SIZE="4")
+    with pytest.raises(ValueError, match="8 ranks from mpi on several nodes .4 on this one. but MASTER_ADDR is not set: "
+                                         "export MASTER_ADDR"):
+        paratrain.init(backend="gloo", timeout_s=5)
+    assert not torch.distributed.is_initialized()
+
+
+def test_slurm_step_variables_win_over_the_job_s(monkeypatch):
+    """A step of 2 tasks on the job's second node, in an 8-task job of 2 nodes (srun -n 2 -r1)."""
+    _set(monkeypatch, SLURM_STEP_ID="3", SLURM_PROCID="1", SLURM_NTASKS="8", SLURM_STEP_NUM_TASKS="2",
+         SLURM_NNODES="2", SLURM_STEP_NUM_NODES="1", SLURM_TASKS_PER_NODE="4(x2)", SLURM_STEP_TASKS_PER_NODE="2",
+         SLURM_LOCALID="1", SLURM_NODEID="0", SLURM_NODELIST="n[1-2]", SLURM_STEP_NODELIST="n2", SLURM_JOB_ID="9")
+    info = detect_process()
+    assert (info.rank, info.world_size, info.local_world_size, info.master_addr) == (1, 2, 2, "n2")
+    # two steps of one job do not share a port
+    assert info.master_port == 15000 + (9 + 7919 * 3) % 20000
+    monkeypatch.setenv("SLURM_STEP_ID", "0")
+    assert detect_process().master_port == 15000 + 9
+
+
+@pytest.mark.parametrize("port", ["0", "70000", "-5"])
+def test_a_master_port_out_of_range_is_named(monkeypatch, port):
+    _set(monkeypatch, RANK="0", WORLD_SIZE="2", MASTER_PORT=port)
+    with pytest.raises(ValueError, match=f"MASTER_PORT {port} .* is not a TCP port"):
+        detect_process()
+
+
+def test_gloo_interface_on_the_master_node_whose_name_is_loopback(monkeypatch):
+    from paratrain.env import network
+
+    assert network.gloo_interface("127.0.0.1", True) == "lo"
+    monkeypatch.setattr(network, "interface_towards", lambda host: "lo")  # /etc/hosts: 127.0.1.1 this-host
+    monkeypatch.setattr(network, "default_route_interface", lambda: "eth7")
+    assert network.gloo_interface("this-host", several_nodes=True) == "eth7"
+    assert network.gloo_interface("this-host", several_nodes=False) == "lo"
+    monkeypatch.setattr(network, "interface_towards", lambda host: "ib0")
+    assert network.gloo_interface("master", several_nodes=True) == "ib0"
+
+
 def test_torchrun_wins_over_slurm(monkeypatch):
     monkeypatch.setenv("SLURM_PROCID", "0")
     monkeypatch.setenv("SLURM_NTASKS", "1")
@@ -111,7 +181,9 @@ def test_bad_env_values_are_named(monkeypatch):
         detect_process()
 
 
-@pytest.mark.parametrize("nodelist, host", [("node[03-05,7]", "node03"), ("a,b", "a"), ("single", "single")])
+@pytest.mark.parametrize("nodelist, host", [("node[03-05,7]", "node03"), ("a,b", "a"), ("single", "single"),
+                                            ("node[01-03,7],gpu-a[1-2]", "node01"), ("nid[00001-00004]-hsn", "nid00001-hsn"),
+                                            ("a-[001-004].cluster", "a-001.cluster"), ("rack[1-2]-node[01-04]", "rack1-node01")])
 def test_slurm_first_host(nodelist, host):
     assert first_host(nodelist) == host
 

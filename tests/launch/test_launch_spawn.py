@@ -111,3 +111,55 @@ def test_collective_of_reads_the_traceback():
             fn()
         except (RuntimeError, ZeroDivisionError) as e:
             assert collective_of(e) == op
+
+
+_AS_PID_1 = r"""
+import os, subprocess, sys
+import paratrain
+
+def parent(local_rank):
+    paratrain.init()  # arms the end-with-the-launcher signal
+    return os.getppid()
+
+if __name__ == "__main__":
+    assert os.getpid() == 1
+    # paratrain.launch from PID 1 (a container's command): its worker's parent is PID 1, alive
+    print("launch", paratrain.launch(parent, 1, timeout=120), flush=True)
+    code = "from paratrain.env.process import die_with_launcher; die_with_launcher(); print('alive', flush=True)"
+    # a plain torchrun worker whose agent is PID 1: nothing tells a dead launcher from this one
+    plain = subprocess.run([sys.executable, "-c", code], env={**os.environ, "TORCHELASTIC_RUN_ID": "x"})
+    print("plain", plain.returncode, flush=True)
+    # paratrain's launcher (pid 99999) is gone and the worker was handed to PID 1: it ends
+    gone = subprocess.run([sys.executable, "-c", code],
+                          env={**os.environ, "TORCHELASTIC_RUN_ID": "x", "PARATRAIN_AGENT_PID": "99999"})
+    print("gone", gone.returncode, flush=True)
+"""
+
+
+def test_workers_run_when_the_launcher_is_pid_1(tmp_path):
+    """In a container the launcher is often PID 1: its workers' parent is PID 1 while it lives, so
+    a parent of 1 alone does not mean that the launcher died (every worker once killed itself)."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    if os.geteuid() != 0 or not shutil.which("unshare"):
+        pytest.skip("needs root and unshare (a PID namespace)")
+    script = tmp_path / "as_pid_1.py"
+    script.write_text(_AS_PID_1)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run(["timeout", "-k", "10", "150", "unshare", "--pid", "--fork", "--mount-proc", sys.executable,
+                          str(script)], capture_output=True, text=True, env={**os.environ, "PYTHONPATH": root})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "launch [1]" in out.stdout and "plain 0" in out.stdout and "gone -15" in out.stdout, out.stdout
+
+
+def test_launch_from_inside_a_torchrun_worker_forms_its_own_group(monkeypatch):
+    """A torchrun worker's variables (its agent's store) are not the launched workers': they once
+    all waited as clients of a store nobody served."""
+    for k, v in dict(TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RUN_ID="outer", TORCHELASTIC_RESTART_COUNT="0",
+                     ROLE_RANK="3", ROLE_NAME="default", GROUP_WORLD_SIZE="4").items():
+        monkeypatch.setenv(k, v)
+    out = paratrain.launch(_sum_ranks, nprocs=2, args=(1,), timeout=60, start_method="spawn")  # not the suite's own
+    assert out == [(0, 2, "gloo", 1.0), (1, 2, "gloo", 1.0)]
