@@ -106,14 +106,22 @@ class ParallelConfig:
         self.precision = _precision.resolve(self.precision)
         for name in ("global_batch", "accumulation", "micro_batch", "seed"):
             setattr(self, name, _integer(getattr(self, name), name))
+        for name in ("sync_batchnorm", "compile"):
+            value = getattr(self, name)
+            if str(getattr(value, "dtype", "")) == "bool" and getattr(value, "ndim", 1) == 0:  # NumPy's bool
+                setattr(self, name, value := bool(value))
+            if not isinstance(value, bool):
+                raise ValueError(f"{name}={value!r} must be true or false")
         for name in ("clip_grad_norm", "loss_scale", "timeout_s"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real)):
                 raise ValueError(f"{name}={value!r} must be a number")
         if self.global_batch < 1:
             raise ValueError(f"global_batch {self.global_batch} must be at least 1")
-        if self.clip_grad_norm is not None and self.clip_grad_norm <= 0:
-            raise ValueError(f"clip_grad_norm {self.clip_grad_norm} must be positive")
+        if not -2**63 <= self.seed < 2**63:
+            raise ValueError(f"seed {self.seed} does not fit in 64 bits: use one below 2**63, e.g. 0")
+        if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:  # NaN too
+            raise ValueError(f"clip_grad_norm {self.clip_grad_norm} must be a positive number (inf: measure, never clip)")
         if not (math.isfinite(self.timeout_s) and self.timeout_s > 0):
             raise ValueError(f"timeout_s {self.timeout_s} must be a positive number of seconds")
         if self.backend not in BACKENDS:

@@ -168,6 +168,11 @@ class Parallel:
         self._lrs_at_start: list[float] | None = None
         self._warned_lr_change = False
         self._grad_watch = GradientWatch()  # gradients edited mid-accumulation (a clip in the loop body)
+        # Several optimizers (see step): those that stepped since the last backward, those whose
+        # step() came before their global batch ended, and those that ended one in this global step.
+        self._stepped_since_backward: list[torch.optim.Optimizer] = []
+        self._early: list[torch.optim.Optimizer] = []
+        self._ended_this_step: list[torch.optim.Optimizer] = []
         # checked on every rank (a bad name fails everywhere alike); opened on the main process only
         self.trackers = tracking.Trackers(log_to, log_dir, loggers, enabled=self.is_main_process, config=self._run_config)
 
@@ -243,19 +248,35 @@ class Parallel:
             if scheduler is not None:
                 raise ValueError("setup got a scheduler but no optimizer: pass both, pt.setup(model, optimizer, scheduler)")
             return module
+        wrapped_optimizer = self.setup_optimizer(optimizer, module, scheduler)
+        return (module, *wrapped_optimizer) if scheduler is not None else (module, wrapped_optimizer)
+
+    def setup_optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module | None = None,
+                        scheduler: Any = None) -> Any:
+        """One more optimizer for a model already set up (default: the last one), e.g. SparseAdam
+        for the embeddings and AdamW for the rest; step each after the same backward, as in a plain
+        loop. Returns the optimizer, or ``(optimizer, scheduler)``, as :meth:`setup` does."""
+        if not self._models:
+            raise ValueError("setup_optimizer: set the model up first, model = pt.setup(model)")
+        wrapped = self._models[-1] if model is None else getattr(model, "_strategy_module", None)
+        if wrapped is None or not any(wrapped is m for m in self._models):
+            raise ValueError("setup_optimizer: pass the model pt.setup returned (or none: the last one set up)")
         inner = self.precision.setup_optimizer(self.strategy.setup_optimizer(wrapped, optimizer))
         self._optimizers.append(inner)
         wrapped_optimizer = ParallelOptimizer(inner, self)
         if scheduler is None:
-            return module, wrapped_optimizer
+            return wrapped_optimizer
         wrapped_scheduler = ParallelScheduler(self._attach(scheduler, wrapped_optimizer), self)
         self._schedulers.append(wrapped_scheduler)
-        return module, wrapped_optimizer, wrapped_scheduler
+        return wrapped_optimizer, wrapped_scheduler
 
     def register_scheduler(self, scheduler: Any, optimizer: ParallelOptimizer | None = None) -> Any:
         """Let paratrain step ``scheduler`` after every optimizer step (don't call its ``step()``
         yourself). Built on the optimizer from :meth:`setup`, or on the one passed to it (then
         pass the returned optimizer as ``optimizer``). It goes into checkpoints by default."""
+        if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            raise ValueError("register_scheduler: ReduceLROnPlateau steps on a metric that paratrain does not have: "
+                             "pass it to pt.setup(model, optimizer, scheduler) and call scheduler.step(metric) yourself")
         if optimizer is None:
             optimizer = getattr(scheduler, "optimizer", None)
             if not isinstance(optimizer, ParallelOptimizer):
@@ -323,6 +344,7 @@ class Parallel:
             )
         if self.micro_step == 0 and self.accumulation > 1:
             self._lrs_at_start = self._current_lrs()
+        self._stepped_since_backward = []
         if callable(loss):
             loss(self.accumulation)
         else:
@@ -350,11 +372,24 @@ class Parallel:
         return self.strategy.training_step(model, batch, loss_fn, self.backward)
 
     def step(self, optimizer: torch.optim.Optimizer | ParallelOptimizer) -> bool:
-        """Step at the end of a global batch (no-op on earlier micro-steps). True if weights changed."""
+        """Step at the end of a global batch (no-op on earlier micro-steps). True if weights changed.
+
+        Several optimizers work as in a plain loop: each stepping after the same backward (one per
+        parameter group or model, ``opt_a.step(); opt_b.step()``), or each after a backward of its
+        own (a GAN's discriminator and generator, one global step per round; accumulation 1)."""
         if isinstance(optimizer, ParallelOptimizer):
             optimizer = optimizer.optimizer
         if self.micro_step < self.accumulation:
+            if self.micro_step == 0 and self._stepped_since_backward and not _among(optimizer, self._stepped_since_backward):
+                return self._step_another(optimizer)
+            if self.micro_step > 0 and not _among(optimizer, self._early):
+                self._early.append(optimizer)
             return False
+        if self._early and not _among(optimizer, self._early):
+            raise ValueError(
+                f"two optimizers step after backward calls of their own (a GAN-style loop) with accumulation "
+                f"{self.accumulation}: the one that stepped first would never step; use accumulation 1 "
+                "(a larger micro-batch), or one optimizer for both losses")
         clip = None
         if self.config.clip_grad_norm is not None:
             max_norm = self.config.clip_grad_norm
@@ -366,13 +401,36 @@ class Parallel:
 
     def _end_global_batch(self, optimizer: torch.optim.Optimizer) -> None:
         """After the optimizer step of a global batch (taken or skipped): gradients cleared, the
-        data position one step on, and the schedulers paratrain steps for ``optimizer`` stepped."""
-        optimizer.zero_grad(set_to_none=True)
+        data position one step on, and the schedulers paratrain steps for ``optimizer`` stepped.
+
+        With several optimizers that each end a batch of their own (a GAN), the global step (the
+        data position) moves once per round: when an optimizer ends a batch again."""
+        self._after_step(optimizer)
         self.micro_step = 0
-        self.global_step += 1
+        self._early = []
+        self._stepped_since_backward = [optimizer]
+        if not self._ended_this_step or _among(optimizer, self._ended_this_step):
+            self.global_step += 1
+            self._ended_this_step = []
+        self._ended_this_step.append(optimizer)
+
+    def _after_step(self, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.zero_grad(set_to_none=True)
         for scheduler, owner in self._auto_schedulers:
             if owner is optimizer:
                 scheduler.step()
+
+    def _step_another(self, optimizer: torch.optim.Optimizer) -> bool:
+        """The step of a second optimizer after the same backward as the one that ended the global
+        batch: its gradients are complete (and clipped with the others' by that step)."""
+        if self.precision.name not in ("32", "tf32", "bf16-mixed"):
+            raise ValueError(f"two optimizers stepping after one backward under precision {self.precision.name}: its "
+                             "loss scale or master weights follow one optimizer; use one optimizer with a parameter "
+                             "group each, or precision bf16-mixed or 32")
+        stepped = self.strategy.optimizer_step(optimizer, lambda: self.precision.step(optimizer, None))
+        self._after_step(optimizer)
+        self._stepped_since_backward.append(optimizer)
+        return stepped
 
     def scaled_step(self, optimizer: ParallelOptimizer, found_inf: torch.Tensor, grad_scale: Any) -> bool:
         """:meth:`step` as the loop's own ``torch.amp.GradScaler`` drives it: ``scaler.step(optimizer)``
@@ -607,6 +665,10 @@ class Parallel:
                 self.strategy.close(wait_for_peers)
         finally:
             process.destroy(wait_for_peers)
+
+
+def _among(optimizer: torch.optim.Optimizer, optimizers: list[torch.optim.Optimizer]) -> bool:
+    return any(optimizer is o for o in optimizers)
 
 
 def _is_compiled(model: Any) -> bool:

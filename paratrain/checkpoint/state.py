@@ -160,7 +160,7 @@ def load_checkpoint(source: str | os.PathLike, run: Run, module: nn.Module, opti
         set_rng_state(rngs[run.rank])
     else:  # a rank that did not exist when the checkpoint was written: seeded from this run's seed
         now = run.state_dict()
-        torch.manual_seed(int(now["seed"]) * 1_000_003 + int(now["global_step"]) * 1_009 + run.rank)
+        torch.manual_seed((int(now["seed"]) * 1_000_003 + int(now["global_step"]) * 1_009 + run.rank) % 2**64)
     return state["extra"]
 
 

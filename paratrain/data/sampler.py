@@ -93,7 +93,7 @@ def epoch_permutation(n: int, seed: int, epoch: int, shuffle: bool = True) -> to
     if not shuffle:
         return torch.arange(n)
     g = torch.Generator()
-    g.manual_seed(seed * 1_000_003 + epoch)
+    g.manual_seed((seed * 1_000_003 + epoch) % 2**64)  # any seed: the same order as before where it fitted
     return torch.randperm(n, generator=g)
 
 

@@ -6,6 +6,7 @@ replaces it with PowerSGD's low-rank approximation.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,7 +44,7 @@ class DDPOptions:
     def __post_init__(self) -> None:
         if self.comm_hook not in COMM_HOOKS:
             raise ValueError(f"ddp comm_hook {self.comm_hook!r} is unknown: use one of {', '.join(COMM_HOOKS)}")
-        if self.bucket_cap_mb <= 0:
+        if not (math.isfinite(self.bucket_cap_mb) and self.bucket_cap_mb > 0):
             raise ValueError(f"ddp bucket_cap_mb {self.bucket_cap_mb} must be positive")
         if self.powersgd_rank < 1:
             raise ValueError(f"ddp powersgd_rank {self.powersgd_rank} must be at least 1")

@@ -36,6 +36,8 @@ def parse_log_to(log_to: str | Iterable[str] | None) -> list[str]:
     one-line ``ValueError`` naming the value and what to install."""
     if log_to is None:
         return []
+    if not isinstance(log_to, (str, list, tuple, set, frozenset)):
+        raise ValueError(f"log_to {log_to!r} must be a tracker name or a list of them, e.g. \"csv,tensorboard\"")
     items = log_to.split(",") if isinstance(log_to, str) else list(log_to)
     names: list[str] = []
     for item in items:

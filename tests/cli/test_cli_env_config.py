@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from clitools import run_cli
 from paratrain import __version__
@@ -102,6 +103,10 @@ def test_one_set_parser_for_train_and_bench() -> None:
     ({"micro_batch": True}, "micro_batch=True must be an integer"),
     ({"seed": 0.5}, "seed=0.5 must be an integer"),
     ({"clip_grad_norm": "1.0"}, "clip_grad_norm='1.0' must be a number"),
+    ({"clip_grad_norm": float("nan")}, "clip_grad_norm nan must be a positive number"),
+    ({"seed": 2**70}, f"seed {2**70} does not fit in 64 bits"),
+    ({"sync_batchnorm": "yes"}, "sync_batchnorm='yes' must be true or false"),
+    ({"ddp": {"bucket_cap_mb": float("nan")}}, "ddp bucket_cap_mb nan must be positive"),
 ])
 def test_parallel_options_of_the_wrong_type_are_refused_by_name(kwargs: dict, error: str) -> None:
     import paratrain
@@ -118,6 +123,19 @@ def test_parallel_integers_may_come_as_whole_floats_or_numpy() -> None:
     config = ParallelConfig(global_batch=64 / 2, micro_batch=np.int64(8), clip_grad_norm=np.float32(1.0))
     assert (config.global_batch, config.micro_batch) == (32, 8) and type(config.global_batch) is int
     assert ParallelConfig(global_batch=np.float32(64)).global_batch == 64
+    assert ParallelConfig(sync_batchnorm=np.bool_(True)).sync_batchnorm is True
+
+
+def test_a_large_seed_draws_an_order_and_other_values_are_named() -> None:
+    """A seed past 2**44 once overflowed the epoch permutation's seed; seeds that fitted keep their order."""
+    from paratrain.data.sampler import epoch_permutation
+    from paratrain.tracking import parse_log_to
+
+    assert sorted(epoch_permutation(10, 2**50, 1).tolist()) == list(range(10))
+    g = torch.Generator().manual_seed(3 * 1_000_003 + 1)
+    assert epoch_permutation(10, 3, 1).tolist() == torch.randperm(10, generator=g).tolist()
+    with pytest.raises(ValueError, match="log_to 5 must be a tracker name or a list of them"):
+        parse_log_to(5)  # type: ignore[arg-type]
 
 
 _RECORD = """
