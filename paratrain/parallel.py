@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from . import checkpoint as checkpoint_lib
 from . import evaluation
@@ -37,6 +37,7 @@ from . import precision as precision_lib
 from . import strategies
 from . import tracking
 from .config import ParallelConfig
+from .data.from_loader import loader_samples
 from .data.loaders import EvalLoader, GlobalBatchLoader
 from .data.stream import StreamLoader
 from .data.sampler import BatchPlan, check_dataset_fits
@@ -485,9 +486,10 @@ class Parallel:
         ``dataset`` is a dataset, or your own :class:`~torch.utils.data.DataLoader`: its dataset,
         ``collate_fn``, ``num_workers``, ``pin_memory``, ``worker_init_fn``, ``persistent_workers``
         (and prefetch/timeout/multiprocessing settings) are kept, its sampler and batch size are
-        replaced by paratrain's global-batch sampler (a ``batch_size`` other than the derived
-        micro-batch is reported in one line). ``shuffle`` defaults to True, or for a DataLoader to
-        whether its sampler was random. ``dataloader_kwargs`` go to the DataLoader and win over a
+        replaced by paratrain's global-batch sampler over the samples its sampler selects (a
+        ``SubsetRandomSampler``'s part of the dataset; one that draws samples twice is refused),
+        and a ``batch_size`` other than the derived micro-batch is reported in one line.
+        ``shuffle`` defaults to True, or for a DataLoader to whether its sampler was random. ``dataloader_kwargs`` go to the DataLoader and win over a
         given loader's settings; batch size and sampler are paratrain's.
 
         An :class:`~torch.utils.data.IterableDataset` (a stream of unknown length, or a
@@ -528,28 +530,28 @@ class Parallel:
             warnings.warn(f"train_loader: the DataLoader's batch_size {loader.batch_size} is replaced by the micro-batch "
                           f"{m.micro_batch} (global batch {m.global_batch} = {m.micro_batch} × {m.world_size} processes "
                           f"× {m.accumulation} accumulation steps)", stacklevel=3)
-        if shuffle is None and not isinstance(loader.dataset, IterableDataset):
-            sampler = loader.sampler if loader.batch_size is not None else loader.batch_sampler
-            if isinstance(sampler, (RandomSampler, SequentialSampler)):
-                shuffle = isinstance(sampler, RandomSampler)
-            elif isinstance(sampler, DistributedSampler):  # what a DDP script has: replacing it is the point
-                shuffle = bool(sampler.shuffle)
-            else:
+        dataset, random_order = loader_samples(loader, "train_loader")
+        if shuffle is None and not isinstance(dataset, IterableDataset):
+            shuffle = random_order
+            if random_order is None:
+                sampler = loader.sampler if loader.batch_size is not None else loader.batch_sampler
                 warnings.warn(f"train_loader: the DataLoader's {type(sampler).__name__} is replaced by paratrain's "
-                              "global-batch sampler (shuffled: pass shuffle=False for the dataset's order)", stacklevel=3)
-        return loader.dataset, kept, shuffle
+                              "global-batch sampler over the samples it gives (shuffled: pass shuffle=False for their "
+                              "order)", stacklevel=3)
+        return dataset, kept, shuffle
 
     def eval_loader(self, dataset: Dataset | DataLoader, batch_size: int | None = None,
                     transform: Callable[[torch.Tensor], torch.Tensor] | None = None, **dataloader_kwargs: Any) -> EvalLoader:
         """This rank's shard of an evaluation set: every sample exactly once across ranks.
 
-        ``dataset`` may be your own :class:`~torch.utils.data.DataLoader`: its dataset, batch size,
-        ``collate_fn`` and worker settings are kept, its sampler is replaced by this rank's shard.
+        ``dataset`` may be your own :class:`~torch.utils.data.DataLoader`: its dataset (the part its
+        sampler selects), batch size, ``collate_fn`` and worker settings are kept, its sampler is
+        replaced by this rank's shard.
         """
         if isinstance(dataset, DataLoader):
             loader = dataset
             dataloader_kwargs = {**_loader_settings(loader), **dataloader_kwargs}
-            dataset, batch_size = loader.dataset, batch_size or loader.batch_size
+            dataset, batch_size = loader_samples(loader, "eval_loader")[0], batch_size or loader.batch_size
         return EvalLoader(dataset, batch_size or self.plan.micro_batch * self.accumulation,
                           self.strategy.data_parallel_size, self.strategy.data_parallel_rank, self.device,
                           transform, **dataloader_kwargs)

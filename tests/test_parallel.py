@@ -535,6 +535,66 @@ def test_own_dataloader_keeps_its_settings(recwarn):
     pt.close()
 
 
+def test_own_dataloader_subset_samplers_keep_their_part_of_the_dataset():
+    """A train/val split by SubsetRandomSampler on one dataset: the training reads only the train
+    part and the evaluation counts only the val part (both once read the whole dataset)."""
+    from torch.utils.data import DataLoader, SubsetRandomSampler, TensorDataset, WeightedRandomSampler
+
+    pt = paratrain.Parallel(global_batch=8, seed=SEED)
+    x = torch.arange(40, dtype=torch.float64).unsqueeze(1)
+    data = TensorDataset(x, torch.zeros(40, dtype=torch.long))
+    train_ids, val_ids = list(range(0, 40, 4)) + list(range(1, 40, 4)), list(range(2, 40, 4))
+    train = pt.train_loader(DataLoader(data, batch_size=8, sampler=SubsetRandomSampler(train_ids)))
+    seen = torch.cat([xb[:, 0] for xb, _ in train]).long().tolist()
+    assert len(seen) == 16 and set(seen) <= set(train_ids)  # 20 samples: two global batches of 8
+    val = pt.eval_loader(DataLoader(data, batch_size=4, sampler=SubsetRandomSampler(val_ids)))
+    assert sorted(torch.cat([xb[:, 0] for xb, _ in val]).long().tolist()) == val_ids
+    model = pt.setup(nn.Linear(1, 2).double())
+    assert pt.evaluate(model, val)["count"] == len(val_ids)
+
+    class EveryOther(torch.utils.data.Sampler):  # a sampler of the user's own: a part, in its order
+        def __iter__(self):
+            return iter(range(0, 40, 2))
+
+        def __len__(self):
+            return 20
+
+    assert pt.evaluate(model, pt.eval_loader(DataLoader(data, sampler=EveryOther())))["count"] == 20
+    rng = torch.get_rng_state()
+    with pytest.raises(ValueError, match="WeightedRandomSampler draws some samples more than once an epoch"):
+        pt.train_loader(DataLoader(data, batch_size=8, sampler=WeightedRandomSampler([1.0] * 40, 40)))
+    assert torch.equal(torch.get_rng_state(), rng)  # reading the sampler's epoch drew from no global generator
+    with pytest.raises(ValueError, match="RandomSampler draws 10 of the 40 samples"):
+        pt.train_loader(DataLoader(data, batch_size=8, sampler=torch.utils.data.RandomSampler(data, num_samples=10)))
+    pt.close()
+
+
+class HandleData(torch.utils.data.Dataset):
+    """Opens a per-worker handle in worker_init_fn (the h5py/lmdb pattern)."""
+
+    def __init__(self):
+        self.path, self.handle = "data.bin", None
+
+    def __len__(self):
+        return 16
+
+    def __getitem__(self, i):
+        return torch.tensor([float(i)]), torch.tensor(0.0 if self.handle is None else 1.0)
+
+
+def open_handle(worker_id):
+    dataset = torch.utils.data.get_worker_info().dataset
+    dataset.handle = f"open {dataset.path}"
+
+
+def test_worker_init_fn_sees_and_sets_the_users_dataset():
+    pt = paratrain.Parallel(global_batch=8, seed=SEED)
+    loader = pt.train_loader(torch.utils.data.DataLoader(HandleData(), batch_size=8, num_workers=1,
+                                                         worker_init_fn=open_handle))
+    assert all(bool((opened == 1).all()) for _, opened in loader)
+    pt.close()
+
+
 # --- compiled models -----------------------------------------------------------------------------
 def compiled_run(strategy, mode, directory, steps=3):
     """float64 regression, ``mode``: plain, Parallel(compile=True), or torch.compile before or after

@@ -121,6 +121,18 @@ class SeededSamples(Dataset):
         # same as seeding all three always: a generator that is not drawn from changes nothing.
         self.draws_python = self.draws_numpy = False
 
+    _OWN = frozenset({"dataset", "seed", "draws_python", "draws_numpy"})
+
+    def __getattr__(self, name: str) -> Any:
+        # The user's dataset's attributes (a worker_init_fn reaches get_worker_info().dataset: this)
+        if name in SeededSamples._OWN or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # ...and what it sets there (an h5py/lmdb handle opened per worker) is the user's dataset's.
+        object.__setattr__(self, name, value) if name in SeededSamples._OWN else setattr(self.dataset, name, value)
+
     def __len__(self) -> int:
         return len(self.dataset)  # type: ignore[arg-type]
 
