@@ -78,7 +78,7 @@ class RankStream(IterableDataset):
         if plan.global_batch < k:
             raise ValueError(f"a global batch of {plan.global_batch} cannot take a sample from each of {k} shards: "
                              f"use a global batch of at least {k}")
-        self.dataset, self.plan, self.rank, self.skip, self.epoch = dataset, plan, rank, skip, epoch
+        self.dataset, self.plan, self.rank, self.skip, self._epoch = dataset, plan, rank, skip, epoch
         self.bounds = [plan.global_batch * i // k for i in range(k + 1)]  # chunk k = positions [bounds[k], bounds[k+1])
         share = plan.global_batch // plan.world_size  # this rank's contiguous positions: the fewest shards
         self.positions = [[rank * share + a * plan.micro_batch + j for j in range(plan.micro_batch)]
@@ -92,7 +92,7 @@ class RankStream(IterableDataset):
     def _start(self) -> dict[int, Iterator[Any]]:
         set_epoch = getattr(self.dataset, "set_epoch", None)
         if callable(set_epoch):
-            set_epoch(self.epoch)
+            set_epoch(self._epoch)
         return {k: _read_shard(self.dataset, k) for k in self.needed}
 
     def _next_step(self, readers: dict[int, Iterator[Any]]) -> dict[int, list[Any]] | None:
@@ -153,9 +153,23 @@ class StreamLoader:
         self.pin_memory = bool(dataloader_kwargs.get("pin_memory"))
         dataloader_kwargs.pop("persistent_workers", None)  # each pass is a new stream object: new workers
         self.dataloader_kwargs = dataloader_kwargs
-        self.epoch = 0  # passes completed over the stream
+        self._epoch = 0  # passes completed over the stream
         self.pass_start = 0  # the global step at which the current pass began
         self._located = False
+
+    @property
+    def epoch(self) -> int:
+        """The pass over the stream the next batch belongs to: after a resume, ``for epoch in
+        range(loader.epoch, epochs)`` continues the epoch loop. After a resume, the first read
+        (or iteration) finds the pass by counting the stream's steps up to the global step, a
+        collective: read it on every rank."""
+        self._locate_once()
+        return self._epoch
+
+    def _locate_once(self) -> None:
+        if not self._located:
+            self._locate(self.position())
+            self._located = True
 
     @property
     def steps_per_epoch(self) -> int:
@@ -170,23 +184,21 @@ class StreamLoader:
         pass that holds ``position``. Reads the stream up to there."""
         skip = position
         while skip > 0:
-            n = self.min_all(RankStream(self.dataset, self.plan, self.rank, 0, self.epoch).count_steps(skip + 1))
+            n = self.min_all(RankStream(self.dataset, self.plan, self.rank, 0, self._epoch).count_steps(skip + 1))
             if n > skip:
                 break  # position lies inside this pass
             if n == 0:
                 raise ValueError(f"the stream holds no complete global batch of {self.plan.global_batch} samples "
-                                 f"in pass {self.epoch}: cannot resume at step {position}")
-            skip, self.pass_start, self.epoch = skip - n, self.pass_start + n, self.epoch + 1
+                                 f"in pass {self._epoch}: cannot resume at step {position}")
+            skip, self.pass_start, self._epoch = skip - n, self.pass_start + n, self._epoch + 1
 
     def __iter__(self) -> Iterator[Any]:
-        if not self._located:
-            self._locate(self.position())
-            self._located = True
+        self._locate_once()
         p = self.plan
         while True:
             start = self.position()
             skip = start - self.pass_start
-            stream = RankStream(self.dataset, p, self.rank, skip, self.epoch)
+            stream = RankStream(self.dataset, p, self.rank, skip, self._epoch)
             batches = iter(DataLoader(stream, batch_size=p.micro_batch, drop_last=True, **self.dataloader_kwargs))
             steps = 0
             while True:
@@ -198,8 +210,8 @@ class StreamLoader:
                 steps += 1
             if steps == 0 and skip == 0:  # the same on every rank: the agreement is global
                 raise ValueError(f"the stream holds no complete global batch of {p.global_batch} samples "
-                                 f"(pass {self.epoch})")
-            self.epoch += 1
+                                 f"(pass {self._epoch})")
+            self._epoch += 1
             self.pass_start = self.position()
             if steps:
                 return  # one pass per iteration of the loader; a loop stopped exactly at its end starts the next

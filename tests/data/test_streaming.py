@@ -164,6 +164,39 @@ def test_stream_resumes_exactly_also_in_a_later_pass(tmp_path):
         pt.close()
 
 
+def test_the_epoch_loop_over_a_stream_resumes_from_the_loader_epoch(tmp_path):
+    """``for epoch in range(loader.epoch, epochs)`` after a resume in the second pass: the loader
+    says pass 1 before it is iterated (it said 0, and the loop trained a pass too many)."""
+    data = Counting(3 * B + 5)  # 3 steps per pass
+
+    def run(stop=None, resume=None):
+        pt = paratrain.Parallel(global_batch=B, accumulation=2)
+        torch.manual_seed(0)
+        model, opt = pt.setup(nn.Linear(1, 1).double(), torch.optim.SGD(nn.Linear(1, 1).parameters(), lr=0.0))
+        loader = pt.train_loader(data)
+        if resume:
+            pt.load_checkpoint(resume, model, opt)
+            assert loader.epoch == 1
+        steps = []
+        for _epoch in range(loader.epoch, 2):
+            for batch in loader:
+                opt.zero_grad()
+                pt.backward(model(batch["x"].double()).sum())
+                opt.step()
+                if pt.micro_step == 0:
+                    steps.append(pt.global_step)
+                if stop and pt.global_step == stop and pt.micro_step == 0:
+                    pt.save_checkpoint(str(tmp_path), model, opt)
+                    pt.close()
+                    return steps
+        pt.close()
+        return steps
+
+    assert run() == list(range(1, 7))
+    run(stop=4)
+    assert run(resume=str(tmp_path)) == [5, 6]
+
+
 def test_stream_errors_are_one_line():
     pt = paratrain.Parallel(global_batch=B)
     with pytest.raises(ValueError, match="no complete global batch"):
