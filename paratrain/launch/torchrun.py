@@ -138,6 +138,10 @@ class LaunchConfig:
         if self.monitor_interval is not None and self.monitor_interval <= 0:
             raise ValueError(f"monitor_interval={self.monitor_interval} must be > 0 seconds")
         static = self.rdzv_backend in (None, "static")
+        if max_nodes > 1 and not self.rdzv_endpoint and not static and self.master_addr:
+            raise ValueError(f"rdzv_backend={self.rdzv_backend!r} meets at --rdzv-endpoint HOST:PORT, not at --master-addr: "
+                             f"give --rdzv-endpoint {self.master_addr}:{self.master_port or 29400} instead, or drop "
+                             "--rdzv-backend for a static rendezvous at --master-addr")
         if max_nodes > 1 and not self.rdzv_endpoint and not (static and self.master_addr):
             raise ValueError(
                 f"nnodes={self.nnodes} needs --master-addr/--master-port (static) or --rdzv-endpoint HOST:PORT (c10d) "

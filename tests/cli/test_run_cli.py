@@ -164,6 +164,12 @@ def test_standalone_with_an_address_is_refused() -> None:
         LaunchConfig(standalone=True, nnodes="2", master_addr="10.0.0.1")
 
 
+def test_c10d_with_a_master_address_says_where_c10d_meets() -> None:
+    with pytest.raises(ValueError, match="rdzv_backend='c10d' meets at --rdzv-endpoint HOST:PORT, not at --master-addr: "
+                                         "give --rdzv-endpoint 10.0.0.1:29400"):
+        LaunchConfig(nnodes="2", rdzv_backend="c10d", master_addr="10.0.0.1")
+
+
 def test_no_python_tee_and_rank_filter_run_a_program(tmp_path: Path) -> None:
     """``--no-python`` runs a program that is not Python; ``--tee 3 --local-ranks-filter 1`` shows
     only local rank 1's output, prefixed as torchrun prefixes it."""
