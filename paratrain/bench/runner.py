@@ -212,7 +212,8 @@ machine does not tell them apart."""
 
 
 def recommend(results: list[CellResult], tolerance: float) -> CellResult | None:
-    """The fastest paratrain configuration whose test accuracy is within ``tolerance`` of single's.
+    """The fastest paratrain configuration whose test accuracy is within ``tolerance`` of single's,
+    at the job's global batch (a cell that grew it trains something else: the effective-batch trap).
 
     Among the cells within :data:`NOISE` of the fastest, the one with the fewest processes wins,
     and at one process the single-device reference: a configuration is only recommended over a
@@ -221,7 +222,8 @@ def recommend(results: list[CellResult], tolerance: float) -> CellResult | None:
     if ref is None or ref.test_accuracy is None:
         return None
     keep = [r for r in results if r.status == "ok" and r.cell.strategy != BASELINE and r.test_accuracy is not None
-            and r.test_accuracy >= ref.test_accuracy - tolerance and r.seconds_per_epoch]
+            and r.test_accuracy >= ref.test_accuracy - tolerance and r.seconds_per_epoch
+            and r.cell.global_batch == ref.cell.global_batch]
     if not keep:
         return None
     best = min(r.seconds_per_epoch for r in keep)  # type: ignore[type-var]

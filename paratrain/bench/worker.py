@@ -124,9 +124,9 @@ def _train_paratrain(pt: Any, counter: CommCounter, cfg: TrainConfig, job: dict[
     from ..loop.fit import fit
     from ..loop.train import setup_task
 
-    model, optimizer, scheduler = setup_task(pt, cfg)
     steps_per_epoch = len(train_set) // pt.plan.global_batch
     total = cfg.epochs * steps_per_epoch
+    model, optimizer, scheduler = setup_task(pt, cfg, total)  # the schedule spans the cell's run
     warm = min(job["warmup_steps"], total - 1)
     clock = _Clock(pt.device, warm, total, PeakMemory(pt.device))
     clock.on_step(0)  # warm == 0: time from the first step on

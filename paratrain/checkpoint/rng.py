@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["rng_state", "set_rng_state"]
+__all__ = ["rng_state", "set_rng_state", "same_rng_state"]
 
 
 def rng_state() -> dict[str, Any]:
@@ -41,3 +41,14 @@ def set_rng_state(state: dict[str, Any]) -> None:
             torch.cuda.set_rng_state(gpu_state, index)
     elif "cuda" in state:  # a checkpoint written before every GPU was saved
         torch.cuda.set_rng_state(state["cuda"])
+
+
+def same_rng_state(a: Any, b: Any) -> bool:
+    """Whether two :func:`rng_state` values (or parts of them) are the same streams."""
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.shape == b.shape and bool(torch.equal(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same_rng_state(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(same_rng_state(x, y) for x, y in zip(a, b))
+    return bool(a == b)

@@ -13,12 +13,12 @@ import os
 from pathlib import Path
 from typing import Any, Protocol
 
-import torch
 import torch.distributed as dist
 from torch import nn
 
 from .io import CheckpointError, list_checkpoints, load_file, load_latest, verify_checkpoint, write_checkpoint
-from .rng import rng_state, set_rng_state
+from ..env.process import seed_everything
+from .rng import rng_state, same_rng_state, set_rng_state
 from .sharded import load_sharded, save_sharded
 
 __all__ = ["Run", "ModuleCheckpointing", "save_checkpoint", "load_checkpoint", "uncompiled_keys"]
@@ -155,13 +155,22 @@ def load_checkpoint(source: str | os.PathLike, run: Run, module: nn.Module, opti
         how.load_checkpoint_state(module, optimizer, uncompiled_keys(state["model"]), state["optimizer"])
     if scheduler is not None and state["scheduler"] is not None:
         scheduler.load_state_dict(state["scheduler"])
-    rngs = state["rng"]
+    restore_rng(state["rng"], run)
+    return state["extra"]
+
+
+def restore_rng(rngs: list[Any], run: Run) -> None:
+    """This rank's random streams from the checkpoint's (one per rank that wrote it). A rank that
+    did not exist then joins the streams when every rank had the same (``Parallel`` seeds them
+    alike: tensor parallelism needs one dropout mask on every rank), else gets its own, python's,
+    NumPy's and torch's seeded from the run's seed, step and rank."""
     if run.rank < len(rngs):
         set_rng_state(rngs[run.rank])
-    else:  # a rank that did not exist when the checkpoint was written: seeded from this run's seed
+    elif all(same_rng_state(r, rngs[0]) for r in rngs[1:]):
+        set_rng_state(rngs[0])
+    else:
         now = run.state_dict()
-        torch.manual_seed((int(now["seed"]) * 1_000_003 + int(now["global_step"]) * 1_009 + run.rank) % 2**64)
-    return state["extra"]
+        seed_everything((int(now["seed"]) * 1_000_003 + int(now["global_step"]) * 1_009 + run.rank) % 2**63)
 
 
 def uncompiled_keys(model_state: dict[str, Any]) -> dict[str, Any]:

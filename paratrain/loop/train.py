@@ -32,7 +32,7 @@ def build_optimizer(params: Any, cfg: TrainConfig) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
 
 
-def setup_task(pt: Parallel, cfg: TrainConfig, total_steps: int = 1) -> tuple[Any, Any, Any]:
+def setup_task(pt: Parallel, cfg: TrainConfig, total_steps: int) -> tuple[Any, Any, Any]:
     """The configured model and optimizer, set up by ``pt``, and the LR schedule over
     ``total_steps`` optimizer steps (``None`` for a constant, unscaled lr)."""
     model = cfg.build_model()

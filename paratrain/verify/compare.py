@@ -80,5 +80,7 @@ def compare_runs(title: str, got: dict[str, torch.Tensor], ref: dict[str, torch.
         out.tensors.append(TensorDiff(name=name, divergence=d, passed=d <= tolerance or noisy, noise=noisy))
     if got_losses and ref_losses:
         pairs = list(zip(got_losses, ref_losses))
-        out.loss_divergence = max(abs(g - r) / max(abs(r), 1e-12) for g, r in pairs)
+        # a NaN anywhere in either curve is a divergence (max() would drop it unless it came first)
+        out.loss_divergence = max(abs(g - r) / max(abs(r), 1e-12) if math.isfinite(g) and math.isfinite(r)
+                                  else (0.0 if g == r else math.inf) for g, r in pairs)
     return out

@@ -96,7 +96,7 @@ def _names(names: list[str], limit: int = 4) -> str:
 
 
 def _batch(ref: RunView, run: RunView) -> list[Finding]:
-    if not ref.samples or not run.samples or ref.samples[0] == run.samples[0]:
+    if not ref.samples or not run.samples or ref.samples[0] == run.samples[0] or not ref.samples[0]:
         return []
     b1, bn, n = ref.samples[0], run.samples[0], run.world_size
     k = bn / b1

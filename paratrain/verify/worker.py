@@ -116,21 +116,24 @@ def _run_entry(job: dict[str, Any]) -> tuple[dict[str, torch.Tensor], list[float
     fn = load_entry(job["entry"])
     try:
         out = fn(job["steps"])
+        losses = None
+        if isinstance(out, tuple) and len(out) == 2:
+            out, losses = out
+            losses = [float(v) for v in losses]
+        # the state before the group goes: a sharded (FSDP2, DTensor) tensor's full_tensor() is a collective
+        if isinstance(out, nn.Module):
+            model: nn.Module | None = _unwrap(out)
+            state = _cpu_state(model.state_dict())  # type: ignore[union-attr]
+        elif isinstance(out, dict):
+            model, state = None, _cpu_state(out)
+        else:
+            raise TypeError(f"{job['entry']} returned {type(out).__name__}: return the trained model, its state_dict(), "
+                            "or (model, losses)")
     except BaseException:
         destroy(wait_for_peers=False)  # peers may be gone: no barrier
         raise
     destroy(wait_for_peers=True)  # a barrier first: see paratrain.env.process.destroy
-    losses = None
-    if isinstance(out, tuple) and len(out) == 2:
-        out, losses = out
-        losses = [float(v) for v in losses]
-    if isinstance(out, nn.Module):
-        model = _unwrap(out)
-        return _cpu_state(model.state_dict()), losses, model
-    if isinstance(out, dict):
-        return _cpu_state(out), losses, None
-    raise TypeError(f"{job['entry']} returned {type(out).__name__}: return the trained model, its state_dict(), "
-                    "or (model, losses)")
+    return state, losses, model
 
 
 class _LossLog:

@@ -173,3 +173,27 @@ def test_killed_rank_of_ps_and_pipeline_resumes_exactly(tmp_path, strategy, kill
     a, b = (json.loads((tmp_path / d / "result.json").read_text()) for d in ("ref", "kill"))
     assert b["resumed_from_step"] == 3 and a["steps"] == b["steps"] == 12
     assert b["test_loss"] == a["test_loss"]  # the same final model, evaluated on all 359 test samples
+
+
+def test_a_rank_that_did_not_exist_joins_the_common_random_streams():
+    """Scaling up from 2 to 4 ranks: ranks 2 and 3 get the streams ranks 0 and 1 shared (dropout
+    masks stay equal across a tensor-parallel group); only different streams give new ones."""
+    import random
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from paratrain.checkpoint.rng import rng_state, same_rng_state
+    from paratrain.checkpoint.state import restore_rng
+
+    torch.manual_seed(5), random.seed(5), np.random.seed(5)
+    common = rng_state()
+    run = SimpleNamespace(rank=3, world_size=4, state_dict=lambda: {"seed": 0, "global_step": 7})
+    torch.manual_seed(1), random.seed(1), np.random.seed(1)
+    restore_rng([common, common], run)
+    assert same_rng_state(rng_state(), common)
+    torch.manual_seed(9)
+    other = rng_state()
+    restore_rng([common, other], run)
+    mine = rng_state()
+    assert not same_rng_state(mine["torch"], common["torch"]) and not same_rng_state(mine["python"], common["python"])

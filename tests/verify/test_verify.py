@@ -29,6 +29,20 @@ def test_compare_runs_reports_relative_divergence_per_tensor():
     assert compare_runs("x", ref, ref, 1e-5).passed
 
 
+def test_a_nan_anywhere_in_the_loss_curve_is_a_divergence():
+    ref = {"w": torch.ones(2)}
+    nan = float("nan")
+    assert compare_runs("x", ref, ref, 1e-5, [1.0, nan], [1.0, 0.5]).loss_divergence == float("inf")
+    assert compare_runs("x", ref, ref, 1e-5, [nan, 0.5], [1.0, 0.5]).loss_divergence == float("inf")
+    assert compare_runs("x", ref, ref, 1e-5, [1.0, float("inf")], [1.0, float("inf")]).loss_divergence == 0.0
+
+
+def test_diagnose_without_samples_at_world_size_1_names_no_batch_change():
+    ref = _view("world size 1", 1, [0], [[]])
+    run = _view("world size 2", 2, [8], [[1, 2, 3, 4, 5, 6, 7, 8]])
+    assert "effective batch changed with world size" not in {f.cause for f in diagnose(ref, [run], set())}
+
+
 def test_a_tensor_whose_gradient_is_rounding_noise_is_not_counted():
     # BERT's attention key bias: softmax ignores it, its gradient is ~1e-13, and AdamW turns that
     # noise into lr-sized steps whose signs differ between world sizes
