@@ -19,6 +19,7 @@ import torch
 
 from .errors import CheckpointError
 from .io import load_file, load_latest, verify_checkpoint
+from .manifest import fsync_dir
 from .state import uncompiled_keys
 
 __all__ = ["save_model", "load_model", "export_checkpoint", "WEIGHTS", "INFO"]
@@ -50,9 +51,18 @@ def save_model(state_dict: dict[str, torch.Tensor], directory: str | os.PathLike
     meta = {"format": "pt", "producer": "paratrain"}
     path = out / WEIGHTS
     tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
-    _safetensors().save_file(tensors, str(tmp), metadata=meta)
+    try:
+        _safetensors().save_file(tensors, str(tmp), metadata=meta)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+    except BaseException:  # a full disk, an interrupt: no half file left beside the export
+        tmp.unlink(missing_ok=True)
+        raise
     os.replace(tmp, path)
-    (out / INFO).write_text(json.dumps(info or {}, indent=2, default=str) + "\n")
+    info_tmp = out / f"{INFO}.tmp-{os.getpid()}"
+    info_tmp.write_text(json.dumps(info or {}, indent=2, default=str) + "\n")
+    os.replace(info_tmp, out / INFO)
+    fsync_dir(out)
     return path
 
 

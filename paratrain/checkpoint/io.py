@@ -31,7 +31,7 @@ from typing import IO, Any
 import torch
 
 from .errors import CheckpointError, load_error
-from .manifest import SUFFIX, file_digest, format_manifest, verify_manifest
+from .manifest import SUFFIX, file_digest, format_manifest, fsync_dir, verify_manifest
 
 __all__ = ["CheckpointError", "save_file", "load_file", "write_checkpoint", "load_latest", "list_checkpoints",
            "verify_checkpoint"]
@@ -40,17 +40,6 @@ _NAME = re.compile(r"^step-(\d{8,})\.pt$")
 _LEFTOVER = re.compile(r"^(step-\d{8,}\.(pt|sha256)|latest)\.tmp-\d+$")  # a killed writer's temporary file
 _LEFTOVER_DIR = re.compile(r"^step-\d{8,}\.dcp\.(tmp|old)$")  # a killed save_sharded's directory
 LATEST = "latest"
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _write_atomic(path: Path, write: Callable[[IO[bytes]], Any]) -> None:
@@ -65,7 +54,7 @@ def _write_atomic(path: Path, write: Callable[[IO[bytes]], Any]) -> None:
         tmp.unlink(missing_ok=True)
         raise
     os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 def save_file(obj: Any, path: str | os.PathLike) -> None:

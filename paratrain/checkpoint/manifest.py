@@ -22,10 +22,22 @@ from pathlib import Path
 
 from .errors import CheckpointError
 
-__all__ = ["SUFFIX", "file_digest", "format_manifest", "verify_manifest"]
+__all__ = ["SUFFIX", "file_digest", "format_manifest", "fsync_dir", "verify_manifest"]
 
 SUFFIX = ".sha256"
 _LINE = re.compile(r"^([0-9a-f]{64})  (\S+)$")
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """Flush a folder's entries (a rename, a new file's name) to disk; a no-op where it cannot."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def file_digest(path: str | os.PathLike) -> str:

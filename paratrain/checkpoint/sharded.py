@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .errors import CheckpointError
-from .manifest import file_digest
+from .manifest import file_digest, fsync_dir
 
 __all__ = ["save_sharded", "load_sharded", "full_state_dict"]
 
@@ -130,10 +130,14 @@ def save_sharded(path: str | os.PathLike, model: nn.Module, optimizer: Any = Non
     if main:
         with open(os.path.join(tmp, EXTRA), "w") as f:
             json.dump(extra or {}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        fsync_dir(tmp)  # DCP's writer syncs its files; their names and extra.json's are the folder's
         old = f"{path}.old"
         if os.path.exists(path):
             os.replace(path, old)
         os.replace(tmp, path)
+        fsync_dir(os.path.dirname(os.path.abspath(path)))  # the rename is on disk before a manifest names it
         shutil.rmtree(old, ignore_errors=True)
     if _distributed():
         dist.barrier()  # nobody reads path before it is complete

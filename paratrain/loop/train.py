@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch.distributed import DistError
 
-from ..checkpoint import CheckpointError, load_latest
+from ..checkpoint import CheckpointError, list_checkpoints, load_latest
 from ..config import TrainConfig, to_toml
 from ..data.augment import augment_for, eval_augment_for
 from ..env.failures import explain_failure
@@ -148,6 +148,11 @@ def _maybe_resume(pt: Parallel, cfg: TrainConfig, model: Any, optimizer: Any,
         return None, None
     restarted = _restarts() > 0 or _same_elastic_job(pt, cfg.checkpoint_dir)
     if not (cfg.resume or restarted):
+        held = list_checkpoints(cfg.checkpoint_dir) if pt.is_main_process else []
+        if _rank0_says(pt, bool(held)):  # a restart would later resume them as this run's, and pruning keeps them
+            raise CheckpointError(f"checkpoint_dir {cfg.checkpoint_dir!r} already holds another run's checkpoints "
+                                  f"({held[-1].name if held else 'rank 0 sees them'}): continue that run with --resume, "
+                                  "or choose another --checkpoint-dir")
         return None, None
     try:
         extra = pt.load_checkpoint(cfg.checkpoint_dir, model, optimizer, scheduler) if os.path.isdir(cfg.checkpoint_dir) else None

@@ -197,3 +197,18 @@ def test_a_rank_that_did_not_exist_joins_the_common_random_streams():
     restore_rng([common, other], run)
     mine = rng_state()
     assert not same_rng_state(mine["torch"], common["torch"]) and not same_rng_state(mine["python"], common["python"])
+
+
+def test_a_fresh_run_refuses_a_checkpoint_dir_that_holds_another_runs_checkpoints(tmp_path):
+    """Its checkpoints would survive pruning, and a restart of the new run would resume them."""
+    from paratrain.checkpoint import CheckpointError
+    from paratrain.config import TrainConfig
+    from paratrain.loop.train import run_training
+
+    cfg = TrainConfig.load(None, {"model": "mlp", "max_steps": 1, "checkpoint_every": 1,
+                                  "checkpoint_dir": str(tmp_path / "ck"), "log_dir": None})
+    run_training(cfg)
+    with pytest.raises(CheckpointError, match="already holds another run's checkpoints .step-00000001.pt.: continue "
+                                              "that run with --resume, or choose another --checkpoint-dir"):
+        run_training(cfg)
+    assert run_training(cfg.with_overrides({"resume": True}))["steps"] == 1  # --resume continues it
