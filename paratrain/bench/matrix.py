@@ -53,6 +53,9 @@ class Cell:
     base_batch: int | None = None
     """Linear scaling rule: lr × global_batch / base_batch (None: lr unchanged)."""
     lr_warmup_steps: int = 0
+    sets_lr_rule: bool = False
+    """The cell trains with ``base_batch`` and ``lr_warmup_steps`` (the trap cells that grow the
+    batch); others keep the job's own lr rule (``optim.base_batch``, ``optim.warmup_steps``)."""
     group: str = "matrix"
     """matrix, baseline or trap."""
     note: str = ""
@@ -90,8 +93,9 @@ class Cell:
 
     def run_key(self) -> tuple[Any, ...]:
         """Cells with the same key train identically; the runner runs such a cell once."""
+        lr_rule = (self.base_batch, self.lr_warmup_steps) if self.sets_lr_rule else "the job's"
         return (self.strategy, self.world_size, self.precision, self.comm_hook, self.backend, self.micro_batches,
-                self.global_batch, self.base_batch, self.lr_warmup_steps)
+                self.global_batch, lr_rule)
 
     def overrides(self) -> dict[str, Any]:
         """Dotted config keys this cell sets on the base :class:`~paratrain.config.TrainConfig`."""
@@ -104,7 +108,7 @@ class Cell:
         }
         if self.micro_batches != 1:  # the strategy's own section: [parallel.<name>] micro_batches
             out[f"parallel.{self.config_strategy}.micro_batches"] = self.micro_batches
-        if self.group == "trap":  # the trap cells set the lr rule themselves; other cells keep the config's
+        if self.sets_lr_rule:  # the trap cells that grow the batch set the lr rule; other cells keep the config's
             out["optim.base_batch"] = self.base_batch
             out["optim.warmup_steps"] = self.lr_warmup_steps
         return out
@@ -276,7 +280,8 @@ def build_matrix(spec: BenchSpec, base: TrainConfig, train_size: int) -> list[Ce
     if spec.baseline:
         cells += [Cell(strategy=BASELINE, world_size=w, global_batch=batch, group="baseline",
                        note="a typical hand-written loop: DistributedSampler + set_epoch, DDP, per-worker batch "
-                            f"{batch // w}") for w in multi]
+                            f"{batch // w}; no peak memory: its processes also run paratrain's loop, for the "
+                            "overhead") for w in multi]
     if spec.trap and multi:
         n = max(multi)
         grown = batch * n
@@ -285,10 +290,10 @@ def build_matrix(spec: BenchSpec, base: TrainConfig, train_size: int) -> list[Ce
         cells += [
             Cell(strategy=plain, world_size=n, global_batch=batch, group="trap",
                  note=f"global batch kept at {batch} ({batch // n} per worker): paratrain's default"),
-            Cell(strategy=plain, world_size=n, global_batch=grown, group="trap",
+            Cell(strategy=plain, world_size=n, global_batch=grown, group="trap", sets_lr_rule=True,
                  note=f"per-worker batch kept at {batch}: global x{n}, lr unchanged (the common mistake)"),
             Cell(strategy=plain, world_size=n, global_batch=grown, base_batch=batch, lr_warmup_steps=warm,
-                 group="trap", note=f"global x{n} with the linear scaling rule (lr x{n}) and {warm} warmup steps"),
+                 group="trap", sets_lr_rule=True, note=f"global x{n} with the linear scaling rule (lr x{n}) and {warm} warmup steps"),
         ]
 
     probes: dict[str, str | None] = {}

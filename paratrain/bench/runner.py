@@ -138,7 +138,8 @@ def _run_one(cell: Cell, spec: BenchSpec, base: TrainConfig, data: Any) -> CellR
     return CellResult(
         cell=cell, status="ok", seconds_per_epoch=step_time * r0["steps_per_epoch"],
         samples_per_s=r0["global_batch"] / step_time, step_time_s=step_time,
-        peak_mem_mib=max(r["peak_mem_bytes"] for r in ranks) / 2**20, mem_method=r0["mem_method"],
+        peak_mem_mib=None if r0["peak_mem_bytes"] is None else max(r["peak_mem_bytes"] for r in ranks) / 2**20,
+        mem_method=r0["mem_method"],
         # the busiest rank's payload (pipeline stages differ; the other strategies are symmetric)
         comm_bytes_per_step=max(r["comm_bytes_per_step"] for r in ranks), skipped_steps=r0["skipped_steps"],
         final_loss=r0["final_loss"], test_loss=r0["test_loss"], test_accuracy=r0["test_accuracy"],

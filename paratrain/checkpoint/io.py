@@ -39,6 +39,7 @@ __all__ = ["CheckpointError", "save_file", "load_file", "write_checkpoint", "loa
 _NAME = re.compile(r"^step-(\d{8,})\.pt$")
 _LEFTOVER = re.compile(r"^(step-\d{8,}\.(pt|sha256)|latest)\.tmp-\d+$")  # a killed writer's temporary file
 _LEFTOVER_DIR = re.compile(r"^step-\d{8,}\.dcp\.(tmp|old)$")  # a killed save_sharded's directory
+_PART = re.compile(r"^step-(\d{8,})\.(dcp|sha256)$")  # a checkpoint's shards or manifest, beside its .pt
 LATEST = "latest"
 
 
@@ -104,13 +105,16 @@ def _remove(path: Path) -> None:
     manifest.unlink(missing_ok=True)
 
 
-def _remove_leftovers(d: Path) -> None:
-    """Temporary files and directories of a writer that was killed mid-save."""
+def _remove_leftovers(d: Path, step: int) -> None:
+    """Temporary files and directories of a writer that was killed mid-save, and the shards and
+    manifest of a checkpoint whose ``.pt`` is gone (a pruning killed half-way), but ``step``'s."""
     for p in d.iterdir():
         if _LEFTOVER.match(p.name):
             p.unlink(missing_ok=True)
         elif _LEFTOVER_DIR.match(p.name):
             shutil.rmtree(p, ignore_errors=True)
+        elif (m := _PART.match(p.name)) and int(m.group(1)) != step and not (d / f"step-{m.group(1)}.pt").exists():
+            shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
 
 
 def write_checkpoint(directory: str | os.PathLike, step: int, obj: Any, keep: int = 3,
@@ -123,8 +127,10 @@ def write_checkpoint(directory: str | os.PathLike, step: int, obj: Any, keep: in
     """
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
-    _remove_leftovers(d)  # called by the one writer, after every rank has finished its shards
+    _remove_leftovers(d, step)  # called by the one writer, after every rank has finished its shards
     path = d / f"step-{step:08d}.pt"
+    if not digests:  # a full checkpoint: shards of an earlier sharded save of this step are not its
+        shutil.rmtree(_parts(path)[0], ignore_errors=True)
     save_file(obj, path)
     digests = {**(digests or {}), path.name: file_digest(path)}
     _write_atomic(_parts(path)[1], lambda f: f.write(format_manifest(digests)))

@@ -141,9 +141,16 @@ def test_leftovers_of_a_killed_write_are_removed_by_the_next_save(tmp_path):
     (tmp_path / "step-00000003.dcp.tmp").mkdir()
     (tmp_path / "step-00000003.dcp.tmp" / "__0_0.distcp").write_bytes(b"partial")
     (tmp_path / "notes.txt").write_text("mine")
+    # a pruning killed after the .pt went: its shards and manifest; and shards of an earlier sharded
+    # save of the step written now as a full checkpoint (its manifest would not list them)
+    for stale in ("step-00000002.dcp", "step-00000004.dcp"):
+        (tmp_path / stale).mkdir()
+        (tmp_path / stale / "__0_0.distcp").write_bytes(b"old")
+    (tmp_path / "step-00000002.sha256").write_bytes(b"old")
     write_checkpoint(tmp_path, 4, {"step": 4})
     names = sorted(p.name for p in tmp_path.iterdir())
     assert names == ["latest", "notes.txt", "step-00000004.pt", "step-00000004.sha256"]
+    load_latest(tmp_path)  # verifies against its manifest
 
 
 def test_checkpoint_is_streamed_to_its_file(tmp_path, monkeypatch):
