@@ -138,9 +138,21 @@ def load_checkpoint(source: str | os.PathLike, run: Run, module: nn.Module, opti
     path = _choose(run, source)
     if path is None:
         return None
-    state = load_file(path)
-    if state.get("format") != FORMAT:
-        raise CheckpointError(f"checkpoint {path!r} has format {state.get('format')!r}, expected {FORMAT}")
+    state: Any = None
+    failure: BaseException | None = None
+    try:  # rank 0 verified the file; every rank reads it (a node that cannot see it fails here)
+        state = load_file(path)
+        if not isinstance(state, dict) or "format" not in state:
+            failure = CheckpointError(
+                f"{path!r} is not a paratrain checkpoint ({type(state).__name__} without a 'format' key): load a "
+                "plain state_dict with model.load_state_dict(torch.load(path, weights_only=True))")
+        elif state["format"] != FORMAT:
+            failure = CheckpointError(f"checkpoint {path!r} has format {state['format']!r}, expected {FORMAT}: "
+                                      "written by another paratrain version")
+    except Exception as e:
+        failure = e
+    _agree(run, path, failure)  # no rank goes on to the collectives below while another has failed
+    assert state is not None
     try:
         run.load_state_dict({k: state.get(k) for k in ("global_step", "global_batch", "seed", "world_size",
                                                        "precision")})
@@ -157,6 +169,21 @@ def load_checkpoint(source: str | os.PathLike, run: Run, module: nn.Module, opti
         scheduler.load_state_dict(state["scheduler"])
     restore_rng(state["rng"], run)
     return state["extra"]
+
+
+def _agree(run: Run, path: str, failure: BaseException | None) -> None:
+    """Raise on every rank when reading the checkpoint failed on any: this rank's own error, or
+    one line naming the first rank that failed."""
+    failed = [None if failure is None else f"{type(failure).__name__}: {failure}"]
+    if _distributed(run):
+        every: list[Any] = [None] * run.world_size
+        dist.all_gather_object(every, failed[0])
+        failed = every
+    if failure is not None:
+        raise failure
+    first = next(((r, why) for r, why in enumerate(failed) if why is not None), None)
+    if first is not None:
+        raise CheckpointError(f"rank {first[0]} could not read checkpoint {path!r}: {' '.join(first[1].split())[:300]}")
 
 
 def restore_rng(rngs: list[Any], run: Run) -> None:

@@ -212,3 +212,29 @@ def test_a_fresh_run_refuses_a_checkpoint_dir_that_holds_another_runs_checkpoint
                                               "that run with --resume, or choose another --checkpoint-dir"):
         run_training(cfg)
     assert run_training(cfg.with_overrides({"resume": True}))["steps"] == 1  # --resume continues it
+
+
+def _load_where_rank_1_cannot_read(rank, directory):
+    import paratrain.checkpoint.state as state
+
+    pt = paratrain.Parallel(strategy="ddp", global_batch=4, timeout_s=60)
+    model, opt = pt.setup(nn.Linear(2, 2), torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1))
+    pt.save_checkpoint(directory, model, opt)
+    if pt.rank == 1:  # e.g. a node whose mount of the checkpoint folder is missing
+        state.load_file = lambda path: (_ for _ in ()).throw(FileNotFoundError(f"no such file {path}"))
+    try:
+        pt.load_checkpoint(directory, model, opt)
+    except Exception as e:
+        return type(e).__name__, str(e)
+    finally:
+        pt.close(wait_for_peers=False)
+    return None
+
+
+def test_a_rank_that_cannot_read_the_checkpoint_fails_every_rank_at_once(tmp_path):
+    """Rank 0 verifies the file; a rank that then cannot read it once left the others waiting in the
+    next collective until the timeout."""
+    out = paratrain.launch(_load_where_rank_1_cannot_read, 2, (str(tmp_path),), timeout=50)
+    assert out[1][0] == "FileNotFoundError"
+    assert out[0][0] == "CheckpointError" and out[0][1].startswith("rank 1 could not read checkpoint") \
+        and "FileNotFoundError: no such file" in out[0][1], out
