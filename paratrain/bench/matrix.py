@@ -274,7 +274,8 @@ def build_matrix(spec: BenchSpec, base: TrainConfig, train_size: int) -> list[Ce
     for hook in spec.comm_hooks:
         if hook != "none":
             cells += [Cell(strategy=name, world_size=w, comm_hook=hook, global_batch=batch)
-                      for name, cls in _strategies.STRATEGIES.items() if hook in cls.comm_hooks for w in multi]
+                      for name, cls in _strategies.STRATEGIES.items()
+                      if name in spec.strategies and hook in cls.comm_hooks for w in multi]  # the strategies asked for
     if spec.nccl_cells and not gpus and plain in spec.strategies:
         cells += [Cell(strategy=plain, world_size=w, backend="nccl", global_batch=batch) for w in multi]
     if spec.baseline:

@@ -39,6 +39,12 @@ def test_quick_matrix_lists_every_cell_and_why_some_cannot_run():
     assert by["ddp x2 batch 128"].overrides()["optim.base_batch"] is None
 
 
+def test_comm_hook_cells_only_for_the_strategies_asked_for():
+    spec = dataclasses.replace(quick_spec(), strategies=["single", "fsdp"], baseline=False, trap=False)
+    labels = [c.label for c in build_matrix(spec, TrainConfig(), train_size=1438)]
+    assert not [label for label in labels if "hook=" in label], labels
+
+
 def test_config_errors_become_skip_reasons():
     spec = dataclasses.replace(quick_spec(), strategies=["pipeline"], precisions=["fp16-mixed"],
                                comm_hooks=["none"], baseline=False, trap=False)
