@@ -111,6 +111,21 @@ def test_ddp_options_and_comm_hooks(hook, options, rtol, differs):
     assert_same_state(states[1], states[0], rtol=0)  # replicas never drift apart
 
 
+def static_graph_worker(local_rank):
+    pt, model = train_ddp(PROBLEMS["mlp"], accumulation=2, ddp={"static_graph": True})
+    state = pt.full_state_dict(model)
+    pt.close()
+    return state
+
+
+def test_ddp_static_graph_with_accumulation():
+    """torch's DDP fails in a backward without sync under static_graph: paratrain all-reduces every
+    micro-step there (the same sum), and trains what one process trains."""
+    ref = PROBLEMS["mlp"].reference().state
+    states = paratrain.launch(static_graph_worker, nprocs=2, timeout=120)
+    assert_same_state(states[0], ref, PROBLEMS["mlp"].rtol)
+
+
 @pytest.mark.parametrize("kind", ["mlp", "cnn"])
 def test_float64_tolerance_sees_a_wrong_order_or_unsynced_batchnorm(kind):
     """The float64 comparisons above are meaningful: rounding stays below 1e-12, while training

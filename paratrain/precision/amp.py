@@ -9,7 +9,28 @@ import torch
 
 from .base import Precision
 
-__all__ = ["FP16Mixed", "BF16Mixed"]
+__all__ = ["FP16Mixed", "BF16Mixed", "all_finite"]
+
+
+def all_finite(grads: list[torch.Tensor]) -> bool:
+    """Whether every gradient is finite, the same answer on every rank.
+
+    One fused reduction instead of a host sync per tensor, on one device (``devices`` puts the
+    parts on several). DDP's gradients are already all-reduced, so every rank sees the same
+    values; a sharded (DTensor) gradient is checked on this rank's shard and the verdict
+    all-reduced over the job, else the rank holding an inf would skip the step alone.
+    """
+    if not grads:
+        return True
+    from torch.distributed.tensor import DTensor
+
+    sharded = any(isinstance(g, DTensor) for g in grads)
+    local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    device = local[0].device
+    ok = torch.stack([torch.isfinite(g).all().to(device) for g in local]).all().to(torch.int32)
+    if sharded and torch.distributed.is_initialized():
+        torch.distributed.all_reduce(ok, op=torch.distributed.ReduceOp.MIN)
+    return bool(ok)
 
 
 class BF16Mixed(Precision):
@@ -73,9 +94,7 @@ class FP16Mixed(BF16Mixed):
         inv = 1.0 / self.static_scale
         for g in grads:
             g.mul_(inv)
-        # One fused reduction instead of a host sync per tensor; on DDP the grads are already
-        # all-reduced, so every rank takes the same decision.
-        finite = bool(torch.stack([torch.isfinite(g).all() for g in grads]).all()) if grads else True
+        finite = all_finite(grads)
         if not finite:
             self.skipped_steps += 1
             return False

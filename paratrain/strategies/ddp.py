@@ -29,7 +29,9 @@ class DDPOptions:
     find_unused_parameters: bool = False
     """Set when some parameters get no gradient in a step (costs a graph traversal per step)."""
     static_graph: bool = False
-    """Promise the set of used parameters never changes: lets DDP skip per-step bookkeeping."""
+    """Promise the set of used parameters never changes: lets DDP skip per-step bookkeeping. With
+    accumulation every micro-step then all-reduces (the same sum): torch's DDP fails in a backward
+    without sync under static_graph (pytorch#143580)."""
     gradient_as_bucket_view: bool = False
     """Gradients alias the communication buckets: saves one copy and memory."""
     broadcast_buffers: bool = True
@@ -48,6 +50,8 @@ class DDPOptions:
             raise ValueError(f"ddp bucket_cap_mb {self.bucket_cap_mb} must be positive")
         if self.powersgd_rank < 1:
             raise ValueError(f"ddp powersgd_rank {self.powersgd_rank} must be at least 1")
+        if self.powersgd_start_iter < 2:  # torch's error feedback and warm start need a plain first step
+            raise ValueError(f"ddp powersgd_start_iter {self.powersgd_start_iter} must be at least 2")
 
 
 class DDPStrategy(Strategy):
@@ -108,7 +112,7 @@ class DDPStrategy(Strategy):
 
     def set_gradient_sync(self, model: nn.Module, enabled: bool) -> None:
         # What DDP.no_sync() does, as a flag: the caller sets it before each forward (nanoGPT).
-        if isinstance(model, DDP):
+        if isinstance(model, DDP) and not self.options.static_graph:
             model.require_backward_grad_sync = enabled
 
 

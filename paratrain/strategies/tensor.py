@@ -91,6 +91,14 @@ class TensorParallelStrategy(DTensorStrategy):
     bench_default = "full"  # a --quick run stays a couple of minutes on 2 CPU cores
 
     @classmethod
+    def validate(cls, cfg: Any) -> None:
+        super().validate(cfg)
+        if cfg.precision == "fp16-mixed" and cfg.loss_scale is None:
+            raise ValueError("precision fp16-mixed with the dynamic loss scale is not supported with strategy tensor "
+                             "(GradScaler cannot unscale tensor-parallel and plain gradients together, nor agree on an "
+                             "overflow across the tp group): use bf16-mixed, or a static loss_scale such as 128")
+
+    @classmethod
     def data_parallel_size_for(cls, world: int, options: Any = None) -> int:
         tp = getattr(options, "tp_size", None) or world
         return max(1, world // tp)

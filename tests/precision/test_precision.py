@@ -466,3 +466,38 @@ def test_distributed_evaluation_counts_each_sample_once(world, request):
     assert ref["count"] == EVAL_N
     assert ref["accuracy"] == pytest.approx(accuracy, abs=1e-12)  # as above
     assert ref["loss"] == pytest.approx(loss, rel=1e-5)
+
+
+def _overflow_on_rank_1(local_rank):
+    """A gradient sharded over 2 ranks (as fsdp/tensor hold it) whose inf is in rank 1's shard."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from paratrain.precision.amp import all_finite
+
+    d = paratrain.init()
+    mesh = init_device_mesh("cpu", (2,))
+    full = torch.ones(4, 2)
+    full[3, 0] = float("inf")  # rows 2-3 are rank 1's shard
+    grad = distribute_tensor(full, mesh, [Shard(0)])
+    plain = torch.ones(3)
+    verdicts = (all_finite([plain, grad]), all_finite([plain, distribute_tensor(torch.ones(4, 2), mesh, [Shard(0)])]))
+    dist.barrier()
+    paratrain.destroy()
+    return d.rank, verdicts
+
+
+def test_a_static_scale_skips_an_overflow_on_every_rank_when_gradients_are_sharded():
+    """fsdp/tensor: the rank whose shard held the inf once skipped the step alone."""
+    assert paratrain.launch(_overflow_on_rank_1, 2, timeout=60) == [(0, (False, True)), (1, (False, True))]
+
+
+def test_tensor_parallel_fp16_needs_a_static_loss_scale():
+    from paratrain.config import ParallelConfig
+
+    with pytest.raises(ValueError, match="fp16-mixed with the dynamic loss scale is not supported with strategy tensor"):
+        ParallelConfig(strategy="tensor", precision="fp16-mixed")
+    ParallelConfig(strategy="tensor", precision="fp16-mixed", loss_scale=128.0)
+    with pytest.raises(ValueError, match="powersgd_start_iter 1 must be at least 2"):
+        ParallelConfig(ddp={"comm_hook": "powersgd", "powersgd_start_iter": 1})
