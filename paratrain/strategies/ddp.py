@@ -41,7 +41,8 @@ class DDPOptions:
     powersgd_rank: int = 1
     """PowerSGD's matrix approximation rank."""
     powersgd_start_iter: int = 2
-    """Plain all-reduce for the first iterations, PowerSGD after."""
+    """Plain all-reduce for the first iterations, PowerSGD after (again after a resume: PowerSGD's
+    per-rank error feedback is not checkpointed)."""
 
     def __post_init__(self) -> None:
         if self.comm_hook not in COMM_HOOKS:
