@@ -34,6 +34,7 @@ from . import checkpoint as checkpoint_lib
 from . import evaluation
 from . import metrics as metrics_lib
 from . import precision as precision_lib
+from .precision.half import MasterWeights
 from . import strategies
 from . import tracking
 from .config import ParallelConfig
@@ -237,6 +238,8 @@ class Parallel:
             original = self.strategy.unwrap(wrapped)
         else:
             wrapped = self.strategy.setup_model(self.precision.setup_model(original))
+            if isinstance(self.precision, MasterWeights):
+                self.precision.broadcast_masters()  # the model now holds rank 0's weights: so do the masters
         runner = wrapped
         if compiled is not None:  # compiled by the user: the same compilation, around the strategy's wrapper
             runner = type(compiled)(wrapped, compiled.dynamo_ctx)

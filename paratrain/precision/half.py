@@ -53,6 +53,18 @@ class MasterWeights:
         model.to(self.dtype)  # in place: the parameters keep their identity
         return model
 
+    def broadcast_masters(self) -> None:
+        """Rank 0's masters on every rank, as DDP broadcasts rank 0's weights into the model: a model
+        each rank initialised differently would otherwise step from its own masters."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+            return
+        for p, m in self._pairs.values():
+            if m.device != p.device:
+                m.data = m.data.to(p.device)
+            dist.broadcast(m.data, src=0)
+
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Put each parameter's fp32 master in its place in ``optimizer``'s param groups (on the
         parameter's device: the strategy has placed the model by now)."""

@@ -501,3 +501,24 @@ def test_tensor_parallel_fp16_needs_a_static_loss_scale():
     ParallelConfig(strategy="tensor", precision="fp16-mixed", loss_scale=128.0)
     with pytest.raises(ValueError, match="powersgd_start_iter 1 must be at least 2"):
         ParallelConfig(ddp={"comm_hook": "powersgd", "powersgd_start_iter": 1})
+
+
+def _bf16_true_ddp_from_rank_dependent_init(local_rank):
+    torch.manual_seed(100 + local_rank)  # each rank builds its own weights, before Parallel seeds them
+    model = nn.Linear(4, 2)
+    pt = paratrain.Parallel(strategy="ddp", precision="bf16-true", global_batch=8)
+    model, opt = pt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = torch.randn(4, 4), torch.randn(4, 2)
+    pt.backward(nn.functional.mse_loss(model(x), y))
+    opt.step()
+    state = {k: v.float().clone() for k, v in pt.unwrap(model).state_dict().items()}
+    pt.close()
+    return state
+
+
+def test_master_weights_start_from_rank_0s_weights_under_ddp():
+    """DDP broadcasts rank 0's weights into the model; the fp32 masters, made before, once kept each
+    rank's own, and the first step copied them back: the replicas drifted apart."""
+    a, b = paratrain.launch(_bf16_true_ddp_from_rank_dependent_init, 2, timeout=60)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
