@@ -32,6 +32,9 @@ def evaluate(strategy: Strategy, precision: Precision, device: torch.device, net
     net.eval()
     metrics = dict(metrics or {})
     stateful = {k: m for k, m in metrics.items() if hasattr(m, "update") and hasattr(m, "compute")}
+    for metric in stateful.values():  # this evaluation's samples only (torchmetrics accumulates until reset)
+        if hasattr(metric, "reset"):
+            metric.reset()
     # loss sum, samples with a loss, correct, targets classified, samples, then each metric's sum
     totals = torch.zeros(5 + len(metrics), dtype=torch.float64, device=device)
     for batch, counted in _batches(strategy, device, loader):

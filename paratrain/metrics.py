@@ -117,7 +117,8 @@ def is_classification(preds: torch.Tensor | None, targets: torch.Tensor | None) 
     """Integer class targets and logits with one class dimension more, at dim 1 (``(N, C)``,
     ``(N, C, d1...)`` against ``(N, d1...)``), as ``cross_entropy`` reads them.
 
-    Logits that also fit with the class dimension last, as a language model's token logits
+    One logit per sample (``(N, 1)``, a binary classifier for a BCE loss) is not: its argmax is
+    always 0. Logits that also fit with the class dimension last, as a language model's token logits
     ``(N, T, V)`` against ``(N, T)`` do when ``V == T``, are ambiguous: not classification (no
     accuracy, no default loss), rather than an argmax over the wrong dimension."""
     if preds is None or targets is None or not preds.is_floating_point():
@@ -125,5 +126,7 @@ def is_classification(preds: torch.Tensor | None, targets: torch.Tensor | None) 
     if targets.is_floating_point() or targets.is_complex() or targets.dtype == torch.bool:
         return False
     if preds.dim() >= 3 and preds.shape[:-1] == targets.shape:
+        return False
+    if preds.dim() >= 2 and preds.shape[1] < 2:  # one logit (a binary classifier's): argmax would say 0
         return False
     return preds.dim() == targets.dim() + 1 and preds.shape[:1] + preds.shape[2:] == targets.shape

@@ -752,3 +752,30 @@ def test_own_loop_at_world_size_2(strategy, world2_reports):
     for r in reports:
         for mode in ("config", "before", "after"):
             assert_states_equal(r["compiled"][mode], ref, 1e-10)
+
+
+def test_a_stateful_metric_counts_one_evaluation_and_one_logit_is_not_classification():
+    from paratrain.metrics import is_classification
+
+    class Count:  # the torchmetrics protocol: update / compute / reset
+        def __init__(self):
+            self.n = 0
+
+        def update(self, preds, targets):
+            self.n += len(targets)
+
+        def compute(self):
+            return torch.tensor(float(self.n))
+
+        def reset(self):
+            self.n = 0
+
+    pt = paratrain.Parallel(global_batch=8)
+    model = pt.setup(nn.Linear(4, 3))
+    loader = pt.eval_loader(torch.utils.data.TensorDataset(torch.randn(10, 4), torch.randint(0, 3, (10,))))
+    metric = Count()
+    assert pt.evaluate(model, loader, metrics={"n": metric})["n"] == 10
+    assert pt.evaluate(model, loader, metrics={"n": metric})["n"] == 10  # once 20: never reset
+    assert not is_classification(torch.randn(4, 1), torch.tensor([0, 1, 1, 0]))  # a BCE classifier's logit
+    assert is_classification(torch.randn(4, 2), torch.tensor([0, 1, 1, 0]))
+    pt.close()

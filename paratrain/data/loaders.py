@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, Subset, TensorDataset, get_worker_info
+from torch.utils.data._utils import worker as _worker_state
 from torch.utils.data._utils.collate import default_collate, default_convert
 
 from ..env.process import mix_seed, mix_step
@@ -220,8 +221,9 @@ class GlobalBatchLoader:
 
     ``position`` (a callable returning the global optimizer step) makes the trainer, not the
     prefetching DataLoader, the source of truth for where an epoch resumes. ``transform`` is a
-    batched augmentation called as ``transform(x, seed, offset, total)`` so that a global batch
-    split across ranks is augmented exactly as if it were processed whole.
+    batched augmentation called as ``transform(x, seed, offset, total)``: ``seed`` is the step's,
+    ``total`` the global batch and ``offset`` this micro-batch's first row in it, so that a global
+    batch split across ranks and micro-steps is augmented exactly as if it were processed whole.
     """
 
     def __init__(
@@ -271,9 +273,11 @@ class GlobalBatchLoader:
                 batch = to_device(batch, self.device, non_blocking=self.pin_memory)
             if self.transform is not None:
                 step, micro = start + i // p.accumulation, i % p.accumulation
-                x = self.transform(
-                    batch[0], step_seed(self.seed, step, micro), self.rank * p.micro_batch, p.micro_batch * p.world_size
-                )
+                # the draws of the whole global batch, from the step alone: this micro-batch's rows of
+                # it (micro-step chunk, then rank slice, as the sampler lays them), whatever W and A
+                chunk = p.global_batch // p.accumulation
+                x = self.transform(batch[0], step_seed(self.seed, step, 0), micro * chunk + self.rank * p.micro_batch,
+                                   p.global_batch)
                 batch = (x, *batch[1:])
             yield batch
 
@@ -287,7 +291,13 @@ class StridedStream(IterableDataset):
 
     def __iter__(self) -> Iterator[Any]:
         info = get_worker_info()
-        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        if info is not None:
+            # This copy lives in one worker: remember its share, and let the dataset read as if
+            # alone. One that splits by worker itself (torch's documented pattern, HuggingFace's
+            # IterableDataset) would otherwise be split twice, and samples never evaluated.
+            self._share = (info.id, info.num_workers)
+            _worker_state._worker_info = None
+        worker, workers = getattr(self, "_share", (0, 1))
         for i, sample in enumerate(self.dataset):
             if i % self.world_size == self.rank and (i // self.world_size) % workers == worker:
                 yield sample
@@ -303,6 +313,8 @@ class EvalLoader:
         self.transform = transform
         self.dataset = dataset
         self.collate_fn = dataloader_kwargs.get("collate_fn") or default_collate
+        # each DataLoader iterator draws a seed: from this generator, not the global RNG (dropout's)
+        dataloader_kwargs.setdefault("generator", torch.Generator().manual_seed(0))
         self.stream = isinstance(dataset, IterableDataset)
         if self.stream:
             self.dataloader = DataLoader(StridedStream(dataset, world_size, rank), batch_size=batch_size,  # type: ignore[arg-type]

@@ -199,7 +199,10 @@ class StreamLoader:
             start = self.position()
             skip = start - self.pass_start
             stream = RankStream(self.dataset, p, self.rank, skip, self._epoch)
-            batches = iter(DataLoader(stream, batch_size=p.micro_batch, drop_last=True, **self.dataloader_kwargs))
+            # A generator of the pass's own: each DataLoader iterator draws a seed from one, from the
+            # global RNG (dropout's) without it, and a resumed run would then draw once more.
+            kwargs = {"generator": torch.Generator().manual_seed(self._epoch), **self.dataloader_kwargs}
+            batches = iter(DataLoader(stream, batch_size=p.micro_batch, drop_last=True, **kwargs))
             steps = 0
             while True:
                 step = list(islice(batches, p.accumulation))  # the whole step first: then agree, then train

@@ -240,3 +240,28 @@ def test_random_per_sample_augmentation_does_not_depend_on_world_size_workers_or
     torch.manual_seed(0)
     augmented_samples(1, epochs=1)
     assert torch.equal(torch.rand(3), expected)
+
+
+@pytest.mark.parametrize("world, accumulation", [(2, 1), (1, 2), (2, 2), (1, 4), (4, 2)])
+def test_augmented_samples_do_not_depend_on_world_size_or_accumulation(world, accumulation):
+    """Sample j of global step s is augmented alike at every (W, A): the draws once came per
+    micro-step, so accumulation (set by micro_batch, hence by the world size) changed them."""
+    from paratrain.data.augment import BatchAugment
+
+    images = torch.arange(32 * 3 * 8 * 8, dtype=torch.float32).reshape(32, 3, 8, 8)
+    data = TensorDataset(images, torch.arange(32))
+    augment = BatchAugment(crop_padding=2, flip=True)
+
+    def samples(w, a):
+        out = {}
+        for rank in range(w):
+            loader = GlobalBatchLoader(data, BatchPlan.derive(16, w, accumulation=a), rank, CPU, seed=3,
+                                       transform=augment)
+            for x, index in loader:
+                out.update({int(i): xi for i, xi in zip(index, x)})
+        return out
+
+    ref, got = samples(1, 1), samples(world, accumulation)
+    assert ref.keys() == got.keys() and len(ref) == 32
+    for i in ref:
+        assert torch.equal(got[i], ref[i]), i

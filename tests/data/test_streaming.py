@@ -268,3 +268,36 @@ def test_fit_trains_a_stream_for_max_steps_over_several_passes():
         ref_opt.step()
     for k, v in ref.state_dict().items():  # float64, the same batches: rounding only (1e-12)
         torch.testing.assert_close(got[k], v, rtol=1e-12, atol=1e-12)
+
+
+class SplitsByWorker(IterableDataset):
+    """Splits itself between DataLoader workers, as torch's docs and HuggingFace's streams do."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        for i in range(worker, self.n, workers):
+            yield torch.tensor([float(i)])
+
+
+def test_an_evaluation_stream_that_splits_by_worker_is_counted_once():
+    """It was split twice with 2 workers (by paratrain's share, then by itself): half the samples."""
+    pt = paratrain.Parallel(global_batch=4)
+    loader = pt.eval_loader(SplitsByWorker(20), batch_size=3, num_workers=2, persistent_workers=True)
+    for _ in range(2):  # persistent workers keep their share on the second pass
+        assert sorted(int(v) for batch in loader for v in batch.flatten()) == list(range(20))
+    pt.close()
+
+
+def test_a_pass_over_a_stream_draws_nothing_from_the_global_generator():
+    """Each DataLoader iterator draws a seed; from torch's global generator it shifted dropout by
+    one draw in a resumed run, which started the pass again."""
+    pt = paratrain.Parallel(global_batch=B)
+    loader = pt.train_loader(Counting(2 * B))
+    state = torch.get_rng_state()
+    batches = list(loader)
+    assert batches and torch.equal(torch.get_rng_state(), state)
+    pt.close()
