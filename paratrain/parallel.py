@@ -648,6 +648,8 @@ class Parallel:
                                                self._scheduler(scheduler))
         if self._masters_from_model:
             self.precision.sync_from_model()
+        if extra is not None:  # a run continued: its logs go on from this step
+            self.trackers.resume_at(self.global_step)
         for s in self._schedulers:
             if isinstance(s, ParallelScheduler):
                 s._stepped_at = self.global_step  # the restored step is the one it last stepped on

@@ -73,8 +73,16 @@ class Trackers:
         self.log_dir = log_dir
         self.enabled = enabled and bool(self.names or self.loggers)
         self.append = append
+        self.resume_step: int | None = None
         self.config = config
         self._open: list[Tracker] | None = None
+
+    def resume_at(self, step: int) -> None:
+        """The run continues from ``step`` (a checkpoint was loaded): the backends continue their
+        files and runs, and records logged after ``step`` by the interrupted run are dropped."""
+        self.append, self.resume_step = True, step
+        for tracker in self._open or []:
+            tracker.append, tracker.resume_step = True, step
 
     def open(self) -> list[Tracker]:
         """The backends, made (with the run's config given to them) on the first call."""
@@ -86,7 +94,7 @@ class Trackers:
             for tracker in made:
                 tracker.log_dir = tracker.log_dir or self.log_dir
                 tracker.run_name = tracker.run_name or name
-                tracker.append = self.append
+                tracker.append, tracker.resume_step = self.append, self.resume_step
             config = self.config() if callable(self.config) else self.config
             if config:
                 for tracker in made:

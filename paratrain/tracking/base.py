@@ -28,6 +28,8 @@ class Tracker:
         self.log_dir = log_dir
         self.run_name = run_name
         self.append = False
+        self.resume_step: int | None = None
+        """With ``append``: the step the run resumed from; what was logged after it is logged again."""
 
     RUNS_FILE = "trackers.json"
     """In the run folder: each backend's run (wandb id, MLflow run id), so that a resumed run
@@ -66,12 +68,21 @@ class Tracker:
         """Flush and finish the run (``ok=False``: the job failed)."""
 
 
+def scalar(value: Any) -> Any:
+    """A one-element tensor or array, or a NumPy number, as its Python number; anything else as is."""
+    if hasattr(value, "item") and (getattr(value, "numel", None) or getattr(value, "size", None)) is not None:
+        size = value.numel() if callable(getattr(value, "numel", None)) else getattr(value, "size", 0)
+        if size == 1:
+            return value.item()
+    return value
+
+
 def numeric(metrics: Mapping[str, Any]) -> dict[str, float]:
-    """The values a scalar backend can plot: ints and floats (tensors of one element included), not bools."""
+    """The values a scalar backend can plot: ints and floats (tensors, arrays and NumPy numbers of
+    one element included), not bools."""
     out = {}
     for key, value in metrics.items():
-        if hasattr(value, "item") and getattr(value, "numel", lambda: 0)() == 1:
-            value = value.item()
+        value = scalar(value)
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             out[key] = float(value)
     return out

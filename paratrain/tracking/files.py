@@ -8,7 +8,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from .base import Tracker
+from .base import Tracker, scalar
 
 __all__ = ["CSVTracker"]
 
@@ -33,6 +33,8 @@ class CSVTracker(Tracker):
         if first and self.append and os.path.exists(path + ".csv"):  # a resumed run continues its files
             with open(path + ".csv", newline="") as f:
                 self._fields[kind] = next(csv.reader(f), []) or list(record)
+            if self.resume_step is not None:  # what the interrupted run logged after its checkpoint comes again
+                _drop_after(path, self.resume_step)
             first = False
         fields = self._fields.setdefault(kind, list(record))
         with open(path + ".jsonl", "w" if first else "a") as f:
@@ -44,6 +46,33 @@ class CSVTracker(Tracker):
             writer.writerow(record)
 
 
+def _drop_after(path: str, step: int) -> None:
+    """Keep the rows of ``path``.csv and ``path``.jsonl up to ``step`` (rewritten atomically)."""
+    for suffix in (".csv", ".jsonl"):
+        if not os.path.exists(path + suffix):
+            continue
+        with open(path + suffix, newline="") as f:
+            lines = f.readlines()
+        if suffix == ".csv":
+            kept = lines[:1] + [line for line, row in zip(lines[1:], csv.DictReader(lines)) if _at_most(row.get("step"), step)]
+        else:
+            kept = [line for line in lines if line.strip() and _at_most(json.loads(line).get("step"), step)]
+        if len(kept) != len(lines):
+            tmp = f"{path}{suffix}.tmp-{os.getpid()}"
+            with open(tmp, "w", newline="") as f:
+                f.writelines(kept)
+            os.replace(tmp, path + suffix)
+
+
+def _at_most(value: Any, step: int) -> bool:
+    try:
+        return int(float(value)) <= step
+    except (TypeError, ValueError):
+        return True  # not a step: kept
+
+
 def _plain(value: Any) -> Any:
-    """A one-element tensor as its number (what json can write)."""
-    return value.item() if hasattr(value, "item") and getattr(value, "numel", lambda: 0)() == 1 else value
+    """What json can write: a one-element tensor or a NumPy number as its number; a larger tensor
+    or array as a list."""
+    value = scalar(value)
+    return value.tolist() if hasattr(value, "tolist") else value

@@ -27,7 +27,9 @@ class TensorBoardTracker(Tracker):
             # function-local: startup time (tensorboard's import costs about a second, and it is optional)
             from torch.utils.tensorboard import SummaryWriter
 
-            self._writer = SummaryWriter(os.path.join(self.log_dir or "runs", "tensorboard"))
+            # a resumed run: events the interrupted run wrote after its checkpoint are dropped
+            purge = self.resume_step + 1 if self.append and self.resume_step is not None else None
+            self._writer = SummaryWriter(os.path.join(self.log_dir or "runs", "tensorboard"), purge_step=purge)
         return self._writer
 
     def log_config(self, config: Mapping[str, Any]) -> None:

@@ -238,3 +238,37 @@ def test_a_rank_that_cannot_read_the_checkpoint_fails_every_rank_at_once(tmp_pat
     assert out[1][0] == "FileNotFoundError"
     assert out[0][0] == "CheckpointError" and out[0][1].startswith("rank 1 could not read checkpoint") \
         and "FileNotFoundError: no such file" in out[0][1], out
+
+
+def test_a_resumed_run_logs_each_step_once(tmp_path):
+    """The steps the interrupted run logged after its last checkpoint were logged twice."""
+    import csv
+
+    from paratrain.config import TrainConfig
+    from paratrain.loop.train import run_training
+
+    cfg = TrainConfig.load(None, {"model": "mlp", "max_steps": 6, "checkpoint_every": 4, "log_every": 1,
+                                  "log_dir": str(tmp_path / "run"), "checkpoint_dir": str(tmp_path / "run" / "ck")})
+    run_training(cfg)
+    for p in (tmp_path / "run" / "ck").glob("step-00000006.*"):  # killed after logging step 6, before its checkpoint
+        p.unlink()
+    (tmp_path / "run" / "ck" / "latest").write_text("step-00000004.pt")
+    run_training(cfg.with_overrides({"resume": True}))
+    with open(tmp_path / "run" / "train.csv", newline="") as f:
+        steps = [int(row["step"]) for row in csv.DictReader(f)]
+    assert steps == [1, 2, 3, 4, 5, 6]
+    lines = (tmp_path / "run" / "train.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [1, 2, 3, 4, 5, 6]
+
+
+def test_numpy_numbers_are_logged():
+    import numpy as np
+
+    from paratrain.tracking import CSVTracker
+
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        tracker = CSVTracker(d)
+        tracker.log_metrics({"f1": np.float32(0.5), "n": np.int64(3), "hist": torch.ones(2)}, 1, "eval")
+        assert json.loads(open(os.path.join(d, "eval.jsonl")).read()) == {"step": 1, "f1": 0.5, "n": 3, "hist": [1.0, 1.0]}
