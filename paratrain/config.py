@@ -316,10 +316,10 @@ class TrainConfig:
         ``{name}`` in ``log_dir`` and ``checkpoint_dir`` (a re-run gets its own folder instead of
         writing over this one); folders given outright stay as they are."""
         if not self.name:
-            return self
+            return dataclasses.replace(self, resume=False)
         segment = re.compile(rf"(^|/){re.escape(self.name)}(?=/|$)")
         unfill = lambda path: None if path is None else segment.sub(lambda m: m.group(1) + "{name}", path, count=1)  # noqa: E731
-        return dataclasses.replace(self, name=None, log_dir=unfill(self.log_dir),
+        return dataclasses.replace(self, name=None, resume=False, log_dir=unfill(self.log_dir),
                                    checkpoint_dir=unfill(self.checkpoint_dir))
 
     def dataset(self, train: bool = True) -> Dataset:

@@ -189,6 +189,9 @@ def _pick_run(cfg: TrainConfig, worker: bool) -> TrainConfig:
     which ``runs/latest`` then points at. Workers of an outside launcher (torchrun, srun) agree on
     the launcher's job id instead (pass ``--name`` where there is none)."""
     if not any(path and "{name}" in path for path in (cfg.log_dir, cfg.checkpoint_dir)):
+        if cfg.log_dir and not cfg.resume and not worker and _holds_a_run(cfg.log_dir):
+            raise ValueError(f"log_dir {cfg.log_dir!r} already holds a run: continue it with --resume {cfg.log_dir}, "
+                             "or choose another --log-dir")
         return cfg
     root = (cfg.log_dir or cfg.checkpoint_dir or "").split("{name}")[0].rstrip("/" + os.sep) or "."
     name = cfg.name
@@ -202,12 +205,18 @@ def _pick_run(cfg: TrainConfig, worker: bool) -> TrainConfig:
         name = _launcher_job_id()
     if name is not None and not cfg.resume and not worker and cfg.log_dir and "{name}" in cfg.log_dir:
         taken = cfg.log_dir.replace("{name}", name)
-        if os.path.isdir(taken) and os.listdir(taken):
+        if _holds_a_run(taken):
             raise ValueError(f"run folder {taken!r} already holds a run: continue it with --resume {taken}, "
                              "or choose another --name")
     if not cfg.resume and cfg.log_dir and "{name}" in cfg.log_dir and (not worker or detect_process().rank == 0):
         name = os.path.basename(new_run_dir(root, name))  # a new run: its folder, and runs/latest points at it
     return cfg.for_run(name or time.strftime("%Y%m%d-%H%M%S"))
+
+
+def _holds_a_run(folder: str) -> bool:
+    """Whether ``folder`` holds a run's files; not only the traceback of a run that failed before
+    it started (``error-*.log``)."""
+    return os.path.isdir(folder) and any(not (f.startswith("error-") and f.endswith(".log")) for f in os.listdir(folder))
 
 
 def _launcher_job_id() -> str | None:

@@ -143,3 +143,20 @@ def test_a_named_run_is_not_written_over_and_config_toml_reruns_as_a_new_run(tmp
     assert (again.name, again.log_dir, again.checkpoint_dir) == (None, "runs/{name}", "runs/{name}/checkpoints")
     mine = train_cli._pick_run(_config("--name", "exp2", "--log-dir", "mine"), worker=False)  # type: ignore[arg-type]
     assert mine.as_new_run().log_dir == "mine"  # a folder given outright stays
+
+
+def test_a_folder_given_outright_is_not_written_over_and_a_failed_start_is_reusable(tmp_path: Path,
+                                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "train.csv").write_text("step,loss\n")
+    with pytest.raises(ValueError, match=r"^log_dir 'out' already holds a run: continue it with --resume out, or "
+                                         r"choose another --log-dir$"):
+        train_cli._pick_run(_config("--log-dir", "out"), worker=False)  # type: ignore[arg-type]
+    assert train_cli._pick_run(_config("--log-dir", "out", "--resume"), worker=False).log_dir == "out"  # type: ignore[arg-type]
+    # a run that failed before it started left only its traceback: the folder is free
+    (tmp_path / "runs" / "ghost").mkdir(parents=True)
+    (tmp_path / "runs" / "ghost" / "error-train-rank0.log").write_text("Traceback ...")
+    assert train_cli._pick_run(_config("--name", "ghost"), worker=False).log_dir == "runs/ghost"  # type: ignore[arg-type]
+    # the config.toml of a resumed run re-runs the job as a new run
+    assert not _config("--resume", "out").as_new_run().resume
