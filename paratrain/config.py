@@ -281,10 +281,16 @@ class TrainConfig:
             self.log_to.append("tensorboard")
         if self.name is not None and (not self.name.strip() or os.sep in self.name or self.name in (".", "..", LATEST)):
             raise ValueError(f"name {self.name!r} cannot be a run folder's name: use letters, digits, '-', '_'")
+        for name in ("log_dir", "checkpoint_dir"):
+            if getattr(self, name) == "":
+                raise ValueError(f"{name} is empty: give a folder (or none for no {name.removesuffix('_dir')}s)")
         if self.checkpoint_dir is None and (self.checkpoint_every or self.resume) and self.log_dir is not None:
             self.checkpoint_dir = os.path.join(self.log_dir, "checkpoints")
         if self.resume and self.checkpoint_dir is None:
             raise ValueError("resume needs a checkpoint_dir (or a log_dir): set --checkpoint-dir")
+        if self.checkpoint_every and self.checkpoint_dir is None:
+            raise ValueError(f"checkpoint_every {self.checkpoint_every} needs a checkpoint_dir (or a log_dir): set "
+                             "--checkpoint-dir")
 
     @classmethod
     def load(cls, path: str | os.PathLike | None = None, overrides: Mapping[str, Any] | None = None) -> TrainConfig:

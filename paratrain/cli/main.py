@@ -94,6 +94,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ["PARATRAIN_COMMAND"] = shlex.join(["paratrain", *argv])  # the workers' provenance (the same argv)
     try:
         return int(args.func(args) or 0)
+    except KeyboardInterrupt:  # Ctrl-C: one line, not a traceback; 128 + SIGINT as a shell reports it
+        print(f"paratrain {args.command}: interrupted (a run continues from its last checkpoint with --resume)",
+              file=sys.stderr, flush=True)
+        return 130
     except USER_ERRORS as e:
         # One clear line, non-zero exit: the bad value is in the message. The traceback goes to a file.
         where = _save_traceback(args.command)

@@ -85,13 +85,14 @@ def fit(
                 optimizer.step()
                 if pt.micro_step:  # mid-accumulation: the global batch is not complete yet
                     continue
+                lr = optimizer.param_groups[0]["lr"]  # the step's, before the scheduler moves it on
                 if scheduler is not None:
                     scheduler.step()
                 bar.update()
                 if pt.global_step % log_every == 0 or pt.global_step >= total:
                     steps = pt.global_step - window.start
                     result.train_loss = window.mean()  # one all-reduce per log line, on every rank alike
-                    record = {"step": pt.global_step, "loss": result.train_loss, "lr": optimizer.param_groups[0]["lr"],
+                    record = {"step": pt.global_step, "loss": result.train_loss, "lr": lr,
                               **meter.summary(steps * pt.plan.global_batch, steps),
                               "loss_scale": pt.precision.loss_scale, "skipped_steps": pt.skipped_steps}
                     logger.log(record)

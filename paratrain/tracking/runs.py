@@ -45,7 +45,12 @@ def link_latest(run_dir: str) -> None:
     tmp = f"{link}.tmp-{os.getpid()}"
     with contextlib.suppress(FileNotFoundError):
         os.remove(tmp)
-    os.symlink(name, tmp)
+    try:
+        os.symlink(name, tmp)
+    except OSError:  # a filesystem without links (vfat, some SMB mounts, Windows without developer mode)
+        warnings.warn(f"cannot make the link {link} here (no symbolic links on this filesystem): --resume needs "
+                      f"the run's folder, --resume {run_dir}", stacklevel=2)
+        return
     os.replace(tmp, link)
 
 

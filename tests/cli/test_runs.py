@@ -160,3 +160,58 @@ def test_a_folder_given_outright_is_not_written_over_and_a_failed_start_is_reusa
     assert train_cli._pick_run(_config("--name", "ghost"), worker=False).log_dir == "runs/ghost"  # type: ignore[arg-type]
     # the config.toml of a resumed run re-runs the job as a new run
     assert not _config("--resume", "out").as_new_run().resume
+
+
+def test_the_logged_lr_is_the_one_the_step_used(tmp_path: Path) -> None:
+    import csv
+
+    from paratrain.config import TrainConfig
+    from paratrain.loop.train import run_training
+
+    cfg = TrainConfig.load(None, {"model": "mlp", "max_steps": 3, "log_every": 1, "optim.warmup_steps": 2,
+                                  "optim.lr": 0.1, "log_dir": str(tmp_path)})
+    run_training(cfg)
+    with open(tmp_path / "train.csv", newline="") as f:
+        lrs = [float(row["lr"]) for row in csv.DictReader(f)]
+    assert lrs == pytest.approx([0.05, 0.1, 0.1])  # linear warmup over 2 steps: step 1 used half the lr
+
+
+def test_folder_settings_that_cannot_work_are_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from paratrain.config import TrainConfig
+    from paratrain.tracking import runs
+
+    with pytest.raises(ValueError, match="^checkpoint_every 5 needs a checkpoint_dir"):
+        TrainConfig.load(None, {"checkpoint_every": 5, "log_dir": None})
+    with pytest.raises(ValueError, match="^log_dir is empty: give a folder"):
+        TrainConfig.load(None, {"log_dir": ""})
+
+    def no_links(*args: object) -> None:
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "symlink", no_links)  # a filesystem without symbolic links
+    with pytest.warns(UserWarning, match="no symbolic links on this filesystem"):
+        made = runs.new_run_dir(str(tmp_path / "runs"))
+    assert os.path.isdir(made)
+
+
+def test_ctrl_c_is_one_line(tmp_path: Path) -> None:
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from clitools import cli_env
+
+    proc = subprocess.Popen([sys.executable, "-m", "paratrain", "train", "--epochs", "100000", "--no-progress",
+                             "--log-dir", str(tmp_path / "run")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=cli_env())
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().startswith("paratrain: single on 1 process")
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130
+    assert err.strip().splitlines() == ["paratrain train: interrupted (a run continues from its last checkpoint with "
+                                        "--resume)"], err

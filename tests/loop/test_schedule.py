@@ -89,8 +89,8 @@ def test_train_cli_steps_the_configured_schedule(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     logged = [json.loads(line) for line in (tmp_path / "train.jsonl").read_text().splitlines()]
     assert [r["step"] for r in logged] == [1, 2, 3, 4, 5, 6]
-    # the lr the optimizer holds after each step: the next step's factor
-    expected = [0.1 * lr_factor(s, schedule="step", warmup_steps=2, step_size=2, gamma=0.5) for s in range(1, 7)]
+    # the lr each step used (its loss is the row's): step s (from 1) used factor s - 1
+    expected = [0.1 * lr_factor(s, schedule="step", warmup_steps=2, step_size=2, gamma=0.5) for s in range(0, 6)]
     assert [r["lr"] for r in logged] == pytest.approx(expected)
 
 
