@@ -10,6 +10,7 @@ group, which is the one paratrain starts.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -47,18 +48,28 @@ def all_gather(obj: Any) -> Any:
         tensor = tensor[None]
     if _world() == 1:
         return tensor
+    # Every rank's shape and dtype first: a rank with nothing (an empty evaluation shard) often has
+    # torch.empty(0), float32, (0,) where the others have (k, C) int64; it takes theirs.
+    shapes: list[Any] = [None] * _world()
+    dist.all_gather_object(shapes, (tuple(tensor.shape), str(tensor.dtype).removeprefix("torch.")))
+    filled = [(shape, dtype) for shape, dtype in shapes if math.prod(shape) > 0] or shapes
+    trailing, dtype = filled[0][0][1:], getattr(torch, filled[0][1])
+    if any(shape[1:] != trailing or kind != filled[0][1] for shape, kind in filled):
+        raise ValueError("all_gather: the ranks' tensors differ beyond their first dimension: "
+                         + ", ".join(f"rank {r} {tuple(s)} {k}" for r, (s, k) in enumerate(shapes))
+                         + "; give every rank the same trailing shape and dtype")
+    if tensor.numel() == 0:
+        tensor = tensor.new_zeros((0, *trailing), dtype=dtype)
     is_bool = tensor.dtype == torch.bool  # gloo has no bool collectives
     if is_bool:
         tensor = tensor.to(torch.uint8)
-    size = torch.tensor([tensor.shape[0]], device=tensor.device)
-    sizes = [torch.zeros_like(size) for _ in range(_world())]
-    dist.all_gather(sizes, size)
-    longest = int(max(s.item() for s in sizes))
+    sizes = [shape[0] if math.prod(shape) > 0 else 0 for shape, _ in shapes]
+    longest = max(sizes)
     padded = tensor.new_zeros((longest, *tensor.shape[1:]))
     padded[: tensor.shape[0]] = tensor
     parts = [torch.empty_like(padded) for _ in range(_world())]
     dist.all_gather(parts, padded.contiguous())
-    result = torch.cat([p[: int(s.item())] for p, s in zip(parts, sizes)])
+    result = torch.cat([p[:s] for p, s in zip(parts, sizes)])
     return result.bool() if is_bool else result
 
 

@@ -711,6 +711,10 @@ def strategy_checks(rank, strategy, directory):
     # all_gather of uneven tensors and of objects; reduce
     report["gather"] = pt.all_gather(torch.full((rank + 1, 2), rank)).tolist()
     report["objects"] = pt.all_gather({"rank": rank})
+    # a rank with nothing to give (an empty shard's torch.empty(0)) takes the others' shape and dtype
+    mine = torch.empty(0) if rank == 0 else torch.tensor([[7, 8]])
+    gathered = pt.all_gather(mine)
+    report["empty gather"] = (gathered.tolist(), str(gathered.dtype))
     report["reduce"] = (pt.reduce(torch.tensor(rank + 1.0), "sum").item(), pt.reduce(rank, "max").item())
     # compiled models (the process group is shared by the Parallel objects of one process)
     report["compiled"] = {mode: compiled_run(strategy, mode, os.path.join(directory, mode))
@@ -736,6 +740,7 @@ def test_own_loop_at_world_size_2(strategy, world2_reports):
         assert r["module"] == (True, True)
         assert r["gather"] == [[0, 0], [1, 1], [1, 1]]
         assert r["objects"] == [{"rank": 0}, {"rank": 1}]
+        assert r["empty gather"] == ([[7, 8]], "torch.int64")
         assert r["reduce"] == (3.0, 1)
     for step in range(4):  # the user's DataLoader, resampled: each optimizer step holds the global batch
         got_ids = sorted(i for r in reports for i in r["ids"][2 * step] + r["ids"][2 * step + 1])
