@@ -23,12 +23,13 @@ _OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceO
         "product": dist.ReduceOp.PRODUCT}
 
 
-def _world() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+def _world(group: Any = None) -> int:
+    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
 
 
-def all_gather(obj: Any) -> Any:
-    """Every rank's ``obj``, on every rank (a collective: call it on all ranks).
+def all_gather(obj: Any, group: Any = None) -> Any:
+    """Every rank's ``obj``, on every rank (a collective: call it on all ranks of ``group``, None:
+    the world).
 
     * a tensor: the ranks' tensors concatenated along dim 0, in rank order; their first
       dimension may differ (an uneven evaluation shard), the others must match. A 0-dim tensor
@@ -38,20 +39,20 @@ def all_gather(obj: Any) -> Any:
     In a single process: the tensor itself, or ``[obj]``.
     """
     if not isinstance(obj, torch.Tensor):
-        if _world() == 1:
+        if _world(group) == 1:
             return [obj]
-        out: list[Any] = [None] * _world()
-        dist.all_gather_object(out, obj)
+        out: list[Any] = [None] * _world(group)
+        dist.all_gather_object(out, obj, group=group)
         return out
     tensor = obj.detach()
     if tensor.dim() == 0:
         tensor = tensor[None]
-    if _world() == 1:
+    if _world(group) == 1:
         return tensor
     # Every rank's shape and dtype first: a rank with nothing (an empty evaluation shard) often has
     # torch.empty(0), float32, (0,) where the others have (k, C) int64; it takes theirs.
-    shapes: list[Any] = [None] * _world()
-    dist.all_gather_object(shapes, (tuple(tensor.shape), str(tensor.dtype).removeprefix("torch.")))
+    shapes: list[Any] = [None] * _world(group)
+    dist.all_gather_object(shapes, (tuple(tensor.shape), str(tensor.dtype).removeprefix("torch.")), group=group)
     filled = [(shape, dtype) for shape, dtype in shapes if math.prod(shape) > 0] or shapes
     trailing, dtype = filled[0][0][1:], getattr(torch, filled[0][1])
     if any(shape[1:] != trailing or kind != filled[0][1] for shape, kind in filled):
@@ -67,25 +68,31 @@ def all_gather(obj: Any) -> Any:
     longest = max(sizes)
     padded = tensor.new_zeros((longest, *tensor.shape[1:]))
     padded[: tensor.shape[0]] = tensor
-    parts = [torch.empty_like(padded) for _ in range(_world())]
-    dist.all_gather(parts, padded.contiguous())
+    parts = [torch.empty_like(padded) for _ in range(_world(group))]
+    dist.all_gather(parts, padded.contiguous(), group=group)
     result = torch.cat([p[:s] for p, s in zip(parts, sizes)])
     return result.bool() if is_bool else result
 
 
-def reduce(value: Any, op: str = "mean", device: torch.device | None = None) -> torch.Tensor:
-    """``value`` (a tensor or a number) summed, averaged, maxed... over all ranks; a new tensor.
+def reduce(value: Any, op: str = "mean", device: torch.device | None = None, group: Any = None) -> torch.Tensor:
+    """``value`` (a tensor or a number) summed, averaged, maxed... over the ranks of ``group``
+    (None: all); a new tensor. A Python number is reduced in float64 (or int64).
 
     ``op``: sum, mean, max, min or product. A collective: call it on all ranks.
     """
     if op not in _OPS:
         raise ValueError(f"reduce op {op!r} is unknown: use one of {', '.join(_OPS)}")
-    tensor = value.detach().clone() if isinstance(value, torch.Tensor) else torch.tensor(value, device=device)
+    tensor = value.detach().clone() if isinstance(value, torch.Tensor) else torch.tensor(
+        value, device=device, dtype=torch.float64 if isinstance(value, float) else None)
     if op == "mean" and not tensor.is_floating_point():
         tensor = tensor.double()
-    if _world() > 1:
-        dist.all_reduce(tensor, op=_OPS[op])
-    return tensor / _world() if op == "mean" else tensor
+    is_bool = tensor.dtype == torch.bool  # gloo has no bool collectives
+    if is_bool:
+        tensor = tensor.to(torch.uint8)
+    if _world(group) > 1:
+        dist.all_reduce(tensor, op=_OPS[op], group=group)
+    tensor = tensor.bool() if is_bool else tensor
+    return tensor / _world(group) if op == "mean" else tensor
 
 
 # --- reading batches and outputs (Parallel.evaluate) ----------------------------------------------

@@ -592,12 +592,15 @@ class Parallel:
     # --- collectives for metrics -----------------------------------------------------------
     def all_gather(self, obj: Any) -> Any:
         """Every rank's tensor concatenated along dim 0 (sizes may differ), or every rank's
-        picklable object in a list; see :func:`paratrain.metrics.all_gather`. Collective."""
-        return metrics_lib.all_gather(obj)
+        picklable object in a list; see :func:`paratrain.metrics.all_gather`. Collective. Over the
+        ranks that hold different evaluation data: under tensor parallelism the dp group (a tp
+        group's ranks read the same shard)."""
+        return metrics_lib.all_gather(obj, self.strategy.metrics_group)
 
     def reduce(self, value: Any, op: str = "mean") -> torch.Tensor:
-        """``value`` (tensor or number) reduced over all ranks: sum, mean, max, min or product. Collective."""
-        return metrics_lib.reduce(value, op, self.device)
+        """``value`` (tensor or number) reduced over the ranks (as :meth:`all_gather` counts them):
+        sum, mean, max, min or product. Collective."""
+        return metrics_lib.reduce(value, op, self.device, self.strategy.metrics_group)
 
     def all_reduce_mean(self, value: torch.Tensor) -> torch.Tensor:
         """Average of ``value`` over the data-parallel ranks."""

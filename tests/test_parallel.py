@@ -784,3 +784,19 @@ def test_a_stateful_metric_counts_one_evaluation_and_one_logit_is_not_classifica
     assert not is_classification(torch.randn(4, 1), torch.tensor([0, 1, 1, 0]))  # a BCE classifier's logit
     assert is_classification(torch.randn(4, 2), torch.tensor([0, 1, 1, 0]))
     pt.close()
+
+
+def _metrics_under_tensor_parallelism(rank):
+    pt = paratrain.Parallel(strategy="tensor", global_batch=4)
+    loader = pt.eval_loader(torch.utils.data.TensorDataset(torch.arange(6.0).unsqueeze(1)), batch_size=6)
+    seen = torch.cat([x for (x,) in loader])
+    out = (pt.all_gather(seen).flatten().tolist(), pt.reduce(len(seen), "sum").item(), pt.reduce(True, "max").item())
+    pt.close()
+    return out
+
+
+def test_all_gather_and_reduce_count_a_tensor_parallel_group_once():
+    """The ranks of a tp group read the same evaluation shard: gathering over the world once gave
+    every sample twice and a sum of twice the count."""
+    out = paratrain.launch(_metrics_under_tensor_parallelism, 2, timeout=90)
+    assert out == [([0.0, 1.0, 2.0, 3.0, 4.0, 5.0], 6, True)] * 2

@@ -197,6 +197,12 @@ class Strategy:
         """Turn gradient synchronisation off for accumulation micro-steps (``no_sync``)."""
 
     # --- collectives for metrics ----------------------------------------------------------
+    @property
+    def metrics_group(self) -> Any:
+        """The process group over which the ranks hold different evaluation data (``pt.all_gather``,
+        ``pt.reduce``): None, every rank."""
+        return None
+
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.proc.backend is not None and self.proc.world_size > 1:
             dist.all_reduce(tensor, op=dist.ReduceOp.SUM)

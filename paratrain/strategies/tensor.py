@@ -173,6 +173,10 @@ class TensorParallelStrategy(DTensorStrategy):
         return model
 
     # --- metrics: sum over dp only (the tp ranks of a group hold the same numbers) ---------------
+    @property
+    def metrics_group(self) -> Any:
+        return self.mesh["dp"].get_group() if self.proc.backend is not None else None
+
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.proc.backend is not None and self.dp > 1:
             dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.mesh["dp"].get_group())
