@@ -44,8 +44,16 @@ def evaluate(strategy: Strategy, precision: Precision, device: torch.device, net
         n = len(targets) if targets is not None and targets.dim() else batch_size(batch)
         totals[4] += n
         if loss is not None:
-            totals[0] += loss.detach().double() * n
-            totals[1] += n
+            # A loss over integer targets is a mean over those that count (cross_entropy's and
+            # HuggingFace's ignore_index -100; a token-mean for (N, T) labels): weighted by how
+            # many there are, not by rows, as batches are cut differently at each world size. A
+            # batch with none adds nothing (its mean is NaN). Other targets: by rows.
+            weight = n
+            if targets is not None and targets.dim() and not targets.is_floating_point() and targets.dtype != torch.bool:
+                weight = int((targets != -100).sum())
+            if weight:
+                totals[0] += loss.detach().double() * weight
+                totals[1] += weight
         if is_classification(preds, targets):
             valid = targets != -100  # HuggingFace's ignore_index
             totals[2] += ((preds.argmax(1) == targets) & valid).sum()

@@ -800,3 +800,46 @@ def test_all_gather_and_reduce_count_a_tensor_parallel_group_once():
     every sample twice and a sum of twice the count."""
     out = paratrain.launch(_metrics_under_tensor_parallelism, 2, timeout=90)
     assert out == [([0.0, 1.0, 2.0, 3.0, 4.0, 5.0], 6, True)] * 2
+
+
+class TokenModel(nn.Module):
+    """A HuggingFace-style model: a dict batch in, its own token-mean loss out (-100 ignored)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(5, 5)
+
+    def forward(self, input_ids, labels):
+        logits = self.emb(input_ids).double()
+        return {"loss": nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100),
+                "logits": logits}
+
+
+class TokenSet(torch.utils.data.Dataset):
+    def __init__(self):
+        g = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(0, 5, (4, 6), generator=g)
+        self.labels = self.ids.clone()
+        self.labels[0, 1:] = -100  # one counted token in the first sequence, six in the others
+        self.labels[3, :] = -100  # none in the last
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.labels[i]}
+
+
+def test_evaluation_loss_is_a_mean_over_the_tokens_that_count_at_any_batch_size():
+    """A token-mean loss was weighted by sequences, so the evaluation loss changed with how batches
+    were cut (the world size); a batch with no counted token made it NaN."""
+    pt = paratrain.Parallel(global_batch=4)
+    torch.manual_seed(0)
+    model = pt.setup(TokenModel())
+    data = TokenSet()
+    out = model(input_ids=data.ids, labels=data.labels)
+    expected = out["loss"].item()  # the mean over all 13 counted tokens at once
+    for batch_size in (1, 2, 3):
+        result = pt.evaluate(model, pt.eval_loader(data, batch_size=batch_size))
+        assert result["loss"] == pytest.approx(expected, rel=1e-12), batch_size
+    pt.close()
