@@ -47,9 +47,10 @@ from .env.provenance import provenance
 from .metrics import batch_targets, model_loss, predictions
 from .optim import GradientWatch, ParallelOptimizer, ParallelScheduler
 
-# What train_loader keeps of a user's DataLoader (its sampler, batch size and drop_last are paratrain's).
+# What train_loader keeps of a user's DataLoader (its sampler, batch size and drop_last are paratrain's;
+# in_order too: batches out of order would make a step's samples depend on the workers' timing).
 _KEPT_LOADER_SETTINGS = ("collate_fn", "num_workers", "pin_memory", "worker_init_fn", "persistent_workers", "timeout",
-                         "prefetch_factor", "multiprocessing_context", "pin_memory_device", "in_order")
+                         "prefetch_factor", "multiprocessing_context", "pin_memory_device")
 
 __all__ = ["Parallel", "ParallelModule", "ParallelOptimizer", "ParallelScheduler"]
 

@@ -532,6 +532,9 @@ def test_own_dataloader_keeps_its_settings(recwarn):
         pt.train_loader(torch.utils.data.DataLoader(data, batch_size=5))
     in_order = pt.train_loader(torch.utils.data.DataLoader(data, batch_size=16, shuffle=False))
     assert torch.equal(next(iter(in_order))["features"], data.x[:16])
+    # batches out of order would make a step's samples depend on the workers' timing: always in order
+    any_order = torch.utils.data.DataLoader(data, batch_size=16, num_workers=1, in_order=False)
+    assert pt.train_loader(any_order).dataloader.in_order is True
     pt.close()
 
 
