@@ -282,8 +282,11 @@ class TrainConfig:
         if self.name is not None and (not self.name.strip() or os.sep in self.name or self.name in (".", "..", LATEST)):
             raise ValueError(f"name {self.name!r} cannot be a run folder's name: use letters, digits, '-', '_'")
         for name in ("log_dir", "checkpoint_dir"):
-            if getattr(self, name) == "":
+            path = getattr(self, name)
+            if path == "":
                 raise ValueError(f"{name} is empty: give a folder (or none for no {name.removesuffix('_dir')}s)")
+            if path and "{name}" in path and not re.search(r"(^|/)\{name\}(/|$)", path):
+                raise ValueError(f"{name} {path!r}: {{name}} must be a whole folder of the path, e.g. runs/{{name}}")
         if self.checkpoint_dir is None and (self.checkpoint_every or self.resume) and self.log_dir is not None:
             self.checkpoint_dir = os.path.join(self.log_dir, "checkpoints")
         if self.resume and self.checkpoint_dir is None:

@@ -184,6 +184,8 @@ def test_folder_settings_that_cannot_work_are_one_line(tmp_path: Path, monkeypat
         TrainConfig.load(None, {"checkpoint_every": 5, "log_dir": None})
     with pytest.raises(ValueError, match="^log_dir is empty: give a folder"):
         TrainConfig.load(None, {"log_dir": ""})
+    with pytest.raises(ValueError, match=r"^log_dir 'runs/exp-\{name\}': \{name\} must be a whole folder"):
+        TrainConfig.load(None, {"log_dir": "runs/exp-{name}"})
 
     def no_links(*args: object) -> None:
         raise PermissionError(1, "Operation not permitted")
