@@ -203,6 +203,9 @@ def _pick_run(cfg: TrainConfig, worker: bool) -> TrainConfig:
         name = os.path.basename(latest)
     if name is None and worker:
         name = _launcher_job_id()
+        if name is None and detect_process().world_size > 1:  # each worker would name it by its own clock
+            raise ValueError("the workers of this launcher share no job id to name the run folder after (torchrun "
+                             "without --rdzv-id, MPICH/Intel MPI's mpiexec): pass --name NAME, or --log-dir")
     if name is not None and not cfg.resume and not worker and cfg.log_dir and "{name}" in cfg.log_dir:
         taken = cfg.log_dir.replace("{name}", name)
         if _holds_a_run(taken):

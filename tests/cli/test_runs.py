@@ -217,3 +217,15 @@ def test_ctrl_c_is_one_line(tmp_path: Path) -> None:
     assert proc.returncode == 130
     assert err.strip().splitlines() == ["paratrain train: interrupted (a run continues from its last checkpoint with "
                                         "--resume)"], err
+
+
+def test_workers_without_a_shared_job_id_need_a_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Plain torchrun (rdzv id "none"): each worker once named the run folder by its own clock."""
+    monkeypatch.chdir(tmp_path)
+    for k, v in dict(RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", TORCHELASTIC_RUN_ID="none").items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(ValueError, match="share no job id to name the run folder after .* pass --name NAME"):
+        train_cli._pick_run(_config(), worker=True)  # type: ignore[arg-type]
+    assert train_cli._pick_run(_config("--name", "exp"), worker=True).log_dir == "runs/exp"  # type: ignore[arg-type]
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job7")
+    assert train_cli._pick_run(_config(), worker=True).log_dir == "runs/job7"  # type: ignore[arg-type]
