@@ -7,8 +7,10 @@ sends each record to all of them, on the main process only. ``Parallel(log_to=[.
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import os
+import sys
 from collections.abc import Iterable, Mapping
 from typing import Any, Callable
 
@@ -100,6 +102,7 @@ class Trackers:
                 for tracker in made:
                     tracker.log_config(config)
             self._open = made
+            atexit.register(self._close_at_exit)  # a loop that never calls pt.close() still finishes its runs
         return self._open
 
     def log(self, metrics: Mapping[str, Any], step: int, kind: str = "train") -> None:
@@ -111,6 +114,15 @@ class Trackers:
         """Finish every opened backend (the wandb/MLflow run, the event file); safe to call twice."""
         for tracker in self._open or []:
             tracker.close(ok)
+
+    def _close_at_exit(self) -> None:
+        from ..env.failures import uncaught_seen
+
+        # failed when the process ends with an exception (the interpreter keeps the uncaught one)
+        try:
+            self.close(ok=not (uncaught_seen() or getattr(sys, "last_value", None) is not None))
+        except Exception:  # a backend already gone (its folder deleted, its server down): nothing to finish
+            pass
 
 
 def _run_name(log_dir: str) -> str:

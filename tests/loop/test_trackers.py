@@ -144,3 +144,34 @@ def test_a_resumed_run_continues_its_wandb_and_mlflow_runs(tmp_path: Path, offli
     assert run.info.status == "FINISHED" and run.data.params == {"lr": "0.1", "resume": "True"}
     fresh_wandb, fresh_run, _ = session(False, {"lr": 0.1}, 1)  # not resumed: new runs
     assert fresh_wandb != wandb_id and fresh_run != run_id
+
+
+def test_trackers_are_finished_at_exit_without_pt_close(tmp_path):
+    """A loop that never calls pt.close() left its MLflow run RUNNING, its wandb run unfinished."""
+    import subprocess
+    import sys
+    import textwrap
+
+    from clitools import cli_env
+
+    script = textwrap.dedent(f"""
+        import paratrain
+        from paratrain.tracking import Tracker
+
+        class Recorder(Tracker):
+            def log_metrics(self, metrics, step, kind):
+                pass
+
+            def close(self, ok=True):
+                open({str(tmp_path / "closed")!r}, "a").write(f"ok={{ok}}\\n")
+
+        pt = paratrain.Parallel(global_batch=4, loggers=[Recorder()], log_dir={str(tmp_path / "run")!r})
+        pt.log({{"loss": 1.0}}, step=1)
+        import sys
+        if len(sys.argv) > 1:
+            raise RuntimeError("the loop failed")
+    """)
+    (tmp_path / "loop.py").write_text(script)
+    assert subprocess.run([sys.executable, str(tmp_path / "loop.py")], env=cli_env(), timeout=120).returncode == 0
+    subprocess.run([sys.executable, str(tmp_path / "loop.py"), "fail"], env=cli_env(), capture_output=True, timeout=120)
+    assert (tmp_path / "closed").read_text().splitlines() == ["ok=True", "ok=False"]
