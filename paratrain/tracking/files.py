@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -22,6 +23,7 @@ class CSVTracker(Tracker):
     def __init__(self, log_dir: str | None = None, run_name: str | None = None) -> None:
         super().__init__(log_dir, run_name)
         self._fields: dict[str, list[str]] = {}
+        self._warned: set[tuple[str, str]] = set()
 
     def log_metrics(self, metrics: Mapping[str, Any], step: int, kind: str) -> None:
         if self.log_dir is None:
@@ -37,6 +39,11 @@ class CSVTracker(Tracker):
                 _drop_after(path, self.resume_step)
             first = False
         fields = self._fields.setdefault(kind, list(record))
+        new = [k for k in record if k not in fields and (kind, k) not in self._warned]
+        if new:
+            self._warned.update((kind, k) for k in new)
+            warnings.warn(f"{kind}.csv keeps the columns of its first record: {', '.join(new)} go to {kind}.jsonl "
+                          "only (log every key from the first record on to have it in the CSV)", stacklevel=3)
         with open(path + ".jsonl", "w" if first else "a") as f:
             f.write(json.dumps(record) + "\n")
         with open(path + ".csv", "w" if first else "a", newline="") as f:

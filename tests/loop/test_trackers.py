@@ -175,3 +175,14 @@ def test_trackers_are_finished_at_exit_without_pt_close(tmp_path):
     assert subprocess.run([sys.executable, str(tmp_path / "loop.py")], env=cli_env(), timeout=120).returncode == 0
     subprocess.run([sys.executable, str(tmp_path / "loop.py"), "fail"], env=cli_env(), capture_output=True, timeout=120)
     assert (tmp_path / "closed").read_text().splitlines() == ["ok=True", "ok=False"]
+
+
+def test_a_key_that_first_appears_later_is_reported_once(tmp_path):
+    from paratrain.tracking import CSVTracker
+
+    tracker = CSVTracker(str(tmp_path))
+    tracker.log_metrics({"loss": 1.0}, 1, "train")
+    with pytest.warns(UserWarning, match="train.csv keeps the columns of its first record: grad_norm go to train.jsonl"):
+        tracker.log_metrics({"loss": 1.0, "grad_norm": 2.0}, 2, "train")
+    tracker.log_metrics({"loss": 1.0, "grad_norm": 2.0}, 3, "train")  # once
+    assert (tmp_path / "train.jsonl").read_text().count("grad_norm") == 2
