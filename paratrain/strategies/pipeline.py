@@ -211,6 +211,10 @@ class PipelineStrategy(Strategy):
     # --- model ----------------------------------------------------------------------------
     def setup_model(self, model: nn.Module) -> nn.Module:
         n = self.options.n_microbatches
+        stages = self.proc.world_size
+        if self.options.schedule == "1f1b" and stages > 1 and n < stages:  # torch refuses it at the first step
+            raise ValueError(f"pipeline schedule 1f1b needs at least one micro-batch per stage: n_microbatches={n} "
+                             f"< {stages} stages; set n_microbatches >= {stages}, or schedule gpipe")
         if self.sync_batchnorm:
             self.warn("sync_batchnorm has no effect with pipeline: a stage's BatchNorm is on one rank, and sees "
                       f"each of the step's {n} micro-batches on its own", rank=self.proc.rank)

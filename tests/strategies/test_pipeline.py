@@ -267,3 +267,20 @@ def test_batchnorm_under_micro_batches_is_said_once_at_setup():
         "pipeline n_microbatches=4: BatchNorm normalises each micro-batch on its own (and updates its running statistics "
         "once per micro-batch), not the whole batch; n_microbatches=1 keeps the one-process numerics but runs the "
         "stages one after another"]
+
+
+def _one_micro_batch_for_two_stages(local_rank):
+    pt = paratrain.Parallel(strategy="pipeline", global_batch=4, pipeline={"schedule": "1f1b", "n_microbatches": 1})
+    try:
+        pt.setup(MLP.model())
+    except ValueError as e:
+        return str(e)
+    finally:
+        pt.close(wait_for_peers=False)
+    return None
+
+
+def test_1f1b_with_fewer_micro_batches_than_stages_is_one_line_at_setup():
+    out = paratrain.launch(_one_micro_batch_for_two_stages, 2, timeout=60)
+    assert out == ["pipeline schedule 1f1b needs at least one micro-batch per stage: n_microbatches=1 < 2 stages; "
+                   "set n_microbatches >= 2, or schedule gpipe"] * 2
