@@ -406,7 +406,7 @@ def from_dict(cls: type, data: Mapping[str, Any], where: str = "config") -> Any:
     """Build dataclass ``cls`` from a mapping, refusing unknown keys with a one-line error."""
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - names)
+    unknown = sorted(set(data) - names, key=str)  # YAML keys may be numbers too
     if unknown:
         raise ValueError(f"unknown key {unknown[0]!r} in [{where}]: known keys are {', '.join(sorted(names))}")
     kwargs = {}
