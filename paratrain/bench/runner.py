@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
 import platform
 import time
 from dataclasses import dataclass, field
@@ -124,7 +125,8 @@ def _run_one(cell: Cell, spec: BenchSpec, base: TrainConfig, data: Any) -> CellR
         except LaunchError as e:
             # torch 2.13's gloo threads now and then abort a worker as it exits (SIGABRT, "terminate
             # called without an active exception"): run such a cell once more before calling it failed.
-            if attempt == 1 and "exited with code -" in str(e):
+            if attempt == 1 and f"exited with code -{int(signal.SIGABRT)}" in str(e):  # not an OOM kill (-9)
+                start = time.perf_counter()  # the cell's time is the run that counts
                 continue
             reason = str(e) + (" (twice)" if attempt == 2 else "")
             return CellResult(cell=cell, status="failed", reason=reason, wall_s=time.perf_counter() - start)
