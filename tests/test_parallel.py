@@ -563,6 +563,9 @@ def test_own_dataloader_subset_samplers_keep_their_part_of_the_dataset():
             return 20
 
     assert pt.evaluate(model, pt.eval_loader(DataLoader(data, sampler=EveryOther())))["count"] == 20
+    # a batch sampler's own drop_last does not drop a drawn epoch's tail for good: what it batches counts
+    batched = DataLoader(data, batch_sampler=torch.utils.data.BatchSampler(torch.utils.data.RandomSampler(data), 6, True))
+    assert pt.train_loader(batched).dataloader.dataset.tensors[0] is x
     rng = torch.get_rng_state()
     with pytest.raises(ValueError, match="WeightedRandomSampler draws some samples more than once an epoch"):
         pt.train_loader(DataLoader(data, batch_size=8, sampler=WeightedRandomSampler([1.0] * 40, 40)))

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import (DataLoader, Dataset, DistributedSampler, IterableDataset, RandomSampler,
+from torch.utils.data import (BatchSampler, DataLoader, Dataset, DistributedSampler, IterableDataset, RandomSampler,
                               SequentialSampler, Subset, SubsetRandomSampler)
 
 __all__ = ["loader_samples"]
@@ -28,6 +28,8 @@ def loader_samples(loader: DataLoader, where: str) -> tuple[Dataset, bool | None
     if isinstance(dataset, IterableDataset):
         return dataset, None
     sampler = loader.sampler if loader.batch_size is not None else loader.batch_sampler
+    while isinstance(sampler, BatchSampler):  # its batching (and drop_last) is replaced: what it batches counts
+        sampler = sampler.sampler
     n = len(dataset)  # type: ignore[arg-type]
     if isinstance(sampler, SequentialSampler):
         return dataset, False
