@@ -621,6 +621,9 @@ class Parallel:
         if state["global_batch"] != self.plan.global_batch:
             raise ValueError(f"was written with global batch {state['global_batch']}, this run uses "
                              f"{self.plan.global_batch}: resume with the same global batch (the world size may change)")
+        if state.get("seed") is not None and int(state["seed"]) != self.config.seed:  # the epoch's order is the seed's
+            raise ValueError(f"was written with seed {state['seed']}, this run uses {self.config.seed}: resume with "
+                             "the same seed (the rest of the epoch would repeat some samples and skip others)")
         self.precision.load_state_dict(state["precision"])
         # Written in a precision without fp32 masters (32, *-mixed) and resumed in bf16-true/fp16-true:
         # the masters must start from the loaded weights, which the model gets after this (load_checkpoint).

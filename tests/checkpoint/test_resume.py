@@ -272,3 +272,16 @@ def test_numpy_numbers_are_logged():
         tracker = CSVTracker(d)
         tracker.log_metrics({"f1": np.float32(0.5), "n": np.int64(3), "hist": torch.ones(2)}, 1, "eval")
         assert json.loads(open(os.path.join(d, "eval.jsonl")).read()) == {"step": 1, "f1": 0.5, "n": 3, "hist": [1.0, 1.0]}
+
+
+def test_a_resume_with_another_seed_is_refused(tmp_path):
+    """The rest of the epoch would be another permutation: some samples twice, others never."""
+    pt = paratrain.Parallel(global_batch=4, seed=1)
+    model, opt = pt.setup(nn.Linear(2, 2), torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1))
+    pt.save_checkpoint(str(tmp_path), model, opt)
+    pt.close()
+    pt = paratrain.Parallel(global_batch=4, seed=2)
+    model, opt = pt.setup(nn.Linear(2, 2), torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1))
+    with pytest.raises(ValueError, match="was written with seed 1, this run uses 2: resume with the same seed"):
+        pt.load_checkpoint(str(tmp_path), model, opt)
+    pt.close()
