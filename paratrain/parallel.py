@@ -34,7 +34,6 @@ from . import checkpoint as checkpoint_lib
 from . import evaluation
 from . import metrics as metrics_lib
 from . import precision as precision_lib
-from .precision.half import MasterWeights
 from . import strategies
 from . import tracking
 from .config import ParallelConfig
@@ -46,6 +45,7 @@ from .env import failures, process
 from .env.provenance import provenance
 from .metrics import batch_targets, model_loss, predictions
 from .optim import GradientWatch, ParallelOptimizer, ParallelScheduler
+from .precision.half import MasterWeights
 
 # What train_loader keeps of a user's DataLoader (its sampler, batch size and drop_last are paratrain's;
 # in_order too: batches out of order would make a step's samples depend on the workers' timing).
@@ -385,12 +385,12 @@ class Parallel:
         if isinstance(optimizer, ParallelOptimizer):
             optimizer = optimizer.optimizer
         if self.micro_step < self.accumulation:
-            if self.micro_step == 0 and self._stepped_since_backward and not _among(optimizer, self._stepped_since_backward):
+            if self.micro_step == 0 and self._stepped_since_backward and optimizer not in self._stepped_since_backward:
                 return self._step_another(optimizer)
-            if self.micro_step > 0 and not _among(optimizer, self._early):
+            if self.micro_step > 0 and optimizer not in self._early:
                 self._early.append(optimizer)
             return False
-        if self._early and not _among(optimizer, self._early):
+        if self._early and optimizer not in self._early:
             raise ValueError(
                 f"two optimizers step after backward calls of their own (a GAN-style loop) with accumulation "
                 f"{self.accumulation}: the one that stepped first would never step; use accumulation 1 "
@@ -414,7 +414,7 @@ class Parallel:
         self.micro_step = 0
         self._early = []
         self._stepped_since_backward = [optimizer]
-        if not self._ended_this_step or _among(optimizer, self._ended_this_step):
+        if not self._ended_this_step or optimizer in self._ended_this_step:
             self.global_step += 1
             self._ended_this_step = []
         self._ended_this_step.append(optimizer)
@@ -428,7 +428,7 @@ class Parallel:
     def _step_another(self, optimizer: torch.optim.Optimizer) -> bool:
         """The step of a second optimizer after the same backward as the one that ended the global
         batch: its gradients are complete (and clipped with the others' by that step)."""
-        if self.precision.name not in ("32", "tf32", "bf16-mixed"):
+        if isinstance(self.precision, (precision_lib.FP16Mixed, MasterWeights)):
             raise ValueError(f"two optimizers stepping after one backward under precision {self.precision.name}: its "
                              "loss scale or master weights follow one optimizer; use one optimizer with a parameter "
                              "group each, or precision bf16-mixed or 32")
@@ -493,8 +493,9 @@ class Parallel:
         replaced by paratrain's global-batch sampler over the samples its sampler selects (a
         ``SubsetRandomSampler``'s part of the dataset; one that draws samples twice is refused),
         and a ``batch_size`` other than the derived micro-batch is reported in one line.
-        ``shuffle`` defaults to True, or for a DataLoader to whether its sampler was random. ``dataloader_kwargs`` go to the DataLoader and win over a
-        given loader's settings; batch size and sampler are paratrain's.
+        ``shuffle`` defaults to True, or for a DataLoader to whether its sampler was random.
+        ``dataloader_kwargs`` go to the DataLoader and win over a given loader's settings; batch
+        size and sampler are paratrain's.
 
         An :class:`~torch.utils.data.IterableDataset` (a stream of unknown length, or a
         :class:`~paratrain.data.stream.ShardedStream` of files) gives the same global batches at
@@ -679,10 +680,6 @@ class Parallel:
                 self.strategy.close(wait_for_peers)
         finally:
             process.destroy(wait_for_peers)
-
-
-def _among(optimizer: torch.optim.Optimizer, optimizers: list[torch.optim.Optimizer]) -> bool:
-    return any(optimizer is o for o in optimizers)
 
 
 def _is_compiled(model: Any) -> bool:
