@@ -228,7 +228,7 @@ class TrainConfig:
     """A whole ``paratrain train`` job."""
 
     model: str = "mlp"
-    """mlp, cnn, resnet8, resnet20, transformer, or torchvision:<name>."""
+    """mlp, cnn, resnet8, resnet20, resnet50, transformer, or torchvision:<name>."""
     epochs: int = 10
     max_steps: int | None = None
     """Stop after this many optimizer steps (overrides epochs when reached first)."""

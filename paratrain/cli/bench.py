@@ -21,7 +21,7 @@ from ..config import TrainConfig, parse_set
 
 # flag -> dotted key of the base TrainConfig
 _JOB_FLAGS: dict[str, tuple[str, Any, str]] = {
-    "--model": ("model", str, "mlp, cnn, resnet8, resnet20, transformer or torchvision:<name>"),
+    "--model": ("model", str, "mlp, cnn, resnet8, resnet20, resnet50, transformer or torchvision:<name>"),
     "--dataset": ("data.dataset", str, "digits (default, bundled), cifar10 or synthetic"),
     "--data-dir": ("data.data_dir", str, "folder holding cifar-10-batches-py"),
     "--global-batch": ("parallel.global_batch", int, "samples per optimizer step (the matrix keeps it)"),

@@ -8,14 +8,14 @@ import math
 from torch import nn
 
 from .mlp import MLP
-from .resnet import SmallCNN, resnet_cifar
+from .resnet import ResNet50, SmallCNN, resnet_cifar
 from ..userfn import is_user_spec, load_callable
 from .transformer import TinyTransformer
 
 __all__ = ["MODEL_NAMES", "build_model"]
 
 #: The built-in model names (``"torchvision:<name>"`` is accepted too when torchvision is installed).
-MODEL_NAMES: tuple[str, ...] = ("mlp", "cnn", "resnet8", "resnet20", "transformer")
+MODEL_NAMES: tuple[str, ...] = ("mlp", "cnn", "resnet8", "resnet20", "resnet50", "transformer")
 
 _TORCHVISION_MISSING = (
     "torchvision is not installed: pip install 'paratrain[data]' (torchvision matching your torch, e.g. "
@@ -36,7 +36,8 @@ def build_model(name: str, input_shape: tuple[int, ...], num_classes: int) -> nn
     """Build model ``name`` for inputs of shape ``input_shape`` (no batch dim) and ``num_classes``.
 
     Names: ``mlp`` (:class:`MLP`, logits), ``cnn`` (:class:`SmallCNN`), ``resnet8``/``resnet20``
-    (:func:`resnet_cifar`), ``transformer`` (:class:`TinyTransformer`, image rows as tokens), or
+    (:func:`resnet_cifar`), ``resnet50`` (:class:`ResNet50`, torchvision's
+    architecture), ``transformer`` (:class:`TinyTransformer`, image rows as tokens), or
     ``torchvision:<name>`` (``torchvision.models.get_model(name, weights=None,
     num_classes=num_classes)``; untrained, nothing is downloaded), or the user's own factory
     ``module:function`` / ``file.py:function`` called as ``function(input_shape=..., num_classes=...)``.
@@ -64,6 +65,8 @@ def build_model(name: str, input_shape: tuple[int, ...], num_classes: int) -> nn
     if name in ("resnet8", "resnet20"):
         depth = int(name[len("resnet"):])
         return resnet_cifar(depth, in_channels=_channels(name, input_shape), num_classes=num_classes)
+    if name == "resnet50":
+        return ResNet50(in_channels=_channels(name, input_shape), num_classes=num_classes)
     if is_user_spec(name):  # the user's own factory: fn(input_shape=..., num_classes=...) -> nn.Module
         factory = load_callable(name, "model")
         try:

@@ -95,3 +95,10 @@ def test_every_extra_a_message_names_exists():
     assert named and named <= set(extras), named - set(extras)
     assert {"data", "hf", "trackers", "all"} <= set(extras)
     assert set(extras["all"]) >= {dep for name, deps in extras.items() if name not in ("all", "test") for dep in deps}
+
+
+def test_resnet50_is_torchvisions_architecture():
+    # torchvision.models.resnet50(weights=None): 25,557,032 parameters, 53 convolutions and one linear layer
+    model = build_model("resnet50", (3, 224, 224), num_classes=1000)
+    assert sum(p.numel() for p in model.parameters()) == 25_557_032
+    assert sum(isinstance(m, (nn.Conv2d, nn.Linear)) for m in model.modules()) == 54
