@@ -36,6 +36,7 @@ Usage::
 
     python benchmarks/dataloader.py [--rounds 5] [--samples 10240] [--batch 256] [--workers 0,2]
                                     [--dtypes uint8,float32] [--threads N]
+    python benchmarks/dataloader.py --smoke   # one round of 256 samples: checks that it runs (CI)
 
 ``--threads`` (default: torch's default, the cores here) sets the intra-op threads of both sides:
 ``index_select`` of a batch spreads over them, the per-sample loader's Python does not.
@@ -126,7 +127,11 @@ def spread(values: list[float]) -> str:
     return f"{statistics.median(values):,.0f} ({min(values):,.0f}–{max(values):,.0f})"
 
 
-def main() -> None:
+SMOKE = {"rounds": 1, "samples": 256, "batch": 64}
+"""``--smoke``: what CI runs (``tests/test_benchmarks.py``); flags given explicitly still win."""
+
+
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--samples", type=int, default=10240)
@@ -135,7 +140,14 @@ def main() -> None:
     ap.add_argument("--dtypes", default="uint8,float32")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads(),
                     help="intra-op threads for both sides (default: torch's default here, %(default)s)")
-    args = ap.parse_args()
+    ap.add_argument("--smoke", action="store_true",
+                    help=f"check that the benchmark runs, quickly ({SMOKE}); the numbers mean nothing")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        ap.set_defaults(**SMOKE)
+        args = ap.parse_args(argv)
+    if args.samples <= args.batch:  # an epoch is one batch at least; bare_copy_seconds needs room to move
+        ap.error(f"--samples {args.samples} must be more than --batch {args.batch}")
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
           f"load average {os.getloadavg()[0]:.1f}; batch {args.batch}, {args.samples} samples an epoch, "

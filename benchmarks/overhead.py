@@ -37,6 +37,7 @@ Usage::
 
     python benchmarks/overhead.py [--steps 60] [--rounds 3] [--nprocs 2] [--model cnn] [--batch 64]
                                   [--json out.json]
+    python benchmarks/overhead.py --smoke   # 2 steps per variant, batch 8, both orders: checks that it runs (CI)
 """
 
 from __future__ import annotations
@@ -167,6 +168,11 @@ def run_round(first: str, cfg: dict, nprocs: int, timeout: float):
     return wall, cpu, results[0]["threads"]
 
 
+SMOKE = {"steps": 2, "warmup": 1, "block": 1, "batch": 8, "rounds": 2}
+"""``--smoke``: what CI runs (``tests/test_benchmarks.py``); two rounds, so that each variant is set up first
+once (the one set up first creates the process group). Flags given explicitly still win."""
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -184,7 +190,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per launch before it is killed")
     p.add_argument("--json", default=None, metavar="PATH", help="also write all numbers to this JSON file")
+    p.add_argument("--smoke", action="store_true",
+                   help=f"check that the benchmark runs, quickly ({SMOKE}); the numbers mean nothing")
     args = p.parse_args(argv)
+    if args.smoke:
+        p.set_defaults(**SMOKE)
+        args = p.parse_args(argv)
     for name in ("steps", "rounds", "nprocs", "batch", "threads", "block"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be at least 1")

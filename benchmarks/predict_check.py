@@ -22,6 +22,10 @@ Usage::
 
     python benchmarks/predict_check.py [--model resnet20] [--batch 64] [--rounds 2] [--epochs 1]
     python benchmarks/predict_check.py --lab [--model mlp] [--rates 100mbit,1gbit] [--workers 2,3]
+    python benchmarks/predict_check.py --smoke   # one round, mlp, 256 samples: checks that it runs (CI)
+
+``--smoke`` runs the loopback check (without ``--lab``, which needs root) at tiny sizes; flags given
+explicitly still win.
 """
 
 from __future__ import annotations
@@ -149,24 +153,39 @@ def lab_check(args: argparse.Namespace) -> None:
         hosts.down()
 
 
-def main() -> None:
+SMOKE = {"model": "mlp", "batch": 16, "rounds": 1, "epochs": 1, "synthetic_size": 256}
+"""``--smoke``: what CI runs (``tests/test_benchmarks.py``)."""
+
+
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None, help="default resnet20 (mlp with --lab)")
     ap.add_argument("--dataset", default="synthetic")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--epochs", type=int, default=1)
+    ap.add_argument("--synthetic-size", type=int, default=None,
+                    help="training samples of --dataset synthetic (default: the config's, 4096)")
     ap.add_argument("--lab", action="store_true", help="check on rate-limited links between lab hosts")
     ap.add_argument("--rates", default="loopback,none,100mbit,1gbit",
                     help="--lab: link rates, tc syntax; none: unshaped; loopback: all workers on one host")
     ap.add_argument("--workers", default="2,3", help="--lab: worker (host) counts")
     ap.add_argument("--steps", type=int, default=20, help="--lab: steps per run (the first 5 are left out)")
-    args = ap.parse_args()
+    ap.add_argument("--smoke", action="store_true",
+                    help=f"check that the loopback check runs, quickly ({SMOKE}); the numbers mean nothing")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        if args.lab:
+            ap.error("--smoke runs the loopback check, not --lab (which needs root and network namespaces)")
+        ap.set_defaults(**SMOKE)
+        args = ap.parse_args(argv)
     if args.lab:
         args.model = args.model or "mlp"
         return lab_check(args)
     args.model = args.model or "resnet20"
     base = {"model": args.model, "data.dataset": args.dataset}
+    if args.synthetic_size is not None:
+        base["data.synthetic_size"] = args.synthetic_size
     one = TrainConfig.load(None, {**base, "parallel.global_batch": args.batch})
     two = TrainConfig.load(None, {**base, "parallel.global_batch": 2 * args.batch})
     info = dataset_info(args.dataset)
@@ -184,7 +203,7 @@ def main() -> None:
               f"{together * 1e3:.1f} ms (slower), ddp x2 measured {measured * 1e3:.1f} ms")
         for what, c in (("alone", compute), ("two at once", together)):
             for exposed in (1.0, 0.0):
-                (p,) = predict(Workload(c, args.batch, shapes, exposed), link, ["ddp"], [2])
+                (p,) = predict(Workload(c, args.batch, shapes, exposed), link, ["all-reduce (ddp)"], [2])
                 print(f"  predicted from compute {what}, exposed {exposed:.0f}: {p.step_s * 1e3:.1f} ms, error "
                       f"{100 * (p.step_s - measured) / measured:+.1f}% (communication {p.comm_s * 1e3:.2f} ms)")
 

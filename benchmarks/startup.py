@@ -17,12 +17,16 @@ What it measures
 
 How
     ``--runs`` pairs, the two sides alternating (ABBA) so that drift and background load hit both
-    alike, after one untimed warm-up pair (file cache). Each side runs with ``OMP_NUM_THREADS=1``
-    per worker. The ratio is median(paratrain) / median(hand-written); target ≤ 0.9.
+    alike, after ``--warmup`` untimed warm-up pairs (file cache). Each side runs with
+    ``OMP_NUM_THREADS=1`` per worker. Every paratrain run writes to a fresh run folder (``--log-dir
+    <temp>/runs/{name}``, as the default ``runs/{name}`` does; the temporary folder is removed at
+    the end): ``paratrain train`` refuses a log folder that already holds a run. The ratio is
+    median(paratrain) / median(hand-written); target ≤ 0.9.
 
 Usage::
 
-    python benchmarks/startup.py [--runs 5] [--only a|b]
+    python benchmarks/startup.py [--runs 5] [--warmup 1] [--only a|b]
+    python benchmarks/startup.py --smoke   # one pair, no warm-up: checks that it runs (CI), numbers mean nothing
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import argparse
 import os
 import platform
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -68,8 +73,9 @@ def timed(cmd: list[str]) -> tuple[float, float]:
     return wall, busy
 
 
-def pair(name: str, hand: list[str], ours: list[str], runs: int) -> None:
-    timed(hand), timed(ours)  # warm-up: file cache, .pyc
+def pair(name: str, hand: list[str], ours: list[str], runs: int, warmup: int) -> None:
+    for _ in range(warmup):  # file cache, .pyc
+        timed(hand), timed(ours)
     results: dict[str, list[tuple[float, float]]] = {"hand-written": [], "paratrain": []}
     for i in range(runs):
         order = [("hand-written", hand), ("paratrain", ours)]
@@ -90,23 +96,40 @@ def pair(name: str, hand: list[str], ours: list[str], runs: int) -> None:
           f"  (target <= 0.90)")
 
 
-def main() -> None:
+SMOKE = {"runs": 1, "warmup": 0}
+"""``--smoke``: what CI runs (``tests/test_benchmarks.py``); flags given explicitly still win."""
+
+
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=1, help="untimed pairs first (default 1)")
     ap.add_argument("--only", choices=("a", "b"))
-    args = ap.parse_args()
+    ap.add_argument("--smoke", action="store_true",
+                    help=f"check that the benchmark runs, quickly ({SMOKE}); the numbers mean nothing")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        ap.set_defaults(**SMOKE)
+        args = ap.parse_args(argv)
     py = sys.executable
     out = tempfile.mkdtemp(prefix="paratrain-startup-")
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} logical cores, "
-          f"load average {os.getloadavg()[0]:.1f}; python {platform.python_version()}; {args.runs} pairs, ABBA")
-    common = ["--max-steps", "1", "--no-progress", "--log-dir", out]
-    if args.only in (None, "a"):
-        pair("a: one process", [py, str(HERE / "handwritten" / "digits_single.py")],
-             [py, "-m", "paratrain", "train", *common], args.runs)
-    if args.only in (None, "b"):
-        pair("b: DDP, 2 processes", [py, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                                     str(HERE / "handwritten" / "digits_ddp.py")],
-             [py, "-m", "paratrain", "train", "--strategy", "ddp", "--nproc-per-node", "2", *common], args.runs)
+          f"load average {os.getloadavg()[0]:.1f}; python {platform.python_version()}; {args.runs} pairs, ABBA"
+          f"{', smoke: the numbers mean nothing' if args.smoke else ''}")
+    # A fresh run folder for every run, named as the default runs/{name} names it: paratrain train
+    # refuses a --log-dir that already holds a run.
+    common = ["--max-steps", "1", "--no-progress", "--log-dir", os.path.join(out, "runs", "{name}")]
+    try:
+        if args.only in (None, "a"):
+            pair("a: one process", [py, str(HERE / "handwritten" / "digits_single.py")],
+                 [py, "-m", "paratrain", "train", *common], args.runs, args.warmup)
+        if args.only in (None, "b"):
+            pair("b: DDP, 2 processes", [py, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                                         str(HERE / "handwritten" / "digits_ddp.py")],
+                 [py, "-m", "paratrain", "train", "--strategy", "ddp", "--nproc-per-node", "2", *common],
+                 args.runs, args.warmup)
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
 
 
 if __name__ == "__main__":

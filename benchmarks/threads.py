@@ -21,15 +21,15 @@ What it measures
         TorchScript launcher). Speed-ups are against ``sequential``, or against ``scripted
         sequential`` for the scripted variants (TorchScript changes the step time by itself).
     (b) ``devices`` on two CPU parts (an MLP of 4 Linear(1024, 1024) layers and a head, cut in the
-        middle), per training step, at batch 1024 and 256: ``micro_batches=1`` (the parts one
-        after another) against ``micro_batches=4`` pipelined (forward and backward), pipelined
+        middle), per training step, at batch 1024 and 256 (``--batches``): ``micro_batches=1`` (the
+        parts one after another) against ``micro_batches=4`` pipelined (forward and backward), pipelined
         forward with the autograd engine's backward (``pipelined_backward=False``: what shows that
         one backward call runs the CPU nodes one at a time), and the 4 chunks run one after
         another (what chunking alone costs: a matmul over 64 rows runs at a lower rate than over
-        256). Forward-only times (``torch.no_grad``) too.
-    (c) The same shapes with intra-op threading instead: one branch (or the whole split) at a
-        time with 2 intra-op threads, so that inter-op (branches) and intra-op (kernels) can be
-        compared for each shape.
+        256). Forward-only times (``torch.no_grad``) too, at the first batch.
+    (c) The same shapes with intra-op threading instead: one branch (or the whole split, at the
+        first of ``--batches``) at a time with 2 intra-op threads, so that inter-op (branches) and
+        intra-op (kernels) can be compared for each shape.
 
 How
     Each group's variants run in blocks of ``--reps`` calls, interleaved A B C ... then ... C B A
@@ -45,7 +45,8 @@ How
 
 Usage::
 
-    python benchmarks/threads.py [--runs 6] [--reps 5] [--only 0|a|b|c]
+    python benchmarks/threads.py [--runs 6] [--reps 5] [--only 0|a|b|c] [--batches 1024,256]
+    python benchmarks/threads.py --smoke   # one run of one call, batches 256,64: checks that it runs (CI)
 """
 
 from __future__ import annotations
@@ -425,17 +426,17 @@ def devices_models() -> dict[str, nn.Module]:
 DEVICES_BASE = {n: "micro_batches=1" for n in devices_models()}
 
 
-def part_b(runs: int, reps: int) -> None:
+def part_b(runs: int, reps: int, batches: tuple[int, ...] = (1024, 256)) -> None:
     print("\n(b) devices on two CPU parts (4 x Linear(1024, 1024) + ReLU, then a Linear(1024, 10); cut after the "
           "second), 1 intra-op thread per part")
     g = torch.Generator().manual_seed(1)
     models = devices_models()
-    for batch in (1024, 256):
+    for batch in batches:
         x = torch.randn(batch, 1024, generator=g)
         y = torch.randint(0, 10, (batch,), generator=g)
         abba(f"devices, training step (forward + backward), batch {batch} (micro-batches of {batch // 4})",
              {n: train_step(m, x, y) for n, m in models.items()}, DEVICES_BASE, runs, reps)
-        if batch == 1024:
+        if batch == batches[0]:
             fwd = {n: no_grad(m, x) for n, m in models.items()
                    if n in ("micro_batches=1", "micro_batches=4 pipelined", "k=4, chunks one at a time")}
             abba(f"devices, forward only (no_grad), batch {batch}", fwd, DEVICES_BASE, runs, reps)
@@ -443,7 +444,7 @@ def part_b(runs: int, reps: int) -> None:
 
 # --- (c) intra-op threads instead ---------------------------------------------------------------
 
-def part_c(runs: int, reps: int) -> None:
+def part_c(runs: int, reps: int, batch: int = 1024) -> None:
     print("\n(c) the same shapes with intra-op threads: one branch at a time, 2 threads per kernel")
     g = torch.Generator().manual_seed(0)
     m1, m2 = torch.randn(1024, 1024, generator=g) / 32, torch.randn(1024, 1024, generator=g) / 32
@@ -462,10 +463,10 @@ def part_c(runs: int, reps: int) -> None:
                                        "sequential, 2 intra-op threads": train_step(seq, x, y),
                                        "fork_map, 1 thread per branch": train_step(fm, x, y)},
          base, runs, reps, dict(setups))
-    xb = torch.randn(1024, 1024, generator=g)
-    yb = torch.randint(0, 10, (1024,), generator=g)
+    xb = torch.randn(batch, 1024, generator=g)
+    yb = torch.randint(0, 10, (batch,), generator=g)
     one, piped = split(1), split(4)
-    abba("devices (two CPU parts), training step, batch 1024",
+    abba(f"devices (two CPU parts), training step, batch {batch}",
          {"sequential, 1 thread": train_step(one, xb, yb), "sequential, 2 intra-op threads": train_step(one, xb, yb),
           "fork_map, 1 thread per branch": train_step(piped, xb, yb)},
          base, runs, reps, dict(setups))
@@ -473,12 +474,29 @@ def part_c(runs: int, reps: int) -> None:
     torch.set_num_threads(1)
 
 
+SMOKE = {"runs": 1, "reps": 1, "batches": "256,64"}
+"""``--smoke``: what CI runs (``tests/test_benchmarks.py``); flags given explicitly still win."""
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--runs", type=int, default=6, help="ABBA runs per group (default 6; at least 5)")
     p.add_argument("--reps", type=int, default=5, help="calls per block (default 5)")
     p.add_argument("--only", choices=["0", "a", "b", "c"], help="one part only")
+    p.add_argument("--batches", default="1024,256",
+                   help="(b) and (c): batches of the devices split, each a multiple of 4 (default 1024,256)")
+    p.add_argument("--smoke", action="store_true",
+                   help=f"check that the benchmark runs, quickly ({SMOKE}); the numbers mean nothing")
     args = p.parse_args(argv)
+    if args.smoke:
+        p.set_defaults(**SMOKE)
+        args = p.parse_args(argv)
+    try:
+        batches = tuple(int(b) for b in args.batches.split(","))
+    except ValueError:
+        p.error(f"--batches {args.batches!r}: give comma-separated integers")
+    if any(b < 4 or b % 4 for b in batches):
+        p.error(f"--batches {args.batches}: each must be a positive multiple of 4 (micro_batches=4)")
     settings = paratrain.configure_threads(1, branches=2, verbose=False)
     print(f"hardware: {cpu_model()}, {settings.cores} usable cores; torch {torch.__version__}; "
           f"python {platform.python_version()}")
@@ -488,9 +506,12 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     if args.only in (None, "0"):
         part_0()
-    for name, part in (("a", part_a), ("b", part_b), ("c", part_c)):
+    parts: dict[str, Callable[[], None]] = {"a": lambda: part_a(args.runs, args.reps),
+                                            "b": lambda: part_b(args.runs, args.reps, batches),
+                                            "c": lambda: part_c(args.runs, args.reps, batches[0])}
+    for name, part in parts.items():
         if args.only in (None, name):
-            part(args.runs, args.reps)
+            part()
     print(f"\nload average after: {load()}; {time.perf_counter() - t0:.0f} s")
     return 0
 
