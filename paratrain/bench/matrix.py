@@ -30,7 +30,7 @@ from ..data.sampler import check_dataset_fits
 from ..env.process import available_accelerator
 from ..strategies.ddp import COMM_HOOKS
 
-__all__ = ["Cell", "BenchSpec", "build_matrix", "quick_spec", "full_spec", "cuda_devices", "BASELINE"]
+__all__ = ["Cell", "BenchSpec", "build_matrix", "annotate", "quick_spec", "full_spec", "cuda_devices", "BASELINE"]
 
 BASELINE = "plain-ddp"  # the hand-written loop's strategy name in a Cell
 
@@ -254,7 +254,6 @@ def build_matrix(spec: BenchSpec, base: TrainConfig, train_size: int) -> list[Ce
     """Every cell of ``spec`` on top of the base config ``base``, skipped ones included."""
     batch = base.parallel.global_batch
     gpus = cuda_devices(base.parallel.accelerator)
-    device = "cuda" if gpus else "cpu"
     cells: list[Cell] = []
     worlds = sorted(set(spec.world_sizes))
     multi = [w for w in worlds if w > 1]
@@ -297,6 +296,14 @@ def build_matrix(spec: BenchSpec, base: TrainConfig, train_size: int) -> list[Ce
                  group="trap", sets_lr_rule=True, note=f"global x{n} with the linear scaling rule (lr x{n}) and {warm} warmup steps"),
         ]
 
+    return annotate(cells, base, train_size)
+
+
+def annotate(cells: list[Cell], base: TrainConfig, train_size: int) -> list[Cell]:
+    """``cells`` with ``skip`` set where this machine, the precision, the config or the data size
+    cannot run them (the reason in one line)."""
+    gpus = cuda_devices(base.parallel.accelerator)
+    device = "cuda" if gpus else "cpu"
     probes: dict[str, str | None] = {}
     out = []
     for cell in cells:

@@ -22,6 +22,7 @@ SUBCOMMANDS = {
     "verify": "paratrain.cli.verify",
     "env": "paratrain.cli.env",
     "export": "paratrain.cli.export",
+    "selftest": "paratrain.cli.selftest",
 }
 
 

@@ -10,7 +10,10 @@ patches paratrain only when a ``PARATRAIN_TEST_*`` variable asks for a fault:
 * ``PARATRAIN_TEST_WAIT_ALONE_AT=step``: a world of one process waits after that step (for a
   second host to join, which restarts it at a bigger world; a restart at world 1 waits again);
 * ``PARATRAIN_TEST_CRASH_AFTER_BYTES=N``: a checkpoint writer dies after N bytes, as a killed
-  process would.
+  process would;
+* ``PARATRAIN_TEST_WRONG_STRATEGY=name``: that strategy trains wrongly: on rank 1 the model it
+  wraps returns its outputs ×1.5, so that rank's gradients are wrong (a broken all-reduce would do
+  the same to the average).
 """
 
 import os
@@ -87,6 +90,23 @@ def _install_wait_alone(step: int) -> None:
     train.fit = waiting_fit
 
 
+def _install_wrong_strategy(name: str) -> None:
+    import paratrain.strategies as strategies
+
+    cls = strategies.STRATEGIES[name]
+    wrap = cls.wrap
+
+    def wrong_wrap(self, model, *args, **kwargs):
+        wrapped = wrap(self, model, *args, **kwargs)
+        if int(os.environ.get("RANK", "0")) == 1:
+            wrapped.register_forward_hook(lambda module, inputs, output: output * 1.5)
+        return wrapped
+
+    cls.wrap = wrong_wrap
+
+
+if os.environ.get("PARATRAIN_TEST_WRONG_STRATEGY"):
+    _install_wrong_strategy(os.environ["PARATRAIN_TEST_WRONG_STRATEGY"])
 if os.environ.get("PARATRAIN_TEST_WAIT_ALONE_AT"):
     _install_wait_alone(int(os.environ["PARATRAIN_TEST_WAIT_ALONE_AT"]))
 for _name in _FAULTS:

@@ -1,0 +1,104 @@
+"""The seed's comparison table on this machine: single vs DataParallel vs DDP vs DDP with mixed
+precision, on ResNet-50 (torchvision's architecture) with CIFAR-shaped synthetic data.
+
+The seed (``shared/seeds/000_*``) trained ``torchvision.models.resnet50`` on CIFAR-10 at batch 256
+and reported seconds per epoch: single GPU 13.2, DataParallel on 4 GPUs 19.1, DDP on 2 GPUs 9.8, DDP
+on 4 GPUs 6.1, DDP on 4 GPUs with mixed precision 6.5. Here every configuration is one ``bench``
+cell (fresh processes, warm-up steps untimed), and its time per epoch is projected to CIFAR-10's
+50,000 training samples from the timed steps, so the numbers compare with the seed's whatever the
+synthetic set's size. A cell this machine cannot run keeps its row, with the reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any, Callable
+
+from ..config import TrainConfig
+from .budget import Deadline
+from .report import Report
+
+__all__ = ["SEED_SECONDS", "seed_cells", "run_seed_table", "CIFAR10_TRAIN"]
+
+CIFAR10_TRAIN = 50_000
+SEED_SECONDS = {("single", 1, "32"): 13.2, ("dp", 4, "32"): 19.1, ("ddp", 2, "32"): 9.8, ("ddp", 4, "32"): 6.1,
+                ("ddp", 4, "fp16-mixed"): 6.5}
+"""The seed's seconds per epoch, keyed by (strategy, GPUs, precision)."""
+
+
+def seed_config(gpus: int) -> TrainConfig:
+    """The seed's job: ResNet-50, global batch 256, SGD; on a CPU a batch of 32 and a few steps."""
+    batch, size = (256, 256 * 12) if gpus else (32, 32 * 3)
+    return TrainConfig().with_overrides({
+        "model": "resnet50", "data.dataset": "synthetic", "data.synthetic_size": size, "data.augment": False,
+        "parallel.global_batch": batch, "log_dir": None, "progress": False, "checkpoint_every": 0,
+        "checkpoint_dir": None, "resume": False,
+    })
+
+
+def seed_cells(cfg: TrainConfig, world: int, gpus: int) -> list[Any]:
+    """The table's configurations, in the seed's order, with ``skip`` set where this machine cannot
+    run them."""
+    from ..bench.matrix import Cell, annotate
+
+    batch = cfg.parallel.global_batch
+    ddp_world = max(1, min(world, gpus)) if gpus else world
+    cells = [Cell(strategy="single", global_batch=batch),
+             Cell(strategy="dp", world_size=max(gpus, 2), global_batch=batch)]
+    for w in sorted({2, ddp_world}):
+        cells.append(Cell(strategy="ddp", world_size=w, global_batch=batch))
+    cells += [Cell(strategy="ddp", world_size=ddp_world, precision=p, global_batch=batch)
+              for p in ("fp16-mixed", "bf16-mixed")]
+    cells = annotate(cells, cfg, cfg.data.synthetic_size)
+    if not gpus:  # the CPU's fp16 convolutions are reference kernels: minutes per step of ResNet-50
+        cells = [replace(c, skip=c.skip or "fp16 convolutions on the CPU run in slow reference kernels: a GPU row")
+                 if c.precision == "fp16-mixed" else c for c in cells]
+    return cells
+
+
+def _cell_seconds(cfg: TrainConfig, gpus: int) -> float:
+    """What one cell is expected to take, start-up and evaluation included."""
+    return 20.0 if gpus else 4.0 + 0.5 * cfg.data.synthetic_size / 16
+
+
+def run_seed_table(report: Report, world: int, gpus: int, deadline: Deadline,
+                   progress: Callable[[str], None] = lambda s: None) -> None:
+    from ..bench.matrix import BenchSpec
+    from ..bench.runner import _derive, run_cells
+
+    cfg = seed_config(gpus)
+    cells = seed_cells(cfg, world, gpus)
+    spec = BenchSpec(strategies=["single", "dp", "ddp"], world_sizes=[1, world], precisions=["32"],
+                     comm_hooks=["none"], epochs=1, warmup_steps=3 if gpus else 1, baseline=False, trap=False,
+                     cell_timeout=120.0 if gpus else 60.0)
+    data = (cfg.dataset(train=True), cfg.dataset(train=False))
+    cost = _cell_seconds(cfg, gpus)
+    results = []
+    for cell in cells:
+        if cell.skip or not deadline.allows(cost):
+            from ..bench.runner import CellResult
+
+            why = cell.skip or f"budget: {deadline.left:.0f} s left, a cell takes about {cost:.0f} s"
+            results.append(CellResult(cell=cell, status="skipped", reason=why))
+            continue
+        progress(f"seed table: {cell.label}")
+        results += run_cells([cell], spec, cfg, data, progress=False)
+    _derive(results)
+    steps = CIFAR10_TRAIN // cfg.parallel.global_batch
+    report.seed_note = (f"ResNet-50 on CIFAR-shaped synthetic data, global batch {cfg.parallel.global_batch}; "
+                        f"s/epoch is the timed step x {steps} steps (one CIFAR-10 epoch); the seed's on its GPUs")
+    for r in results:
+        c = r.cell
+        seed = SEED_SECONDS.get((c.strategy, c.world_size, c.precision))
+        row: dict[str, Any] = {"label": c.label, "strategy": c.strategy, "world_size": c.world_size,
+                               "precision": c.precision, "status": r.status, "seed_seconds": seed}
+        if r.status == "ok" and r.step_time_s:
+            row.update(seconds_per_epoch=r.step_time_s * steps, samples_per_s=r.samples_per_s,
+                       speedup=r.speedup, peak_mem_mib=r.peak_mem_mib, step_time_s=r.step_time_s)
+        else:
+            row["skip"] = r.reason or r.status
+        report.seed_table.append(row)
+        status = "ok" if r.status == "ok" else ("FAIL" if r.status == "failed" else "skipped")
+        text = (f"{row['seconds_per_epoch']:.1f} s/epoch, {r.samples_per_s:.0f} samples/s"
+                if "seconds_per_epoch" in row else row["skip"])
+        report.add("seed table", c.label, status, text)

@@ -1,0 +1,113 @@
+"""``paratrain selftest``: the command as CI runs it, a fault it must catch, and its parts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from clitools import run_cli
+
+from paratrain.selftest.budget import Budget
+from paratrain.selftest.collectives import bus_bandwidth
+from paratrain.selftest.correctness import plan_checks
+from paratrain.selftest.report import FAIL, OK, SKIPPED, Report
+from paratrain.selftest.run import SelftestOptions
+from paratrain.selftest.seed import seed_cells, seed_config
+
+
+def test_selftest_passes_on_this_machine_within_its_budget(tmp_path):
+    # what CI proves: the CPU rows run for real, within the budget, and pass
+    r = run_cli(["selftest", "--budget", "120", "--out", str(tmp_path), "--no-progress"], timeout=240)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    report = json.loads((tmp_path / "selftest.json").read_text())
+    assert report["passed"] and report["elapsed_s"] <= 120
+    rows = {(row["section"], row["check"]): row for row in report["rows"]}
+    assert rows[("correctness", "ddp x2 32 (CPU)")]["status"] == OK
+    assert rows[("correctness", "ddp x2 32 (CPU)")]["data"]["divergence"] <= 1e-5
+    assert rows[("correctness", "dp x2 32 (CPU)")]["status"] == SKIPPED  # no GPUs: listed with the reason
+    sections = {row["section"] for row in report["rows"]}
+    assert {"correctness", "collectives", "speed"} <= sections
+    assert any(r["section"] == "collectives" and r["status"] == OK and r["data"]["busbw"] > 0
+               for r in report["rows"])
+    assert any(r["check"] == "paratrain ddp x2" and r["status"] == OK for r in report["rows"])
+    md = (tmp_path / "selftest.md").read_text()
+    assert md.startswith("# paratrain selftest") and "| correctness | ddp x2 32 (CPU) | ok |" in md
+    assert "selftest: PASS" in r.stdout
+
+
+def test_selftest_fails_when_a_strategy_trains_wrongly(tmp_path):
+    # the fault comes from outside the package (tests/faults/sitecustomize.py): ddp's rank 1 is wrong
+    r = run_cli(["selftest", "--budget", "60", "--sections", "correctness", "--strategies", "ddp,fsdp",
+                 "--precisions", "32", "--out", str(tmp_path), "--no-progress"], timeout=180,
+                PARATRAIN_TEST_WRONG_STRATEGY="ddp")
+    assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = {row["check"]: row for row in json.loads((tmp_path / "selftest.json").read_text())["rows"]}
+    assert rows["ddp x2 32 (CPU)"]["status"] == FAIL and rows["ddp x2 32 (CPU)"]["data"]["divergence"] > 1e-3
+    assert rows["fsdp x2 32 (CPU)"]["status"] == OK
+    assert "selftest: FAIL" in r.stdout
+
+
+def test_bad_values_are_one_line_errors(tmp_path):
+    r = run_cli(["selftest", "--budget", "0", "--out", str(tmp_path)], timeout=60)
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "--budget 0" in r.stderr
+    r = run_cli(["selftest", "--sections", "nope", "--out", str(tmp_path)], timeout=60)
+    assert r.returncode == 2 and "section 'nope' is unknown" in r.stderr
+
+
+def test_bus_bandwidth_is_nccl_tests_formula():
+    # nccl-tests: all_reduce busbw = algbw * 2(n-1)/n, all_gather busbw = algbw * (n-1)/n
+    assert bus_bandwidth("all_reduce", 8e9, 2.0, 8) == (4e9, 4e9 * 14 / 8)
+    assert bus_bandwidth("all_gather", 8e9, 2.0, 4) == (4e9, 3e9)
+    assert bus_bandwidth("all_reduce", 1e6, 1e-3, 1)[1] == 0.0
+
+
+def test_budget_sections_share_what_is_left():
+    b = Budget(100.0)
+    first = b.section(0.25)
+    assert 24 < first.left <= 25 and first.allows(20) and not first.allows(30)
+    with pytest.raises(ValueError, match="--budget -1"):
+        Budget(-1)
+
+
+def _no_probe(precision, device):
+    return None
+
+
+def test_plan_on_simulated_gpu_machines():
+    # 4 GPUs: every multi-process check on the GPUs; dp drives all 4 in one process
+    checks = plan_checks(["single", "dp", "ddp", "devices"], ["32"], 4, 4, _no_probe)
+    assert [(c.strategy, c.world_size, c.accelerator, c.skip) for c in checks] == [
+        ("dp", 4, "cuda", None), ("ddp", 4, "cuda", None), ("devices", 1, "cuda", None)]
+    # 1 GPU, 2 processes: the N-process runs go to the CPU (gloo), and each strategy also runs on the GPU
+    checks = plan_checks(["ddp"], ["32", "bf16-mixed"], 2, 1, lambda p, d: "no bf16" if p != "32" else None)
+    assert [(c.label, c.skip) for c in checks] == [
+        ("ddp x2 32 (CPU)", None), ("ddp x1 32 (GPU)", None),
+        ("ddp x2 bf16-mixed (CPU)", "no bf16"), ("ddp x1 bf16-mixed (GPU)", "no bf16")]
+
+
+def test_seed_table_cells_name_what_this_machine_cannot_run():
+    cfg = seed_config(gpus=0)
+    cells = seed_cells(cfg, world=2, gpus=0)
+    labels = {c.label: c.skip for c in cells}
+    assert labels["single"] is None and labels["ddp x2"] is None and labels["ddp x2 bf16-mixed"] is None
+    assert "2 GPUs" in labels["dp x2"]
+    assert "fp16" in labels["ddp x2 fp16-mixed"]
+    assert cfg.model == "resnet50" and cfg.data.dataset == "synthetic"
+
+
+def test_report_files_and_exit_rule(tmp_path):
+    rep = Report(budget_s=10)
+    rep.add("correctness", "ddp x2 32 (CPU)", OK, "fine")
+    rep.add("speed", "x", FAIL, "slow | odd")
+    assert not rep.failed  # only a correctness failure fails the command
+    rep.add("correctness", "fsdp x2 32 (CPU)", FAIL, "diverged")
+    assert [r.check for r in rep.failed] == ["fsdp x2 32 (CPU)"]
+    paths = rep.write(str(tmp_path))
+    assert json.loads(open(paths["json"]).read())["passed"] is False
+    assert "slow \\| odd" in open(paths["md"]).read()
+
+
+def test_options_are_checked_up_front():
+    with pytest.raises(ValueError, match="strategy 'zero' is unknown"):
+        SelftestOptions(strategies=["zero"])
+    assert SelftestOptions(precisions=["fp32", "32", "bf16"]).precisions == ["32", "bf16-mixed"]
