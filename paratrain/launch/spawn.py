@@ -51,6 +51,19 @@ def _worker(local_rank: int, fn: Callable, nprocs: int, env: dict[str, str], arg
         pickle.dump(result, f)
 
 
+def exception_line(text: str) -> str:
+    """The line of a formatted traceback that says what was raised (``ValueError: ...``), not its
+    last line (a multi-line message can end in ``)``); the last meaningful line if there is none."""
+    lines = text.strip().splitlines()
+    start = max((i for i, ln in enumerate(lines) if ln.startswith("Traceback (most recent call last)")), default=-1)
+    if start >= 0:
+        for ln in lines[start + 1:]:
+            if ln.strip() and not ln[0].isspace():
+                return ln.strip()
+    meaningful = [ln.strip() for ln in lines if ln.strip().strip("()[]{},.;:")]
+    return meaningful[-1] if meaningful else text.strip()
+
+
 def launch(
     fn: Callable[..., Any],
     nprocs: int,
@@ -125,8 +138,7 @@ def launch(
                         "(a collective that never completes?); all workers were killed"
                     )
         except ProcessRaisedException as e:
-            last = str(e).strip().splitlines()[-1]
-            raise LaunchError(f"rank {e.error_index} failed: {last}") from e
+            raise LaunchError(f"rank {e.error_index} failed: {exception_line(str(e))}") from e
         except ProcessExitedException as e:
             raise LaunchError(f"rank {e.error_index} exited with code {e.exit_code}") from e
         finally:

@@ -36,7 +36,8 @@ class FSDPOptions:
     reshard_after_forward: bool = True
     """Free gathered parameters after forward (ZeRO-3). False keeps them for backward (ZeRO-2-like)."""
     wrap_classes: list[str] = field(default_factory=list)
-    """Class names of the blocks sharded as one unit (e.g. ["Block"]). Empty: see min_params."""
+    """Class names of the blocks sharded as one unit (e.g. ["Block"]). Empty: a HuggingFace model's
+    ``_no_split_modules``, else the elements of the model's stacks of blocks (see min_params)."""
     min_params: int = 0
     """With no wrap_classes: a submodule holding at least this many not-yet-sharded parameters is
     a block. 0: every direct child of the model that has parameters is a block."""
@@ -60,12 +61,85 @@ def mixed_precision_policy(precision: str) -> Any:
     return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
 
 
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict)
+
+
+def _repeated(module: nn.Module) -> list[nn.Module] | None:
+    """The blocks a container holds: a ModuleList's elements, or a Sequential's children when two
+    or more of them have parameters and all of those are of one class (a stack of blocks); None
+    otherwise (a ModuleDict is looked through, its values are not a stack)."""
+    if isinstance(module, nn.ModuleList):
+        return list(module)
+    if type(module) is nn.Sequential:
+        kids = [m for m in module.children() if any(True for _ in m.parameters())]
+        if len(kids) >= 2 and len({type(m) for m in kids}) == 1:
+            return kids
+    return None
+
+
+def _stacked_blocks(model: nn.Module) -> list[nn.Module]:
+    """The elements of every stack of blocks in ``model`` (outermost stacks only), e.g. nanoGPT's
+    ``transformer.h[i]``, BERT's ``encoder.layer[i]``, a ResNet's residual blocks."""
+    found: list[nn.Module] = []
+
+    def take(stack: list[nn.Module]) -> None:
+        for m in stack:
+            if isinstance(m, _CONTAINERS):  # a stack of stacks: its elements' elements
+                take(_repeated(m) or list(m.children()))
+            elif any(True for _ in m.parameters()):
+                found.append(m)
+
+    def visit(module: nn.Module) -> None:
+        for child in module.children():
+            stack = _repeated(child)
+            if stack is not None:
+                take(stack)
+            else:
+                visit(child)
+
+    visit(model)
+    return found
+
+
+def _tie_safe(model: nn.Module, blocks: list[nn.Module]) -> list[nn.Module]:
+    """``blocks`` without those that hold only some of a tied parameter's users (GPT-2's ``lm_head``
+    and ``wte``): a tied parameter lands in one FSDP group, the root's or a block's that holds all
+    of its users (FSDP2 refuses a parameter managed by two groups)."""
+    owners: dict[int, list[nn.Module]] = {}
+    for m in model.modules():
+        for p in m._parameters.values():
+            if p is not None:
+                owners.setdefault(id(p), []).append(m)
+    tied = {pid: ms for pid, ms in owners.items() if len(ms) > 1}
+    if not tied:
+        return blocks
+    keep = []
+    for block in blocks:
+        inside = {id(m) for m in block.modules()}
+        split = any(any(id(m) in inside for m in ms) and not all(id(m) in inside for m in ms) for ms in tied.values())
+        if not split:
+            keep.append(block)
+    return keep
+
+
 def _blocks(model: nn.Module, wrap_classes: list[str], min_params: int) -> list[nn.Module]:
-    """The submodules sharded as units, innermost first (fully_shard must go bottom-up)."""
+    """The submodules sharded as units, innermost first (fully_shard must go bottom-up).
+
+    ``wrap_classes`` (or else a HuggingFace model's ``_no_split_modules``) name the block classes.
+    Otherwise, with ``min_params`` 0, the blocks are the elements of the model's stacks of blocks
+    (ModuleList, a Sequential of one block class), anywhere in the tree, never the container
+    itself; a model with no such stack shards each direct child that has parameters. Blocks that
+    would split a tied parameter's users are left to the root's group."""
+    wrap_classes = wrap_classes or (list(getattr(model, "_no_split_modules", None) or []) if not min_params else [])
     if wrap_classes:
-        return [m for m in reversed(list(model.modules())) if m is not model and type(m).__name__ in wrap_classes]
+        blocks = [m for m in reversed(list(model.modules())) if m is not model and type(m).__name__ in wrap_classes]
+        return _tie_safe(model, blocks)
     if min_params == 0:
-        return [m for m in model.children() if any(True for _ in m.parameters())]
+        stacked = _stacked_blocks(model)
+        if stacked:
+            return _tie_safe(model, stacked)
+        return _tie_safe(model, [m for m in model.children()
+                                 if any(True for _ in m.parameters()) and not isinstance(m, _CONTAINERS)])
     blocks: list[nn.Module] = []
     covered: set[int] = set()  # parameters already inside a chosen block
 
@@ -73,12 +147,12 @@ def _blocks(model: nn.Module, wrap_classes: list[str], min_params: int) -> list[
         for child in module.children():
             visit(child)
         free = sum(p.numel() for p in module.parameters() if id(p) not in covered)
-        if module is not model and free >= min_params:
+        if module is not model and free >= min_params and not isinstance(module, _CONTAINERS):
             blocks.append(module)
             covered.update(id(p) for p in module.parameters())
 
     visit(model)
-    return blocks
+    return _tie_safe(model, blocks)
 
 
 def shard_model(model: nn.Module, mesh: Any, options: FSDPOptions, precision: str = "32") -> nn.Module:

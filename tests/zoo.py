@@ -1,0 +1,165 @@
+"""Models shaped like the ones users bring, for the strategy tests: built from tiny configs, no
+download, dropout off.
+
+* :class:`GPT`: nanoGPT's model as Karpathy writes it: ``transformer = ModuleDict(wte, wpe, drop,
+  h=ModuleList(Block), ln_f)``, a fused ``c_attn`` Linear split into q, k, v in the forward, and
+  ``lm_head`` tied to ``wte``;
+* :class:`BlockNet`: a plain model whose root holds its blocks in a ``ModuleList``;
+* :func:`hf_model`: a tiny HuggingFace GPT-2 (tied), BERT classifier or Llama (untied).
+
+Every model takes a ``(batch, tokens)`` LongTensor and returns logits; :func:`logits` unwraps a
+HuggingFace output. :class:`Tokens` is a data set of ``(ids, target)`` pairs for them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import Dataset
+
+VOCAB, LENGTH, WIDTH = 32, 8, 16
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, n_embd: int = WIDTH, n_head: int = 2) -> None:
+        super().__init__()
+        self.c_attn = nn.Linear(n_embd, 3 * n_embd)
+        self.c_proj = nn.Linear(n_embd, n_embd)
+        self.n_head, self.n_embd = n_head, n_embd
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
+
+class MLP(nn.Module):
+    def __init__(self, n_embd: int = WIDTH) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(n_embd, 4 * n_embd)
+        self.gelu = nn.GELU()
+        self.c_proj = nn.Linear(4 * n_embd, n_embd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c_proj(self.gelu(self.c_fc(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, n_embd: int = WIDTH) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(n_embd)
+        self.attn = CausalSelfAttention(n_embd)
+        self.ln_2 = nn.LayerNorm(n_embd)
+        self.mlp = MLP(n_embd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    """nanoGPT's GPT (model.py), tiny."""
+
+    def __init__(self, n_layer: int = 2, n_embd: int = WIDTH, vocab: int = VOCAB, block_size: int = LENGTH) -> None:
+        super().__init__()
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(vocab, n_embd),
+            wpe=nn.Embedding(block_size, n_embd),
+            drop=nn.Dropout(0.0),
+            h=nn.ModuleList([Block(n_embd) for _ in range(n_layer)]),
+            ln_f=nn.LayerNorm(n_embd),
+        ))
+        self.lm_head = nn.Linear(n_embd, vocab, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight  # weight tying, as nanoGPT does
+        self.apply(self._init_weights)
+        for pn, p in self.named_parameters():
+            if pn.endswith("c_proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * n_layer))
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.size(1), device=idx.device)
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+        for block in self.transformer.h:
+            x = block(x)
+        return self.lm_head(self.transformer.ln_f(x))
+
+
+class BlockNet(nn.Module):
+    """Embedding, a ``ModuleList`` of residual MLP blocks, a head: the root holds a container."""
+
+    def __init__(self, n_layer: int = 3, n_embd: int = WIDTH, vocab: int = VOCAB) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, n_embd)
+        self.blocks = nn.ModuleList([nn.Sequential(nn.LayerNorm(n_embd), MLP(n_embd)) for _ in range(n_layer)])
+        self.head = nn.Linear(n_embd, vocab)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x)
+
+
+def hf_model(kind: str) -> nn.Module:
+    """A tiny HuggingFace model from its config: gpt2 (tied), bert (a classifier) or llama."""
+    import transformers
+
+    if kind == "gpt2":
+        return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            n_layer=2, n_embd=WIDTH, n_head=2, vocab_size=VOCAB, n_positions=LENGTH, bos_token_id=0, eos_token_id=0,
+            attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0))
+    if kind == "bert":
+        return transformers.BertForSequenceClassification(transformers.BertConfig(
+            vocab_size=VOCAB, hidden_size=WIDTH, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
+            max_position_embeddings=LENGTH, num_labels=2, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+    if kind == "llama":
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+            num_key_value_heads=2, max_position_embeddings=LENGTH, tie_word_embeddings=False))
+    raise ValueError(kind)
+
+
+def logits(output: object) -> torch.Tensor:
+    """A model's logits, whether it returns a tensor or a HuggingFace output object."""
+    return output if isinstance(output, torch.Tensor) else output.logits  # type: ignore[attr-defined]
+
+
+def loss_of(output: object, target: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of next-token logits (B, T, V) or class logits (B, C) against ``target``."""
+    out = logits(output)
+    if out.dim() == 3:
+        return F.cross_entropy(out.reshape(-1, out.size(-1)), target.reshape(-1))
+    return F.cross_entropy(out, target)
+
+
+class Tokens(Dataset):
+    """``(ids, target)`` pairs: sequences counting up by 3 from a random start; the target is the
+    next token of each position (``classes=None``) or whether the first token is below half the
+    vocabulary (``classes=2``)."""
+
+    def __init__(self, n: int, classes: int | None = None, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        start = torch.randint(0, VOCAB, (n, 1), generator=g)
+        self.ids = (start + 3 * torch.arange(LENGTH)) % VOCAB
+        self.target = (self.ids + 3) % VOCAB if classes is None else (self.ids[:, 0] < VOCAB // 2).long()
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.ids[i], self.target[i]
