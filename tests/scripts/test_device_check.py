@@ -1,0 +1,239 @@
+"""``scripts/device_check.sh``: the budget slicing, the orchestration (logs, summary, skip reasons,
+a step killed at its slice, SIGTERM) with a stand-in interpreter, and the whole ``--dry-run`` (each
+GPU-only check's CPU twin) with this venv's python. Every run is in its own process group with a
+hard limit."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "scripts" / "device_check.sh"
+
+
+def _driver():
+    spec = importlib.util.spec_from_file_location("device_check", ROOT / "scripts" / "device_check.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["device_check"] = mod  # dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+dc = _driver()
+NAMES = [s.name for s in dc.STEPS]
+
+
+def run(args: list[str], limit: float, python: str = sys.executable) -> tuple[subprocess.CompletedProcess, float]:
+    """``bash scripts/device_check.sh ARGS`` (the driver on ``python``) in a new process group,
+    SIGKILLed with everything it started past ``limit`` seconds."""
+    t0 = time.monotonic()
+    proc = subprocess.Popen(["bash", str(SCRIPT), *args], env=dict(os.environ, PYTHON=python), cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=limit)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"device_check.sh {args} ran past {limit:.0f} s and was killed\n{out[-3000:]}\n{err[-3000:]}")
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err), time.monotonic() - t0
+
+
+def gone(pid: int, within: float = 10.0) -> bool:
+    """Whether process ``pid`` ended (a zombie not yet reaped by init counts) within ``within`` s."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return True
+        except (FileNotFoundError, ProcessLookupError):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def summary(out: Path) -> dict:
+    s = json.loads((out / "device_check.json").read_text())
+    assert [o["name"] for o in s["steps"]] == NAMES  # every step listed, in order
+    md = (out / "device_check.md").read_text()
+    for name in NAMES:
+        assert f"| {name} |" in md
+    return s
+
+
+# --------------------------------------------------------------------------- the budget
+
+
+def test_a_step_gets_its_want_when_the_budget_holds_it() -> None:
+    assert dc.plan_slice(400, 45, 20, [(75, 30), (None, 90)]) == 45
+
+
+def test_no_step_takes_what_the_later_steps_need() -> None:
+    # 100 s left, later steps need 30 + 60: this one gets 10 s, not its want of 45
+    assert dc.plan_slice(100, 45, 10, [(75, 30), (None, 60)]) == 10
+    # ... and below its own need it is skipped
+    assert dc.plan_slice(100, 45, 20, [(75, 30), (None, 60)]) is None
+
+
+def test_the_open_step_takes_what_the_later_wants_leave() -> None:
+    assert dc.plan_slice(300, None, 90, [(75, 30), (45, 15)]) == 300 - 120
+    # squeezed: at least its need while the later steps keep their needs
+    assert dc.plan_slice(150, None, 90, [(75, 30), (45, 15)]) == 90
+    assert dc.plan_slice(150, None, 120, [(75, 30), (45, 15)]) is None
+    # last: everything left
+    assert dc.plan_slice(222, None, 90, []) == 222
+
+
+def test_the_default_plan_fits_eight_minutes_on_one_h100() -> None:
+    """Every step's need fits the default budget; their wants add up to more (they are caps), and
+    a run whose every fixed step hits its cap still leaves selftest its need."""
+    needs = sum(s.need for s in dc.STEPS)
+    assert needs <= dc.DEFAULT_BUDGET < 480
+    assert sum(s.dry_need for s in dc.STEPS) <= dc.DEFAULT_DRY_BUDGET
+    remaining, spent = dc.DEFAULT_BUDGET, 0.0
+    for i, s in enumerate(dc.STEPS):  # each fixed step uses its whole slice
+        later = [(t.want, t.need) for t in dc.STEPS[i + 1:]]
+        got = dc.plan_slice(remaining - spent, s.want, s.need, later)
+        assert got is not None and got >= s.need, s.name
+        spent += got
+    assert spent <= dc.DEFAULT_BUDGET
+
+
+def test_inner_budget_leaves_time_to_report() -> None:
+    assert dc.inner_budget(200) == 170
+    assert dc.inner_budget(40) == 30
+    assert dc.inner_budget(12) == 6
+
+
+# --------------------------------------------------------------------------- the orchestration
+
+
+FAKE_PROBE = {"python": "3.12.0", "executable": "fake", "torch": "2.11.0+cu130", "cuda_build": "13.0", "cuda": False,
+              "cores": 16, "gpus": [], "packages": {"matplotlib": True, "torchvision": False, "triton": True,
+                                                     "accelerate": True, "lightning": True},
+              "paratrain": "0.1.0", "paratrain_from": str(ROOT / "paratrain")}
+
+
+def fake_python(tmp: Path, body: str) -> str:
+    """An interpreter stand-in: answers the probe at once, runs ``body`` (bash) for any step."""
+    path = tmp / "fakepython"
+    path.write_text("#!/usr/bin/env bash\n"
+                    f"if [ \"$1\" = -c ]; then echo 'PROBE {json.dumps(FAKE_PROBE)}'; exit 0; fi\n"
+                    f"{body}\n")
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    return str(path)
+
+
+def test_skip_reasons_without_cuda_and_for_the_budget(tmp_path: Path) -> None:
+    """Not a dry run on a machine without CUDA: the GPU-only checks are skipped as such, a step left
+    out by --only says so, and a budget too small for a step's need skips it."""
+    py = fake_python(tmp_path, "exit 0")
+    out = tmp_path / "out"
+    res, _ = run(["--python", py, "--out", str(out), "--budget", "20", "--only", "nccl,dataloader,selftest"], 60)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    s = summary(out)
+    by = {o["name"]: o for o in s["steps"]}
+    assert by["nccl"]["status"] == "skipped" and by["nccl"]["summary"].startswith("no CUDA")
+    assert by["bench_quick"]["summary"] == "not in --only"
+    assert by["dataloader"]["status"] == "skipped" and by["dataloader"]["summary"].startswith("budget:")
+    assert by["selftest"]["status"] == "skipped" and "budget" in by["selftest"]["summary"]
+    assert s["packages_missing"] == {"torchvision": dc.OPTIONAL["torchvision"]}
+
+
+def test_a_step_past_its_slice_is_killed_with_what_it_started(tmp_path: Path) -> None:
+    pidfile = tmp_path / "child.pid"
+    py = fake_python(tmp_path, f"sleep 300 & echo $! > {pidfile}; wait")
+    out = tmp_path / "out"
+    res, took = run(["--dry-run", "--python", py, "--out", str(out), "--budget", "12", "--only", "nccl"], 60)
+    assert res.returncode == 1, res.stdout[-3000:]
+    nccl = {o["name"]: o for o in summary(out)["steps"]}["nccl"]
+    assert nccl["status"] == "failed" and "killed at the end of its" in nccl["summary"], nccl
+    assert took < 30
+    assert (out / "nccl.log").read_text().startswith("$ ")
+    assert gone(int(pidfile.read_text()))  # the step's whole process group went with it
+
+
+def test_sigterm_ends_the_run_with_a_summary(tmp_path: Path) -> None:
+    pidfile = tmp_path / "child.pid"
+    py = fake_python(tmp_path, f"sleep 300 & echo $! > {pidfile}; wait")
+    out = tmp_path / "out"
+    proc = subprocess.Popen(["bash", str(SCRIPT), "--dry-run", "--python", py, "--out", str(out), "--only", "syncbn"],
+                            env=dict(os.environ, PYTHON=sys.executable), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not pidfile.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert pidfile.exists()
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=30)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert proc.returncode == 1
+    s = summary(out)
+    assert s["interrupted"] == "stopped by SIGTERM" and not s["ok"]
+    assert {o["name"]: o for o in s["steps"]}["syncbn"]["summary"] == "stopped by SIGTERM"
+    assert gone(int(pidfile.read_text()))
+
+
+def test_an_interpreter_without_torch_fails_with_the_reason(tmp_path: Path) -> None:
+    py = tmp_path / "nopython"
+    py.write_text("#!/usr/bin/env bash\necho \"ModuleNotFoundError: No module named 'torch'\" >&2; exit 1\n")
+    py.chmod(0o755)
+    out = tmp_path / "out"
+    res, _ = run(["--dry-run", "--python", str(py), "--out", str(out)], 60)
+    assert res.returncode == 1
+    s = summary(out)
+    assert all(o["status"] == "skipped" and "No module named 'torch'" in o["summary"] for o in s["steps"])
+
+
+# --------------------------------------------------------------------------- the dry run
+
+
+@pytest.mark.timeout(280)
+def test_dry_run(tmp_path: Path) -> None:
+    """The whole dry run with this venv's python: every check ok (its CPU twin) or skipped with a
+    reason, logs and summary files written, within 4 minutes on 2 loaded cores."""
+    out = tmp_path / "dc"
+    res, took = run(["--dry-run", "--python", sys.executable, "--out", str(out)], 240)
+    s = summary(out)
+    by = {o["name"]: o for o in s["steps"]}
+    for name, o in by.items():
+        assert o["status"] in ("ok", "skipped"), f"{name}: {o['status']}: {o['summary']}\n{res.stdout[-3000:]}"
+        assert o["summary"], name
+        if o["status"] == "ok":
+            assert (out / f"{name}.log").exists() and o["slice_s"] and o["seconds"] <= o["slice_s"] + 10
+    assert res.returncode == 0 and s["ok"], res.stdout[-3000:]
+    ran = {name for name, o in by.items() if o["status"] == "ok"}
+    for name, o in by.items():  # on a loaded machine the last steps may find the budget spent
+        assert name in ran or o["summary"].startswith("budget:"), o
+    assert {"nccl", "fsdp_bf16", "fp16_scaler", "syncbn", "compile"} <= ran  # the CPU twins
+    assert by["compile"]["details"]["backend"] == "aot_eager"
+    assert by["syncbn"]["details"]["kind"] == "paratrain.nn.syncbn.SyncBatchNorm"
+    if "dataloader" in ran:
+        assert by["dataloader"]["details"]["ratios"][0]["median"] > 0
+    if "bench_quick" in ran:
+        assert (out / "bench" / "results.json").exists()
+    if "selftest" in ran:
+        assert (out / "selftest.md").exists() and (out / "selftest" / "selftest.json").exists()
+        assert "seed table (ResNet-50)" in by["selftest"]["summary"]
+    assert s["seconds"] <= s["budget_s"] + 15 and took < 240
