@@ -55,7 +55,7 @@ class ParallelConfig:
     """single, dp, ddp, fsdp (sharded data parallel, ZeRO-3/ZeRO-2-like) or tensor (Linear layers
     split over processes, optionally combined with fsdp on a 2-D mesh). Also pipeline (one model stage
     per process), devices (model parts on several devices of one process) and ps (parameter server)."""
-    precision: str = "32"
+    precision: str = _precision.reference()
     """32, tf32, fp16-mixed, bf16-mixed, bf16-true or fp16-true (low-precision weights with fp32
     master weights); Apex aliases O0, O1 (fp16-mixed), O2 and O3 (fp16-true)."""
     global_batch: int = 64
@@ -128,10 +128,22 @@ class ParallelConfig:
             raise ValueError(f"backend {self.backend!r} is unknown: use one of {', '.join(BACKENDS)}")
         if self.accelerator not in ACCELERATORS:
             raise ValueError(f"accelerator {self.accelerator!r} is unknown: use one of {', '.join(ACCELERATORS)}")
-        if self.loss_scale is not None and self.precision not in ("fp16-mixed", "fp16-true"):
-            raise ValueError(f"loss_scale {self.loss_scale} only applies to precision fp16-mixed or fp16-true, "
-                             f"not {self.precision}")
+        if self.loss_scale is not None and not _precision.lookup(self.precision).scales_loss:
+            scaled = " or ".join(n for n, c in _precision.PRECISIONS.items() if c.scales_loss)
+            raise ValueError(f"loss_scale {self.loss_scale} only applies to precision {scaled}, not {self.precision}")
         self.strategy_class.validate(self)
+
+    @classmethod
+    def of(cls, config: ParallelConfig | None, options: Mapping[str, Any]) -> ParallelConfig:
+        """``config``, or one of the keyword ``options`` (``Parallel(strategy="ddp")``); not both, and
+        an unknown option is a one-line error naming the known ones."""
+        if config is not None and options:
+            raise ValueError("pass either a ParallelConfig or keyword arguments, not both")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ValueError(f"unknown Parallel option {unknown[0]!r}: known options are {', '.join(sorted(known))}")
+        return config or cls(**options)
 
     @property
     def strategy_class(self) -> type[_strategies.Strategy]:

@@ -26,8 +26,31 @@ __all__ = ["evaluate", "to_float32"]
 def evaluate(strategy: Strategy, precision: Precision, device: torch.device, net: nn.Module, loader: EvalLoader,
              loss_fn: Callable[..., torch.Tensor] | None = None, step_fn: Callable[[nn.Module, Any], Any] | None = None,
              metrics: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """Loss, accuracy and ``metrics`` of the unwrapped ``net`` over ``loader``, summed over ranks
-    (see :meth:`paratrain.Parallel.evaluate` for what each argument means)."""
+    """Loss, accuracy (classification only) and your ``metrics`` of the unwrapped ``net`` over
+    ``loader`` (the whole evaluation set), reduced over ranks; ``count`` is the number of samples
+    (what :meth:`paratrain.Parallel.evaluate` returns).
+
+    How a batch becomes predictions and targets:
+
+    * ``step_fn(model, batch)``, if given, returns the batch's mean loss (a scalar tensor)
+      or ``(predictions, targets)``;
+    * a dict batch is passed as ``model(**batch)``: the output's ``loss`` (HuggingFace
+      computes it when the batch has ``labels``) and ``logits`` are used, ``batch["labels"]``
+      (or ``"label"``) are the targets;
+    * ``(inputs, targets)``: ``model(inputs)``.
+
+    The loss is ``loss_fn(predictions, targets)`` if given, else the model's own, else
+    cross-entropy for classification targets (integers, with logits that have a class
+    dimension) or mean squared error for float targets of the predictions' shape. ``accuracy``
+    is reported only for classification targets. ``metrics`` maps names to functions
+    ``fn(predictions, targets)`` returning the batch's mean (averaged over samples), or to
+    objects with ``update``/``compute`` (torchmetrics ``Metric``: they sync themselves).
+
+    Data-parallel strategies run the unwrapped module, so no collective happens per batch and
+    uneven shards cannot hang. Strategies whose forward is itself a collective (FSDP, tensor,
+    pipeline) run the same number of forwards on every rank, padding with batches that are
+    not counted. One all-reduce of the sums at the end.
+    """
     was_training = net.training
     net.eval()
     metrics = dict(metrics or {})

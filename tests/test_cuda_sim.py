@@ -34,6 +34,7 @@ from torch import nn
 from paratrain.env import process
 from paratrain.env.base import ProcessInfo
 from paratrain.env.process import Dist, available_accelerator, select_backend, select_device
+import paratrain.precision as precision_lib
 
 pytestmark = pytest.mark.smoke  # also run on PyPI's CUDA wheel (scripts/test.sh)
 
@@ -405,7 +406,7 @@ def test_dp_wraps_over_every_gpu(two_gpus, fake_dp, precision, dtype):
 
     net = mlp()
     s = DataParallelStrategy(dist_info(cuda(0)))
-    s.precision = precision  # what Parallel sets
+    s.precision = precision_lib.build(precision, cuda(0))  # what Parallel builds it with
     wrapped = s.wrap(net)
     assert isinstance(wrapped, fake_dp)
     assert wrapped.kwargs["device_ids"] == [0, 1]  # the model's device (cuda:0) first
@@ -463,7 +464,7 @@ def test_dp_replicas_compute_in_the_precision_dtype(two_gpus, fake_dp, threads_a
             return x
 
     s = DataParallelStrategy(dist_info(cuda(0)))
-    s.precision = precision
+    s.precision = precision_lib.build(precision, cuda(0))
     replica = s.wrap(Probe()).module  # what DataParallel replicates onto each GPU
     with precision_lib.build(precision, cuda(0)).forward_context():  # what ParallelModule.forward enters
         assert torch.get_autocast_dtype("cuda") == dtype
@@ -527,7 +528,7 @@ def test_fsdp_mesh_is_cuda(two_gpus, fake_mesh, fake_fully_shard, capsys, precis
 
     net = mlp()
     s = FSDPStrategy(dist_info(cuda(1), rank=1, world=2))
-    s.precision = precision
+    s.precision = precision_lib.build(precision, cuda(0))
     assert s.wrap(net) is net
     (mesh,) = fake_mesh
     assert (mesh.device_type, mesh.shape, mesh.names) == ("cuda", (2,), ("dp",))

@@ -703,7 +703,7 @@ def strategy_checks(rank, strategy, directory):
             sched.step()
     report["loop warnings"] = [str(w.message) for w in caught]
     report["ids"] = ids
-    report["lr"] = (pt._optimizers[-1].param_groups[0]["lr"], sched.get_last_lr()[0], pt.global_step)
+    report["lr"] = (pt._clock.optimizers[-1].param_groups[0]["lr"], sched.get_last_lr()[0], pt.global_step)
     # evaluation of 5 samples on 2 ranks: shards of 2 and 3, batches of 2 (fsdp pads the short shard)
     eval_set = DictData(5, seed=1)
     metrics = {"acc_fn": lambda p, t: (p.argmax(1) == t).float().mean()}
@@ -849,3 +849,40 @@ def test_evaluation_loss_is_a_mean_over_the_tokens_that_count_at_any_batch_size(
         result = pt.evaluate(model, pt.eval_loader(data, batch_size=batch_size))
         assert result["loss"] == pytest.approx(expected, rel=1e-12), batch_size
     pt.close()
+
+
+def reach_throughs(root):
+    """``file:line`` of every place in ``root/paratrain`` (outside ``parallel.py``) that reaches through a
+    ``Parallel`` (``pt`` or ``self.pt``) into its parts (``pt.strategy.x``, ``pt.plan.x``, ``pt.dist.x``,
+    ``pt.precision.x``), or into its private state (``pt._x``): issue 25, library code uses its face."""
+    import ast
+
+    parts = {"strategy", "plan", "dist", "precision", "config"}
+
+    def is_pt(node):
+        return (isinstance(node, ast.Name) and node.id == "pt") or (
+            isinstance(node, ast.Attribute) and node.attr == "pt" and isinstance(node.value, ast.Name))
+
+    found = []
+    for path in sorted((root / "paratrain").rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        if rel == "paratrain/parallel.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), rel)):
+            if not isinstance(node, ast.Attribute):
+                continue
+            inner = node.value
+            if (isinstance(inner, ast.Attribute) and inner.attr in parts and is_pt(inner.value)) or (
+                    is_pt(inner) and node.attr.startswith("_")):
+                found.append(f"{rel}:{node.lineno}")
+    return sorted(set(found))
+
+
+def test_no_library_module_reaches_through_parallel(tmp_path):
+    import pathlib
+
+    assert reach_throughs(pathlib.Path(__file__).resolve().parents[1]) == []
+    (tmp_path / "paratrain").mkdir()
+    (tmp_path / "paratrain" / "m.py").write_text("a = pt.strategy.all_reduce_max(t)\nb = self.pt.plan.global_batch\n"
+                                                 "c = pt._clock\nd = pt.global_batch\ne = pt.strategy\n")
+    assert reach_throughs(tmp_path) == ["paratrain/m.py:1", "paratrain/m.py:2", "paratrain/m.py:3"]

@@ -43,7 +43,7 @@ class Cell:
     """A paratrain strategy name, or ``plain-ddp`` for the hand-written baseline loop."""
     world_size: int = 1
     """Processes (devices for ``dp``)."""
-    precision: str = "32"
+    precision: str = _precision.reference()
     comm_hook: str = "none"
     """DDP gradient compression: none, fp16, bf16, powersgd."""
     backend: str = "auto"
@@ -67,7 +67,7 @@ class Cell:
         name = "plain DDP (hand-written)" if self.strategy == BASELINE else self.strategy
         one = self.strategy != BASELINE and self.strategy_class.processes == "one"
         parts = [name if self.world_size == 1 and one else f"{name} x{self.world_size}"]
-        if self.precision != "32":
+        if self.precision != _precision.reference():
             parts.append(self.precision)
         if self.comm_hook != "none":
             parts.append(f"hook={self.comm_hook}")
@@ -122,7 +122,8 @@ class BenchSpec:
     """Strategies to try: names from paratrain's registry (an unknown name is an error up front).
     By default those whose class sets ``bench_default`` to quick or full (all of them)."""
     world_sizes: list[int] = field(default_factory=lambda: [1, 2, 4])
-    precisions: list[str] = field(default_factory=lambda: ["32", "fp16-mixed", "bf16-mixed"])
+    precisions: list[str] = field(default_factory=_precision.bench_defaults)
+    """By default those whose class sets ``bench_default`` to quick or full (32, fp16-mixed, bf16-mixed)."""
     comm_hooks: list[str] = field(default_factory=lambda: ["none", "fp16", "bf16", "powersgd"])
     """DDP comm hooks; each one other than none adds a ddp cell per world size (fp32)."""
     micro_batches: int = 4
@@ -178,7 +179,7 @@ def quick_spec() -> BenchSpec:
     PowerSGD hooks, the baseline and the trap, 2 epochs each (11 launches; each cell forks from a
     server that imported the worker once, see :mod:`paratrain.bench.runner`)."""
     return BenchSpec(strategies=_strategies.bench_defaults(quick=True), world_sizes=[1, 2],
-                     precisions=["32", "bf16-mixed"], comm_hooks=["none", "fp16", "powersgd"], epochs=2, warmup_steps=3,
+                     precisions=_precision.bench_defaults(quick=True), comm_hooks=["none", "fp16", "powersgd"], epochs=2, warmup_steps=3,
                      cell_timeout=120.0)
 
 
@@ -198,7 +199,7 @@ def cuda_devices(accelerator: str = "auto") -> int:
 
 def _probe_precision(precision: str, device: str) -> str | None:
     """Why ``precision`` cannot run on ``device`` here, or None."""
-    dtype = {"fp16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}.get(precision)
+    dtype = _precision.lookup(precision).param_dtype  # what it computes in, under autocast
     if dtype is None:
         return None
     if device == "cuda" and dtype is torch.bfloat16 and not torch.cuda.is_bf16_supported():

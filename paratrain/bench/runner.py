@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 import torch
 
+from .. import precision as _precision
 from ..config import TrainConfig
 from ..launch.spawn import LaunchError, launch
 from .matrix import BASELINE, BenchSpec, Cell, build_matrix, cuda_devices
@@ -194,7 +195,7 @@ def run_cells(cells: list[Cell], spec: BenchSpec, base: TrainConfig, data: Any =
 def reference(results: list[CellResult]) -> CellResult | None:
     """The single-device fp32 run every other cell is compared with."""
     for r in results:
-        if r.status == "ok" and r.cell.strategy_class.reference and r.cell.precision == "32":
+        if r.status == "ok" and r.cell.strategy_class.reference and r.cell.precision == _precision.reference():
             return r
     return next((r for r in results if r.status == "ok" and r.cell.world_size == 1), None)
 

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from ..config import TrainConfig
 from ..env.network import free_port
+from ..precision import reference as reference_precision
 from ..strategies import data_parallel_reference
 from .predict import Link, Nodes, Prediction, Workload, fit_link, format_predictions, predict, scheme_comm_s
 from .runner import BenchResult, reference
@@ -81,7 +82,7 @@ def exposed_fraction(result: BenchResult, w: Workload, link: Link) -> float | No
     """The fraction of the 2-worker ddp cell's communication that its step time shows, or None."""
     ref = reference(result.results)
     ddp2 = next((r for r in result.results if r.status == "ok" and r.cell.strategy == data_parallel_reference()
-                 and r.cell.world_size == 2 and r.cell.precision == "32" and r.cell.comm_hook == "none"
+                 and r.cell.world_size == 2 and r.cell.precision == reference_precision() and r.cell.comm_hook == "none"
                  and r.cell.group == "matrix"), None)
     if ref is None or ddp2 is None or not ref.step_time_s or not ddp2.step_time_s:
         return None

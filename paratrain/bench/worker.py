@@ -124,7 +124,7 @@ def _train_paratrain(pt: Any, counter: CommCounter, cfg: TrainConfig, job: dict[
     from ..loop.fit import fit
     from ..loop.train import setup_task
 
-    steps_per_epoch = len(train_set) // pt.plan.global_batch
+    steps_per_epoch = pt.steps_per_epoch(train_set)
     total = cfg.epochs * steps_per_epoch
     model, optimizer, scheduler = setup_task(pt, cfg, total)  # the schedule spans the cell's run
     warm = min(job["warmup_steps"], total - 1)
@@ -147,11 +147,11 @@ def _train_paratrain(pt: Any, counter: CommCounter, cfg: TrainConfig, job: dict[
     timed_steps = total - warm
     comm = counter.bytes
     # What the counter cannot see: DDP's C++ all-reduce without a hook, ps's RPC push + pull in optimizer.step
-    comm += pt.strategy.hidden_comm_bytes_per_step(model) * timed_steps
+    comm += pt.hidden_comm_bytes_per_step(model) * timed_steps
     return {
         "status": "ok", "rank": pt.rank, "device": str(pt.device), "threads": torch.get_num_threads(),
         "steps": result.steps, "steps_per_epoch": steps_per_epoch, "timed_steps": timed_steps,
-        **clock.summary(), "global_batch": pt.plan.global_batch,
+        **clock.summary(), "global_batch": pt.global_batch,
         "final_loss": result.train_loss, "test_loss": evaluation["loss"],
         "test_accuracy": evaluation["accuracy"], "skipped_steps": result.skipped_steps,
         "peak_mem_bytes": clock.peak, "mem_method": clock.memory.method,

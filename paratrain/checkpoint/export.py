@@ -13,16 +13,18 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
+from torch import nn
 
+from ..env.process import barrier
 from .errors import CheckpointError
 from .io import load_file, load_latest, verify_checkpoint
 from .manifest import fsync_dir
 from .state import uncompiled_keys
 
-__all__ = ["save_model", "load_model", "export_checkpoint", "WEIGHTS", "INFO"]
+__all__ = ["save_model", "load_model", "export_checkpoint", "save_pretrained", "WEIGHTS", "INFO"]
 
 WEIGHTS = "model.safetensors"
 INFO = "paratrain.json"
@@ -118,6 +120,21 @@ def _with_masters(weights: dict[str, Any], masters: list[torch.Tensor] | None, n
 
 def _where_in_memory(t: torch.Tensor) -> tuple[Any, ...]:
     return t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride()
+
+
+def save_pretrained(module: nn.Module, full_state: Callable[[], dict[str, torch.Tensor]],
+                    directory: str | os.PathLike[str], main: bool, **kwargs: Any) -> None:
+    """``module.save_pretrained(directory, state_dict=full_state(), **kwargs)`` (a HuggingFace model,
+    or anything with that method) written by the ``main`` process, with the whole state gathered on every
+    rank (``full_state`` is a collective): what :meth:`paratrain.Parallel.save_pretrained` does."""
+    save = getattr(module, "save_pretrained", None)
+    if not callable(save):
+        raise TypeError(f"save_pretrained: {type(module).__name__} has no save_pretrained method; save "
+                        "pt.full_state_dict(model) instead, e.g. with paratrain.save_on_main")
+    state = full_state()
+    if main:
+        save(directory, state_dict=state, **kwargs)
+    barrier()
 
 
 def export_checkpoint(source: str | os.PathLike, directory: str | os.PathLike) -> Path:

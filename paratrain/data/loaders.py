@@ -224,6 +224,7 @@ class GlobalBatchLoader:
     batched augmentation called as ``transform(x, seed, offset, total)``: ``seed`` is the step's,
     ``total`` the global batch and ``offset`` this micro-batch's first row in it, so that a global
     batch split across ranks and micro-steps is augmented exactly as if it were processed whole.
+    ``where`` follows the global batch in the error of a dataset that cannot fill one.
     """
 
     def __init__(
@@ -236,9 +237,10 @@ class GlobalBatchLoader:
         position: Callable[[], int] | None = None,
         transform: Callable[..., torch.Tensor] | None = None,
         shuffle: bool = True,
+        where: str = "",
         **dataloader_kwargs: Any,
     ) -> None:
-        self.sampler = GlobalBatchSampler(len(dataset), plan, rank, seed, shuffle)  # type: ignore[arg-type]
+        self.sampler = GlobalBatchSampler(len(dataset), plan, rank, seed, shuffle, where)  # type: ignore[arg-type]
         self.plan, self.rank, self.device, self.seed = plan, rank, device, seed
         self.position = position or (lambda: self.sampler.position)
         self.transform = transform

@@ -30,9 +30,9 @@ __all__ = ["BatchPlan", "GlobalBatchSampler", "ShardedEvalSampler", "epoch_permu
 def check_dataset_fits(dataset_size: int, global_batch: int, where: str = "") -> None:
     """Refuse a data set that cannot fill one global batch (it would train no step), in one line.
 
-    The one such check: ``Parallel.train_loader`` (the built-in job, verify's and bench's runs),
-    the sampler, ``paratrain train`` before it starts workers, bench's matrix (as a cell's skip
-    reason) and the parameter server call it. ``where`` follows the batch in the message, e.g.
+    The one such check, made by :meth:`BatchPlan.steps_per_epoch` (the sampler, so every
+    ``train_loader``; ``paratrain train`` before it starts workers; the parameter server) and bench's
+    matrix (as a cell's skip reason). ``where`` follows the batch in the message, e.g.
     ``" over 4 process(es)"``.
     """
     if dataset_size < global_batch:
@@ -87,6 +87,16 @@ class BatchPlan:
             )
         return plan
 
+    def steps_per_epoch(self, dataset_size: int, where: str = "") -> int:
+        """Optimizer steps in one epoch of ``dataset_size`` samples (the tail that does not fill a
+        global batch is dropped); a data set that cannot fill one is refused (:func:`check_dataset_fits`)."""
+        check_dataset_fits(dataset_size, self.global_batch, where)
+        return dataset_size // self.global_batch
+
+    def __str__(self) -> str:
+        return (f"{self.global_batch} = {self.micro_batch} per worker x {self.world_size} data-parallel workers "
+                f"x {self.accumulation} accumulation")
+
 
 def epoch_permutation(n: int, seed: int, epoch: int, shuffle: bool = True) -> torch.Tensor:
     """The global sample order of one epoch: a function of (seed, epoch) only."""
@@ -123,16 +133,16 @@ class GlobalBatchSampler(Sampler[list[int]]):
         rank: int = 0,
         seed: int = 0,
         shuffle: bool = True,
+        where: str = "",
     ) -> None:
         if not 0 <= rank < plan.world_size:
             raise ValueError(f"rank {rank} is outside world size {plan.world_size}")
-        check_dataset_fits(dataset_size, plan.global_batch)
+        self.steps_per_epoch = plan.steps_per_epoch(dataset_size, where)
         self.n = dataset_size
         self.plan = plan
         self.rank = rank
         self.seed = seed
         self.shuffle = shuffle
-        self.steps_per_epoch = dataset_size // plan.global_batch
         self._epoch = 0
         self._step_in_epoch = 0
 

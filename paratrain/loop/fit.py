@@ -93,8 +93,8 @@ def fit(
                     steps = pt.global_step - window.start
                     result.train_loss = window.mean()  # one all-reduce per log line, on every rank alike
                     record = {"step": pt.global_step, "loss": result.train_loss, "lr": lr,
-                              **meter.summary(steps * pt.plan.global_batch, steps),
-                              "loss_scale": pt.precision.loss_scale, "skipped_steps": pt.skipped_steps}
+                              **meter.summary(steps * pt.global_batch, steps),
+                              "loss_scale": pt.loss_scale, "skipped_steps": pt.skipped_steps}
                     logger.log(record)
                     bar.set_postfix(loss=f"{result.train_loss:.4f}")
                     meter.reset()
@@ -111,7 +111,7 @@ def fit(
                     logger.log({"step": pt.global_step, **result.eval}, kind="eval")
         window.finish(model)  # the last loss and the weights are finite, or this raises
         done = pt.global_step - first_step  # throughput of this whole call, evaluation excluded
-        result.throughput = run.summary(done * pt.plan.global_batch, done)
+        result.throughput = run.summary(done * pt.global_batch, done)
         if evaluator is not None and not result.eval:  # resumed at the end: evaluate what is there
             result.eval = pt.evaluate(model, evaluator, loss_fn)
             logger.log({"step": pt.global_step, **result.eval}, kind="eval")
@@ -131,7 +131,7 @@ def planned_steps(pt: Parallel, train_set: Dataset, epochs: int = 1, max_steps: 
     """The global step at which ``fit`` with these arguments stops."""
     if isinstance(train_set, IterableDataset):
         return _stream_steps(max_steps)
-    return _total(pt.train_loader(train_set).steps_per_epoch, epochs, max_steps)
+    return _total(pt.steps_per_epoch(train_set), epochs, max_steps)
 
 
 def _stream_steps(max_steps: int | None) -> int:

@@ -85,8 +85,7 @@ class LossWindow:
             self.checked = n
         self.check()
         local = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
-        bad = (~torch.isfinite(torch.nn.utils.get_total_norm(local, norm_type=math.inf))).float().to(self.pt.device)
-        if self.pt.strategy.all_reduce_max(bad.reshape(1)).item():
+        if self.pt.any_rank(~torch.isfinite(torch.nn.utils.get_total_norm(local, norm_type=math.inf))):
             raise NonFiniteLossError(f"training stopped at step {self.pt.global_step}: the model's weights are NaN "
                                      f"or inf (no checkpoint was written with them): {_FIXES}")
         return self.streak == 0

@@ -39,7 +39,7 @@ def setup_task(pt: Parallel, cfg: TrainConfig, total_steps: int) -> tuple[Any, A
     model, optimizer = pt.setup(model, build_optimizer(model.parameters(), cfg))
     o = cfg.optim
     scheduler = build_schedule(optimizer.optimizer, schedule=o.schedule, total_steps=total_steps, warmup_steps=o.warmup_steps,
-                               global_batch=pt.plan.global_batch, base_batch=o.base_batch, step_size=max(1, o.step_size),
+                               global_batch=pt.global_batch, base_batch=o.base_batch, step_size=max(1, o.step_size),
                                gamma=o.gamma, min_lr_ratio=o.min_lr_ratio)
     return model, optimizer, scheduler
 
@@ -64,15 +64,12 @@ def run_training(cfg: TrainConfig) -> dict[str, Any]:
             pt.print(f"paratrain: resumed from step {resumed} in {cfg.checkpoint_dir}"
                      + (f" (restart {_restarts()})" if _restarts() else ""))
         # Only the main process writes result.json and tracker runs: the others skip provenance's git calls.
-        made_by = provenance({"world_size": pt.world_size, "data_parallel_size": pt.plan.world_size,
-                              "strategy": cfg.parallel.strategy, "backend": pt.dist.backend,
-                              "device": str(pt.device)}) if pt.is_main_process else None
+        made_by = provenance(pt.describe()) if pt.is_main_process else None
         pt.trackers.config = {**dataclasses.asdict(cfg), "provenance": made_by}  # the trackers' run config
         logger = RunLogger(cfg.log_dir, enabled=pt.is_main_process, append=resumed is not None, trackers=pt.trackers)
         logger.write_text("config.toml", to_toml(cfg.as_new_run()))  # `paratrain train --config <run>/config.toml` re-runs it
         pt.print(f"paratrain: {cfg.parallel.strategy} on {pt.world_size} process(es), {pt.device}, "
-                 f"precision {cfg.parallel.precision}; global batch {pt.plan.global_batch} = "
-                 f"{pt.plan.micro_batch} per worker x {pt.plan.world_size} data-parallel workers x {pt.accumulation} accumulation")
+                 f"precision {cfg.parallel.precision}; global batch {pt.plan}")
         loader_kwargs = {"num_workers": d.num_workers, "pin_memory": d.pin_memory,
                          "persistent_workers": d.persistent_workers}
         start = time.perf_counter()
@@ -99,7 +96,7 @@ def run_training(cfg: TrainConfig) -> dict[str, Any]:
             "skipped_steps": result.skipped_steps,
             "seconds": time.perf_counter() - start,
             **result.throughput,
-            **pt.strategy.report(),
+            **pt.report(),
             "provenance": made_by,
         }
         logger.write_json("result.json", summary)
@@ -119,8 +116,7 @@ def run_training(cfg: TrainConfig) -> dict[str, Any]:
 
 def _rank0_says(pt: Parallel, flag: bool) -> bool:
     """Rank 0's ``flag`` on every rank (a collective): what only rank 0 read decides for all."""
-    value = torch.tensor([float(flag and pt.is_main_process)], device=pt.device)
-    return bool(pt.strategy.all_reduce_max(value).item())
+    return pt.any_rank(flag and pt.is_main_process)
 
 
 def _finished_result(log_dir: str | None, step: int) -> dict[str, Any] | None:

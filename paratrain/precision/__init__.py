@@ -31,7 +31,7 @@ from .base import FP32, TF32, Precision
 from .half import BF16True, FP16True
 
 __all__ = ["Precision", "FP32", "TF32", "FP16Mixed", "BF16Mixed", "BF16True", "FP16True", "PRECISIONS", "ALIASES",
-           "MASTER_WEIGHTS", "resolve", "build"]
+           "MASTER_WEIGHTS", "resolve", "lookup", "reference", "bench_defaults", "build"]
 
 PRECISIONS: dict[str, type[Precision]] = {
     "32": FP32,
@@ -43,7 +43,8 @@ PRECISIONS: dict[str, type[Precision]] = {
 }
 ALIASES = {"O0": "32", "O1": "fp16-mixed", "O2": "fp16-true", "O3": "fp16-true", "16-mixed": "fp16-mixed",
            "fp32": "32", "bf16": "bf16-mixed", "fp16": "fp16-mixed", "16-true": "fp16-true"}
-MASTER_WEIGHTS = ("bf16-true", "fp16-true")  # low-precision weights + fp32 masters: plain-tensor strategies only
+# low-precision weights + fp32 masters: plain-tensor strategies only
+MASTER_WEIGHTS = tuple(name for name, cls in PRECISIONS.items() if cls.master_weights)
 
 
 def resolve(name: str) -> str:
@@ -55,8 +56,29 @@ def resolve(name: str) -> str:
     return name
 
 
+def lookup(name: str) -> type[Precision]:
+    """The precision class called ``name`` (or an alias of it): ask it for its facts
+    (``master_weights``, ``scales_loss``, ``param_dtype``...), never compare the name."""
+    return PRECISIONS[resolve(name)]
+
+
+def reference() -> str:
+    """Full fp32 (``reference = True``): the default precision, and the one others are compared with."""
+    names = [name for name, cls in PRECISIONS.items() if cls.reference]
+    if len(names) != 1:
+        raise RuntimeError(f"exactly one precision must declare reference; found {names}")
+    return names[0]
+
+
+def bench_defaults(quick: bool = False) -> list[str]:
+    """Precisions in paratrain bench's default matrix (``--quick``: the fast subset), registry order."""
+    tiers = ("quick",) if quick else ("quick", "full")
+    return [name for name, cls in PRECISIONS.items() if cls.bench_default in tiers]
+
+
 def build(name: str, device: torch.device, loss_scale: float | None = None) -> Precision:
-    cls = PRECISIONS[resolve(name)]
-    if loss_scale is not None and not issubclass(cls, FP16Mixed):
-        raise ValueError(f"a static loss scale ({loss_scale}) only applies to fp16-mixed and fp16-true, not {name!r}")
-    return cls(device, loss_scale) if issubclass(cls, FP16Mixed) else cls(device)
+    cls = lookup(name)
+    if loss_scale is not None and not cls.scales_loss:
+        scaled = " and ".join(n for n, c in PRECISIONS.items() if c.scales_loss)
+        raise ValueError(f"a static loss scale ({loss_scale}) only applies to {scaled}, not {name!r}")
+    return cls(device, loss_scale) if cls.scales_loss else cls(device)  # type: ignore[call-arg]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, ContextManager
+from typing import Any, Callable, ClassVar, ContextManager
 
 import torch
 
@@ -39,6 +39,9 @@ class BF16Mixed(Precision):
     name = "bf16-mixed"
     dtype = torch.bfloat16
     autocast = True
+    param_dtype = torch.bfloat16
+    reduce_dtype: ClassVar[torch.dtype | None] = torch.float32  # fp32 reductions of low-precision compute (FSDP2's policy)
+    bench_default = "quick"
 
     def forward_context(self) -> ContextManager[Any]:
         return torch.autocast(self.device.type, dtype=self.dtype)
@@ -57,6 +60,9 @@ class FP16Mixed(BF16Mixed):
 
     name = "fp16-mixed"
     dtype = torch.float16
+    param_dtype = torch.float16
+    scales_loss = True
+    bench_default = "full"
 
     def __init__(self, device: torch.device, loss_scale: float | None = None) -> None:
         super().__init__(device)

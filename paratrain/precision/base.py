@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, ContextManager
+from typing import Any, Callable, ClassVar, ContextManager, Iterable
 
 import torch
 from torch import nn
@@ -15,11 +15,19 @@ class Precision:
     """How forward runs (autocast) and how a loss becomes an optimizer step (loss scaling).
 
     ``skipped_steps`` counts optimizer steps skipped because gradients overflowed (fp16 only).
+    The class-level facts below are what a strategy, the config and bench ask of a precision:
+    code outside ``precision/`` never compares its name or class
+    (``tests/strategies/test_strategy_facts.py`` scans for that).
     """
 
     name = "32"
     autocast = False  # True when forward runs under torch.autocast
-    max_grad_norm: float | None = None  # set by Parallel (clip_grad_norm)
+    master_weights: ClassVar[bool] = False  # low-precision model weights, fp32 masters in the optimizer
+    scales_loss: ClassVar[bool] = False  # the loss is scaled and a step whose gradients overflow is skipped (fp16)
+    param_dtype: ClassVar[torch.dtype | None] = None  # the dtype the parameters compute in (None: their own)
+    reduce_dtype: ClassVar[torch.dtype | None] = None  # the dtype sharded gradients are reduced in (None: theirs)
+    reference: ClassVar[bool] = False  # full fp32: the precision every other one is checked against
+    bench_default: ClassVar[str] = "no"  # in paratrain bench's default matrices: "quick" (and full), "full", "no"
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -33,6 +41,18 @@ class Precision:
 
     def sync_from_model(self) -> None:
         """The user loaded new weights into the set-up model: refresh any copy of them (masters)."""
+
+    def checkpoint_loaded(self) -> None:
+        """The model holds a checkpoint's weights now (loaded after :meth:`load_state_dict`)."""
+
+    def broadcast(self) -> None:
+        """After the strategy placed the model (which now holds rank 0's weights): make what this
+        precision keeps beside the model rank 0's too (the masters)."""
+
+    def clip_targets(self, models: Iterable[nn.Module]) -> list[list[torch.Tensor]]:
+        """The parameter lists whose gradient norm ``clip_grad_norm`` bounds, each on its own:
+        every model's parameters (the fp32 masters under master weights)."""
+        return [list(m.parameters()) for m in models]
 
     def forward_context(self) -> ContextManager[Any]:
         return contextlib.nullcontext()
@@ -62,6 +82,8 @@ class FP32(Precision):
     """Full fp32, with TF32 matmuls switched *off* so results do not depend on the GPU model."""
 
     name = "32"
+    reference = True
+    bench_default = "quick"
 
     def __init__(self, device: torch.device) -> None:
         super().__init__(device)

@@ -22,7 +22,7 @@ refused as well (one line, at config time).
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar, Iterable
 
 import torch
 from torch import nn
@@ -39,11 +39,14 @@ class MasterWeights:
     backward and step (loss scaling) it keeps, applied to the masters."""
 
     dtype: torch.dtype
-    max_grad_norm: float | None = None  # set by Parallel: clipping applies to the fp32 master gradients
+    master_weights: ClassVar[bool] = True
+    reduce_dtype: ClassVar[torch.dtype | None] = None  # DDP reduces the low-precision gradients as they are
+    bench_default: ClassVar[str] = "no"
 
     def _init_masters(self) -> None:
         self._pairs: dict[int, tuple[torch.Tensor, nn.Parameter]] = {}  # id(param) -> (param, master)
         self._names: list[str] = []  # the parameters' names in the model, in _pairs' order (for export)
+        self._masters_from_model = False  # see load_state_dict
 
     def setup_model(self, model: nn.Module) -> nn.Module:
         for name, p in model.named_parameters():
@@ -53,7 +56,7 @@ class MasterWeights:
         model.to(self.dtype)  # in place: the parameters keep their identity
         return model
 
-    def broadcast_masters(self) -> None:
+    def broadcast(self) -> None:
         """Rank 0's masters on every rank, as DDP broadcasts rank 0's weights into the model: a model
         each rank initialised differently would otherwise step from its own masters."""
         import torch.distributed as dist
@@ -77,15 +80,16 @@ class MasterWeights:
             optimizer.state[self._pairs[id(p)][1]] = optimizer.state.pop(p)
         return optimizer
 
+    def clip_targets(self, models: Iterable[nn.Module]) -> list[list[torch.Tensor]]:
+        """The fp32 masters, all together: clipping applies to their (fp32) gradients."""
+        return [[m for _, m in self._pairs.values() if m.grad is not None]]
+
     def step(self, optimizer: torch.optim.Optimizer, clip: Callable[[], Any] | None = None) -> bool:
-        """Gradients to the masters (fp32), the mixed precision's step on them (clipping the
-        masters), masters back into the model (rounded); the model's gradients are cleared."""
+        """Gradients to the masters (fp32), the mixed precision's step on them (``clip`` then clips
+        the masters: :meth:`clip_targets`), masters back into the model (rounded); the model's
+        gradients are cleared."""
         for p, m in self._pairs.values():
             m.grad = None if p.grad is None else p.grad.to(torch.float32)
-        if clip is not None and self.max_grad_norm is not None:
-            masters = [m for _, m in self._pairs.values() if m.grad is not None]
-            max_norm = self.max_grad_norm
-            clip = lambda: torch.nn.utils.clip_grad_norm_(masters, max_norm)  # noqa: E731
         try:
             return super().step(optimizer, clip)  # type: ignore[misc]
         finally:
@@ -101,6 +105,14 @@ class MasterWeights:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)  # type: ignore[misc]
         self.load_masters(state.get("masters"))
+        # Written in a precision without fp32 masters (32, *-mixed) and resumed here: the masters must
+        # start from the loaded weights, which the model gets after this (checkpoint_loaded).
+        self._masters_from_model = "masters" not in state
+
+    def checkpoint_loaded(self) -> None:
+        if self._masters_from_model:
+            self.sync_from_model()
+        self._masters_from_model = False
 
     def sync_from_model(self) -> None:
         """The user loaded new weights into the model: the masters start from them."""

@@ -27,7 +27,7 @@ __all__ = ["Check", "plan_checks", "run_correctness", "TOLERANCES"]
 STEPS = 8
 """Optimizer steps per run: enough for a wrong gradient to show, short enough for the budget."""
 
-TOLERANCES = {"32": 1e-5, "cuda-32": 1e-4}
+TOLERANCES = {"cpu": 1e-5, "cuda": 1e-4}
 """Largest relative divergence per tensor (and of the loss curve) that passes in fp32. A low
 precision rounds differently when the batch is split differently: ``LOW_PRECISION_TOLERANCE``."""
 LOW_PRECISION_TOLERANCE = 5e-2
@@ -165,6 +165,6 @@ def run_correctness(report: Report, checks: list[Check], deadline: Deadline, dat
 
 
 def _tolerance(check: Check) -> float:
-    if _precision.resolve(check.precision) != "32":
+    if not _precision.lookup(check.precision).reference:
         return LOW_PRECISION_TOLERANCE
-    return TOLERANCES["cuda-32" if check.accelerator == "cuda" else "32"]
+    return TOLERANCES["cuda" if check.accelerator == "cuda" else "cpu"]

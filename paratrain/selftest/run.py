@@ -25,7 +25,7 @@ class SelftestOptions:
     """Processes for the multi-process checks (None: the GPUs when there are 2 or more, else 2)."""
     sections: list[str] = field(default_factory=lambda: list(SECTIONS))
     strategies: list[str] = field(default_factory=lambda: list(_strategies.STRATEGIES))
-    precisions: list[str] = field(default_factory=lambda: ["32", "bf16-mixed", "fp16-mixed"])
+    precisions: list[str] = field(default_factory=_precision.bench_defaults)
 
     def __post_init__(self) -> None:
         Budget(self.budget)  # one-line error for a bad budget

@@ -14,6 +14,9 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Callable
 
+import torch
+
+from .. import precision as _precision
 from ..config import TrainConfig
 from .budget import Deadline
 from .report import Report
@@ -48,11 +51,11 @@ def seed_cells(cfg: TrainConfig, world: int, gpus: int) -> list[Any]:
     for w in sorted({2, ddp_world}):
         cells.append(Cell(strategy="ddp", world_size=w, global_batch=batch))
     cells += [Cell(strategy="ddp", world_size=ddp_world, precision=p, global_batch=batch)
-              for p in ("fp16-mixed", "bf16-mixed")]
+              for p in _precision.bench_defaults() if not _precision.lookup(p).reference]
     cells = annotate(cells, cfg, cfg.data.synthetic_size)
     if not gpus:  # the CPU's fp16 convolutions are reference kernels: minutes per step of ResNet-50
         cells = [replace(c, skip=c.skip or "fp16 convolutions on the CPU run in slow reference kernels: a GPU row")
-                 if c.precision == "fp16-mixed" else c for c in cells]
+                 if _precision.lookup(c.precision).param_dtype is torch.float16 else c for c in cells]
     return cells
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..env.process import Dist
+from ..precision import Precision, build as build_precision
 from .base import Strategy
 from .ddp import DDPOptions, DDPStrategy
 from .devices import DevicesStrategy, DevicesOptions
@@ -63,9 +64,12 @@ def resolve(name: str) -> type[Strategy]:
     return STRATEGIES[name]
 
 
-def build(cfg: Any, dist_info: Dist) -> Strategy:
+def build(cfg: Any, dist_info: Dist, precision: Precision | None = None) -> Strategy:
     """The strategy named by ``cfg.strategy`` (a ParallelConfig), with its options section
-    (``cfg.ddp`` for ddp, ``cfg.fsdp`` for fsdp...) when the config has one."""
+    (``cfg.ddp`` for ddp, ``cfg.fsdp`` for fsdp...) when the config has one, and ``precision``
+    (default: the config's, built for this process's device)."""
     cls = resolve(cfg.strategy)
-    return cls(dist_info, cfg.sync_batchnorm, getattr(cfg, cls.name, None), precision=cfg.precision,
+    if precision is None:
+        precision = build_precision(cfg.precision, dist_info.device, cfg.loss_scale)
+    return cls(dist_info, cfg.sync_batchnorm, getattr(cfg, cls.name, None), precision=precision,
                max_grad_norm=cfg.clip_grad_norm)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable, ClassVar
+from typing import Any, Callable, ClassVar, Iterable
 
 import torch
 import torch.distributed as dist
@@ -13,7 +13,7 @@ from ..checkpoint.sharded import full_state_dict as sharded_full_state_dict
 from ..env.process import Dist
 from ..metrics import predictions
 from ..nn.syncbn import convert_sync_batchnorm
-from ..precision import MASTER_WEIGHTS
+from ..precision import Precision, lookup as precision_class
 
 __all__ = ["Strategy", "NotApplicable"]
 
@@ -28,7 +28,9 @@ class Strategy:
     """One way of parallelizing. Subclasses override :meth:`wrap` (and the sync hooks if needed).
 
     ``data_parallel_size``/``data_parallel_rank`` tell the data layer how to shard batches;
-    ``processes`` says how many processes the strategy expects (``None``: any).
+    ``processes`` says how many processes the strategy expects (``None``: any). A strategy is built
+    with its :class:`~paratrain.precision.Precision` and asks it (as Lightning Fabric's does): how
+    the model is cast and the optimizer stepped, and the dtypes of sharded parameters.
     """
 
     name: ClassVar[str] = "base"
@@ -45,12 +47,12 @@ class Strategy:
     comm_hooks: ClassVar[tuple[str, ...]] = ()  # what options.comm_hook accepts (DDP gradient compression); (): no hooks
     bench_default: ClassVar[str] = "full"  # in paratrain bench's default matrices: "quick" (and full), "full", "no"
     def __init__(self, dist_info: Dist, sync_batchnorm: bool = False, options: Any = None, *,
-                 precision: str = "32", max_grad_norm: float | None = None) -> None:
+                 precision: Precision | None = None, max_grad_norm: float | None = None) -> None:
         """``dist_info``: this process's place in the job; ``options``: the strategy's own section
-        of the config; ``precision``: its name (sharded strategies pick their param/reduce dtypes
-        from it); ``max_grad_norm``: clip_grad_norm (ps clips on its server)."""
+        of the config; ``precision``: the run's precision (default: plain fp32, changing no setting);
+        ``max_grad_norm``: clip_grad_norm (ps clips on its server)."""
         self.proc = dist_info
-        self.precision = precision
+        self.precision = precision if precision is not None else Precision(dist_info.device)
         self.max_grad_norm = max_grad_norm
         self.device = dist_info.device
         self.sync_batchnorm = sync_batchnorm
@@ -61,12 +63,13 @@ class Strategy:
     @classmethod
     def validate(cls, cfg: Any) -> None:
         """Refuse a ``ParallelConfig`` this strategy cannot run, in one line naming the fix."""
-        if cfg.precision in MASTER_WEIGHTS and not cls.master_weights:
+        precision = precision_class(cfg.precision)
+        if precision.master_weights and not cls.master_weights:
             raise ValueError(f"precision {cfg.precision} (low-precision weights with fp32 master copies) is not "
                              f"supported with strategy {cls.name}: use {cls.master_weights_hint}")
-        if cfg.precision == "fp16-mixed" and not cls.local_overflow_skip:
-            raise ValueError(f"precision fp16-mixed is not supported with strategy {cls.name} (each rank would skip "
-                             "overflowing steps on its own): use bf16-mixed or 32")
+        if precision.scales_loss and not cls.local_overflow_skip:
+            raise ValueError(f"precision {cfg.precision} is not supported with strategy {cls.name} (each rank would "
+                             "skip overflowing steps on its own): use bf16-mixed or 32")
 
     @classmethod
     def check_world(cls, world: int) -> None:
@@ -93,6 +96,45 @@ class Strategy:
     def data_parallel_leader(self) -> bool:
         """Is this the lowest rank of those that read the same data shard (one per shard)?"""
         return True
+
+    # --- what Parallel calls: the strategy with its precision ------------------------------
+    def prepare_model(self, model: nn.Module) -> tuple[nn.Module, nn.Module]:
+        """``(wrapped, user's module)``: a wrapper the user made that :meth:`adopt` keeps, else the
+        precision's model (low-precision weights...) placed and wrapped by :meth:`setup_model`."""
+        adopted = self.adopt(model)
+        if adopted is not None:
+            if self.precision.master_weights:
+                raise ValueError(f"precision {self.precision.name} converts the model's weights: pass the plain module "
+                                 f"to setup, not one already wrapped in {type(adopted).__name__}")
+            return adopted, self.unwrap(adopted)
+        wrapped = self.setup_model(self.precision.setup_model(model))
+        self.precision.broadcast()  # the model now holds rank 0's weights: so does what the precision keeps
+        return wrapped, model
+
+    def prepare_optimizer(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """:meth:`setup_optimizer`, then the precision's (fp32 masters in place of the parameters)."""
+        return self.precision.setup_optimizer(self.setup_optimizer(model, optimizer))
+
+    def model_loaded(self, module: nn.Module) -> None:
+        """The user loaded new weights into the set-up ``module``: the precision's masters and
+        :meth:`sync_from_model`'s copies follow."""
+        self.precision.sync_from_model()
+        self.sync_from_model(module)
+
+    def step(self, optimizer: torch.optim.Optimizer, models: list[nn.Module], ends_batch: bool = True) -> bool:
+        """One optimizer step: the precision's (unscale, clip, step) through :meth:`optimizer_step`.
+        The step that ends a global batch clips (``max_grad_norm``) each of the precision's
+        :meth:`~paratrain.precision.Precision.clip_targets` of ``models`` with :meth:`clip_grad_norm`;
+        another optimizer stepping on the same gradients after it (``ends_batch`` False) does not."""
+        if not ends_batch and (self.precision.scales_loss or self.precision.master_weights):
+            raise ValueError(f"two optimizers stepping after one backward under precision {self.precision.name}: its "
+                             "loss scale or master weights follow one optimizer; use one optimizer with a parameter "
+                             "group each, or precision bf16-mixed or 32")
+        clip = None
+        if ends_batch and self.max_grad_norm is not None:
+            max_norm = self.max_grad_norm
+            clip = lambda: [self.clip_grad_norm(ps, max_norm) for ps in self.precision.clip_targets(models)]  # noqa: E731
+        return self.optimizer_step(optimizer, lambda: self.precision.step(optimizer, clip))
 
     # --- model ----------------------------------------------------------------------------
     def adopt(self, model: nn.Module) -> nn.Module | None:
@@ -213,8 +255,9 @@ class Strategy:
             dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
         return tensor
 
-    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
-        return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    def clip_grad_norm(self, parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
+        """Scale the gradients of ``parameters`` so that their global norm is at most ``max_norm``."""
+        return torch.nn.utils.clip_grad_norm_(parameters, max_norm)
 
     @staticmethod
     def warn(message: str, main_only: bool = True, rank: int = 0) -> None:

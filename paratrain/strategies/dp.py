@@ -18,7 +18,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..precision import PRECISIONS
 from .base import Strategy
 
 __all__ = ["DataParallelStrategy", "ReplicaAutocast"]
@@ -61,9 +60,9 @@ class DataParallelStrategy(Strategy):
         # The model sits on this process's device, which DataParallel needs first in its list.
         first = self.device.index if self.device.index is not None else torch.cuda.current_device()
         devices = [first, *(i for i in range(gpus) if i != first)]
-        precision = PRECISIONS.get(self.precision)
-        if precision is not None and precision.autocast:
-            model = ReplicaAutocast(model, self.device.type, precision.dtype)  # type: ignore[attr-defined]
+        dtype = self.precision.param_dtype
+        if self.precision.autocast and dtype is not None:
+            model = ReplicaAutocast(model, self.device.type, dtype)
         return nn.DataParallel(model, device_ids=devices)
 
     def unwrap(self, model: nn.Module) -> nn.Module:

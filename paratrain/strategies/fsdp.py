@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 from torch import nn
 
 from ..env.process import Dist
+from ..precision import Precision
 from .base import Strategy
 
 __all__ = [
@@ -51,14 +52,13 @@ class FSDPOptions:
             raise ValueError(f"fsdp min_params {self.min_params} must be >= 0")
 
 
-def mixed_precision_policy(precision: str) -> Any:
-    """FSDP2's parameter/reduction dtypes for a paratrain precision name (fp32 reductions)."""
+def mixed_precision_policy(precision: Precision | None) -> Any:
+    """FSDP2's parameter/reduction dtypes: the precision's ``param_dtype`` and ``reduce_dtype``."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    dtype = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}.get(precision)
-    if dtype is None:
+    if precision is None or precision.param_dtype is None:
         return MixedPrecisionPolicy()
-    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy(param_dtype=precision.param_dtype, reduce_dtype=precision.reduce_dtype)
 
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict)
@@ -155,7 +155,7 @@ def _blocks(model: nn.Module, wrap_classes: list[str], min_params: int) -> list[
     return _tie_safe(model, blocks)
 
 
-def shard_model(model: nn.Module, mesh: Any, options: FSDPOptions, precision: str = "32") -> nn.Module:
+def shard_model(model: nn.Module, mesh: Any, options: FSDPOptions, precision: Precision | None = None) -> nn.Module:
     """``fully_shard`` each block of ``model`` over ``mesh``, then the root; returns ``model``."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -296,8 +296,8 @@ class DTensorStrategy(Strategy):
     def set_gradient_sync(self, model: nn.Module, enabled: bool) -> None:
         set_gradient_sync(model, enabled)
 
-    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
-        return clip_grad_norm_(model.parameters(), max_norm)
+    def clip_grad_norm(self, parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
+        return clip_grad_norm_(parameters, max_norm)
 
 
 class FSDPStrategy(DTensorStrategy):

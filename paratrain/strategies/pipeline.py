@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -277,8 +277,8 @@ class PipelineStrategy(Strategy):
                 f"pick a global batch (/ accumulation) that is a multiple of {n}"
             )
         pipe.check(x[: len(x) // n])
-        precision = getattr(model, "_precision", None)  # ParallelModule's: autocast inside each stage
-        pipe.stage.context = precision.forward_context if precision is not None and precision.autocast else contextlib.nullcontext
+        # the precision's autocast inside each stage
+        pipe.stage.context = self.precision.forward_context if self.precision.autocast else contextlib.nullcontext
         mean = torch.zeros((), device=self.device)
 
         def run(divisor: int) -> None:
@@ -311,14 +311,14 @@ class PipelineStrategy(Strategy):
         are computed on the last stage: every rank gets the last stage's values."""
         return self._from_last_stage(tensor)
 
-    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+    def clip_grad_norm(self, parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
         """Clip by the norm of the whole model's gradient: the stages' squared norms are summed."""
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
-        total = torch.nn.utils.get_total_norm(grads).to(self.device, torch.float32) ** 2
+        params = [p for p in parameters if p.grad is not None]
+        total = torch.nn.utils.get_total_norm([g for p in params if (g := p.grad) is not None]).to(self.device, torch.float32) ** 2
         if self.proc.backend is not None and self.proc.world_size > 1:
             dist.all_reduce(total, op=dist.ReduceOp.SUM)
         total = total.sqrt()
-        torch.nn.utils.clip_grads_with_norm_([p for p in model.parameters() if p.grad is not None], max_norm, total)
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
         return total
 
     # --- checkpoints ----------------------------------------------------------------------

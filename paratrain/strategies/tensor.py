@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..env.process import Dist
+from ..precision import lookup as precision_class
 from .base import NotApplicable
 from .fsdp import DTensorStrategy, FSDPOptions, format_bytes, parameter_bytes, shard_model
 
@@ -93,8 +94,8 @@ class TensorParallelStrategy(DTensorStrategy):
     @classmethod
     def validate(cls, cfg: Any) -> None:
         super().validate(cfg)
-        if cfg.precision == "fp16-mixed" and cfg.loss_scale is None:
-            raise ValueError("precision fp16-mixed with the dynamic loss scale is not supported with strategy tensor "
+        if precision_class(cfg.precision).scales_loss and cfg.loss_scale is None:
+            raise ValueError(f"precision {cfg.precision} with the dynamic loss scale is not supported with strategy tensor "
                              "(GradScaler cannot unscale tensor-parallel and plain gradients together, nor agree on an "
                              "overflow across the tp group): use bf16-mixed, or a static loss_scale such as 128")
 

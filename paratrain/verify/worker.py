@@ -169,7 +169,7 @@ def _run_builtin(job: dict[str, Any], probe: Probe) -> tuple[dict[str, torch.Ten
         # ranks of a tensor-parallel group or of a pipeline read the same batch, and a pipeline's
         # stages run forwards on micro-batches and activations, not on the inputs.
         probe.count_forwards = False
-        step, leader = pt.training_step, pt.strategy.data_parallel_leader
+        step, leader = pt.training_step, pt.data_parallel_leader
 
         def counted_step(model: Any, batch: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
             if leader:
@@ -178,14 +178,12 @@ def _run_builtin(job: dict[str, Any], probe: Probe) -> tuple[dict[str, torch.Ten
 
         pt.training_step = counted_step  # type: ignore[method-assign]
         steps = job["steps"]
-        epochs = math.ceil(steps / max(1, len(train_set) // pt.plan.global_batch))  # type: ignore[arg-type]
+        epochs = math.ceil(steps / pt.steps_per_epoch(train_set))
         log = _LossLog()
         fit(pt, model, optimizer, train_set, epochs=epochs, max_steps=steps, scheduler=scheduler,
             augment=augment_for(d.dataset) if d.augment else None, logger=log, log_every=1,  # type: ignore[arg-type]
             progress_bar=False)
-        full = getattr(pt.strategy, "full_state_dict", None)
-        state = full(model) if callable(full) else pt.unwrap(model).state_dict()
-        result = _cpu_state(state), log.losses, pt.unwrap(model)
+        result = _cpu_state(pt.full_state_dict(model)), log.losses, pt.unwrap(model)
     except BaseException:
         pt.close(wait_for_peers=False)  # peers may be gone: no barrier
         raise

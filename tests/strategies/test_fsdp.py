@@ -69,10 +69,10 @@ def scheduler_not_given_to_setup():
         pt.backward(nn.functional.cross_entropy(model(xb), yb))
         opt.step()
         sched.step()
-        lrs.append(pt._optimizers[-1].param_groups[0]["lr"])  # the optimizer that steps the shards
+        lrs.append(pt._clock.optimizers[-1].param_groups[0]["lr"])  # the optimizer that steps the shards
         if len(lrs) == 3:
             break
-    return {"lrs": lrs, "same_object": pt._optimizers[-1] is user_opt}
+    return {"lrs": lrs, "same_object": pt._clock.optimizers[-1] is user_opt}
 
 
 def fsdp_worker(rank, runs):

@@ -167,6 +167,98 @@ def test_the_name_scan_finds_what_it_looks_for(tmp_path: pathlib.Path) -> None:
                                           "paratrain/m.py:4", "paratrain/m.py:5"]
 
 
+# --- issue 25: a precision is asked for its facts, never compared by name or class ----------------------------------
+
+def precision_sites(root: pathlib.Path) -> list[str]:
+    """``file:line`` of every place under ``root/paratrain`` (outside ``precision/``) that decides by a
+    precision's name or class: compares a name (``== "fp16-mixed"``, ``in ("bf16-true", ...)``), lists two
+    or more, maps names to something (a name -> dtype table), defaults a ``precision`` to a literal name,
+    passes one as ``precision=``, checks ``isinstance``/``issubclass`` against a precision class, or
+    reads the name tables (``MASTER_WEIGHTS``, ``PRECISIONS[...]``) instead of ``precision.lookup``.
+    DDP's comm hooks ``fp16``/``bf16`` share two aliases' spelling: those two are not precision names here."""
+    from paratrain import precision
+    from paratrain.strategies.ddp import COMM_HOOKS
+
+    names = (set(precision.PRECISIONS) | set(precision.ALIASES)) - set(COMM_HOOKS)
+    classes = {c.__name__ for c in precision.PRECISIONS.values()} | {"MasterWeights"}
+    base = root / "paratrain"
+
+    def is_name(node: ast.AST | None) -> bool:
+        return isinstance(node, ast.Constant) and node.value in names
+
+    def holds_name(node: ast.AST) -> bool:
+        return is_name(node) or (isinstance(node, (ast.Tuple, ast.List, ast.Set)) and any(map(is_name, node.elts)))
+
+    def names_class(node: ast.AST) -> bool:
+        if isinstance(node, (ast.Tuple, ast.List)):
+            return any(map(names_class, node.elts))
+        return (isinstance(node, ast.Name) and node.id in classes) or (isinstance(node, ast.Attribute) and node.attr in classes)
+
+    def table(node: ast.AST) -> bool:
+        return (isinstance(node, ast.Name) and node.id in ("PRECISIONS", "ALIASES")) or \
+            (isinstance(node, ast.Attribute) and node.attr in ("PRECISIONS", "ALIASES"))
+
+    found: list[tuple[str, int]] = []
+    for path in sorted(base.rglob("*.py")):
+        rel = path.relative_to(base.parent).as_posix()
+        if rel.startswith("paratrain/precision/"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), rel)):
+            hit = False
+            if isinstance(node, ast.Compare):
+                hit = any(map(holds_name, [node.left, *node.comparators]))
+            elif isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+                hit = sum(map(is_name, node.elts)) >= 2
+            elif isinstance(node, ast.Dict):
+                hit = any(map(is_name, node.keys)) or any(
+                    isinstance(k, ast.Constant) and str(k.value).endswith("precision") and is_name(v)
+                    for k, v in zip(node.keys, node.values))
+            elif isinstance(node, ast.keyword):
+                hit = "precision" in (node.arg or "") and is_name(node.value)
+            elif isinstance(node, ast.AnnAssign):
+                hit = isinstance(node.target, ast.Name) and "precision" in node.target.id and is_name(node.value)
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                args = node.args
+                positional = [*args.posonlyargs, *args.args]
+                pairs = [*zip(positional[len(positional) - len(args.defaults):], args.defaults),
+                         *zip(args.kwonlyargs, args.kw_defaults)]
+                hit = any("precision" in a.arg and is_name(d) for a, d in pairs)
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and len(node.args) == 2:
+                hit = node.func.id in ("isinstance", "issubclass") and names_class(node.args[1])
+            elif isinstance(node, ast.Subscript):
+                hit = table(node.value)
+            elif isinstance(node, ast.Attribute):
+                hit = node.attr == "MASTER_WEIGHTS" or (node.attr == "get" and table(node.value))
+            elif isinstance(node, ast.Name):
+                hit = node.id == "MASTER_WEIGHTS"
+            if hit:
+                found.append((rel, getattr(node, "lineno", 0)))
+    return [f"{rel}:{line}" for rel, line in sorted(set(found))]
+
+
+def test_no_precision_name_or_class_decides_outside_precision() -> None:
+    """Issue 25: ask the precision (``precision.lookup(name).scales_loss``, ``strategy.precision.param_dtype``)."""
+    assert precision_sites(pathlib.Path(__file__).resolve().parents[2]) == []
+
+
+def test_the_precision_scan_finds_what_it_looks_for(tmp_path: pathlib.Path) -> None:
+    (tmp_path / "paratrain" / "precision").mkdir(parents=True)
+    (tmp_path / "paratrain" / "precision" / "x.py").write_text('ok = name == "fp16-mixed"\n')  # the registry may
+    (tmp_path / "paratrain" / "m.py").write_text(
+        'a = p == "fp16-mixed"\n'
+        'b = p not in ("bf16-true", "x")\n'
+        'C = ("32", "tf32")\n'
+        'd = {"bf16-mixed": 1}.get(p)\n'
+        'e = f(precision="bf16-true")\n'
+        'def g(precision: str = "32"): ...\n'
+        'h = isinstance(p, (FP16Mixed, MasterWeights))\n'
+        'i = PRECISIONS.get(p)\n'
+        'j = p in MASTER_WEIGHTS\n'
+        'k = hook == "fp16"\n'  # DDP's comm hook, not a precision
+        'm = lookup(p).scales_loss\n')
+    assert precision_sites(tmp_path) == [f"paratrain/m.py:{n}" for n in range(1, 10)]
+
+
 def test_a_model_wrapped_by_the_user_is_kept_by_ddp_and_refused_elsewhere():
     import pytest
     import torch

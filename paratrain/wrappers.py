@@ -1,0 +1,287 @@
+"""What :meth:`Parallel.setup <paratrain.Parallel.setup>` returns: the module, optimizer and
+scheduler wrappers, in one file (as Lightning Fabric's ``wrappers.py``).
+
+``ParallelModule`` runs the strategy's wrapper under the precision's autocast with the user's
+``state_dict`` keys; ``ParallelOptimizer`` is a real :class:`torch.optim.Optimizer` (schedulers
+accept it) whose ``step`` acts once per global batch; ``ParallelScheduler`` steps once per
+optimizer step, so a loop that steps both per micro-batch keeps the schedule it has without
+accumulation. The optimizer and scheduler ask the run's :class:`~paratrain.clock.StepClock`
+where the global batch stands.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from .clock import StepClock
+from .evaluation import to_float32
+from .precision import Precision
+
+__all__ = ["ParallelModule", "ParallelOptimizer", "ParallelScheduler", "check_setup_arguments", "attach_scheduler",
+           "registered_optimizer", "strategy_module", "checkpointed", "compiled_like", "is_compiled", "uncompiled"]
+
+
+def check_setup_arguments(model: Any, optimizer: Any, scheduler: Any) -> None:
+    """setup(model, optimizer, scheduler) in that order and of those kinds, or a one-line error."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"setup: the model is a {type(model).__name__}, not a torch.nn.Module")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        hint = " (a scheduler? pass pt.setup(model, optimizer, scheduler))" if hasattr(optimizer, "optimizer") else ""
+        raise TypeError(f"setup: the optimizer is a {type(optimizer).__name__}, not a torch.optim.Optimizer{hint}")
+    if scheduler is not None and not (callable(getattr(scheduler, "step", None)) and hasattr(scheduler, "optimizer")):
+        raise TypeError(f"setup: the scheduler {scheduler!r} is not an LR scheduler (one with step() and an "
+                        "optimizer, as torch.optim.lr_scheduler's)")
+    if optimizer is None and scheduler is not None:
+        raise ValueError("setup got a scheduler but no optimizer: pass both, pt.setup(model, optimizer, scheduler)")
+
+
+def attach_scheduler(scheduler: Any, optimizer: ParallelOptimizer) -> Any:
+    """Point ``scheduler`` (and those a SequentialLR/ChainedScheduler holds) at ``optimizer``."""
+    for s in (scheduler, *getattr(scheduler, "_schedulers", ())):
+        if hasattr(s, "optimizer"):
+            s.optimizer = optimizer
+    return scheduler
+
+
+def registered_optimizer(scheduler: Any, optimizer: ParallelOptimizer | None) -> ParallelOptimizer:
+    """The optimizer a scheduler given to ``register_scheduler`` follows, or a one-line error."""
+    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        raise ValueError("register_scheduler: ReduceLROnPlateau steps on a metric that paratrain does not have: "
+                         "pass it to pt.setup(model, optimizer, scheduler) and call scheduler.step(metric) yourself")
+    if optimizer is None:
+        optimizer = getattr(scheduler, "optimizer", None)
+        if not isinstance(optimizer, ParallelOptimizer):
+            raise ValueError("register_scheduler: build the scheduler on the optimizer pt.setup returned, "
+                             "or pass that optimizer: pt.register_scheduler(scheduler, optimizer)")
+    return optimizer
+
+
+def strategy_module(model: Any, models: list[nn.Module]) -> nn.Module:
+    """What the strategy made of ``model`` (a module ``setup`` returned; None: the last one set up),
+    one of ``models``, for another optimizer of it (``setup_optimizer``); else a one-line error."""
+    if not models:
+        raise ValueError("setup_optimizer: set the model up first, model = pt.setup(model)")
+    wrapped = models[-1] if model is None else getattr(model, "_strategy_module", None)
+    if wrapped is None or not any(wrapped is m for m in models):
+        raise ValueError("setup_optimizer: pass the model pt.setup returned (or none: the last one set up)")
+    return wrapped
+
+
+def checkpointed(model: nn.Module, optimizer: Any, unwrap: Callable[[nn.Module], nn.Module]) -> tuple[nn.Module, Any]:
+    """The module and the plain optimizer that this rank checkpoints, of what ``setup`` returned."""
+    model = uncompiled(model)
+    module = model.checkpointed_module() if isinstance(model, ParallelModule) else unwrap(model)
+    return module, getattr(optimizer, "optimizer", optimizer)
+
+
+def compiled_like(compiled: Any, wrapped: nn.Module, compile: bool, backend: str) -> nn.Module:
+    """What forward runs: the strategy's ``wrapped`` module compiled as the user's ``compiled`` model
+    was (the same compilation around it), or by ``torch.compile`` when the config asks, else itself."""
+    if compiled is not None:
+        return type(compiled)(wrapped, compiled.dynamo_ctx)
+    return torch.compile(wrapped, backend=backend) if compile else wrapped  # type: ignore[return-value]
+
+
+def is_compiled(model: Any) -> bool:
+    """Is ``model`` ``torch.compile``'s wrapper? (torch._dynamo is loaded once anything was compiled:
+    no import here, which would cost seconds in every process.)"""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    return eval_frame is not None and isinstance(model, eval_frame.OptimizedModule)
+
+
+def uncompiled(model: Any) -> Any:
+    """``model`` without ``torch.compile``'s wrapper (whose state_dict keys start with ``_orig_mod.``)."""
+    while is_compiled(model):
+        model = model._orig_mod
+    return model
+
+
+class ParallelModule(nn.Module):
+    """What :meth:`Parallel.setup` returns: the strategy's wrapper (DDP...) with forward run
+    under the precision's autocast and floating outputs returned in fp32 (losses are computed
+    outside the model). ``state_dict``/``load_state_dict`` are the user's module's, so
+    checkpoints have the user's keys whatever the strategy, and so is ``.module`` (as Lightning
+    Fabric's): a DDP script's ``model.module.state_dict()`` or ``model.module.save_pretrained(...)``
+    means the same at every world size (under fsdp/tensor that module holds sharded parameters:
+    use :meth:`Parallel.full_state_dict`).
+    """
+
+    def __init__(self, wrapped: nn.Module, original: nn.Module, precision: Precision,
+                 before_forward: Callable[[nn.Module], None], after_load: Callable[[nn.Module], None],
+                 strategy_module: nn.Module | None = None, checkpointed: nn.Module | None = None) -> None:
+        super().__init__()
+        self._forward_module = wrapped  # what forward runs: the strategy's wrapper, compiled if asked
+        object.__setattr__(self, "original", original)  # not a submodule: no duplicate keys
+        object.__setattr__(self, "_strategy_module", wrapped if strategy_module is None else strategy_module)
+        object.__setattr__(self, "_checkpointed", original if checkpointed is None else checkpointed)
+        object.__setattr__(self, "_precision", precision)
+        object.__setattr__(self, "_before_forward", before_forward)
+        object.__setattr__(self, "_after_load", after_load)
+
+    @property
+    def module(self) -> nn.Module:
+        """The user's module (not DDP or another strategy wrapper, whatever the world size)."""
+        return self.__dict__["original"]
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._before_forward(self._strategy_module)
+        if not self._precision.autocast:
+            return self._forward_module(*args, **kwargs)
+        with self._precision.forward_context():
+            out = self._forward_module(*args, **kwargs)
+        return to_float32(out)
+
+    def checkpointed_module(self) -> nn.Module:
+        """The module whose parameters this rank holds and checkpoints (a pipeline's stage, the
+        user's module otherwise); what :mod:`paratrain.checkpoint` saves and loads."""
+        return self._checkpointed
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        return self.original.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """Load into the user's module; fp32 master weights and a parameter server's copy follow."""
+        result = self.original.load_state_dict(state_dict, strict=strict, assign=assign)
+        self._after_load(self.original)
+        return result
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.__dict__["original"], name)  # the user's own attributes
+
+
+class ParallelOptimizer(torch.optim.Optimizer):
+    """The user's optimizer, with ``step``/``zero_grad`` aware of accumulation and loss scaling.
+
+    A real :class:`torch.optim.Optimizer` (so any ``torch.optim.lr_scheduler`` accepts it) whose
+    ``param_groups``, ``state`` and ``defaults`` *are* the wrapped optimizer's: a scheduler's lr
+    lands in the optimizer that steps. ``Optimizer.__init__`` is not called: there is nothing of
+    its own to build. ``step`` is marked the way an LR scheduler marks the ``step`` it wraps, so
+    the scheduler leaves it alone, and ``_opt_called`` tells it the optimizer stepped first.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, clock: StepClock) -> None:
+        self.optimizer = optimizer
+        self._clock = clock
+        self._opt_called = False
+
+    @property  # type: ignore[override]
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.optimizer.param_groups = value
+
+    @property  # type: ignore[override]
+    def state(self) -> Any:
+        return self.optimizer.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self.optimizer.state = value
+
+    @property  # type: ignore[override]
+    def defaults(self) -> dict[str, Any]:
+        return self.optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        self.optimizer.defaults = value
+
+    # torch.amp.GradScaler.step(optimizer) then always calls step(), with found_inf and grad_scale set
+    # on the optimizer, instead of unscaling and calling step() only when no gradient overflowed: so
+    # a step it skips still ends the global batch (StepClock.scaled_step).
+    _step_supports_amp_scaling = True
+
+    def step(self, closure: Any = None) -> bool:  # type: ignore[override]
+        """Step at the end of a global batch (a no-op on earlier micro-steps). True if weights changed."""
+        if closure is not None:
+            raise ValueError("closures are not supported by paratrain's optimizer step: compute the loss in the loop")
+        self._opt_called = True
+        found_inf = self.__dict__.get("found_inf")  # set by a GradScaler of the loop's own for this call
+        if found_inf is not None:
+            return self._clock.scaled_step(self.optimizer, found_inf, self.__dict__.get("grad_scale"))
+        return self._clock.step(self.optimizer)
+
+    step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]  # torch.optim.lr_scheduler: "already counts its calls"
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._clock.micro_step == 0:  # never wipe gradients mid-accumulation
+            self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> Any:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: Any) -> None:
+        self.optimizer.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        self.optimizer.add_param_group(param_group)
+
+    # Hooks belong to the optimizer that really steps: they fire once per global batch.
+    def register_step_pre_hook(self, hook: Any) -> Any:
+        return self.optimizer.register_step_pre_hook(hook)
+
+    def register_step_post_hook(self, hook: Any) -> Any:
+        return self.optimizer.register_step_post_hook(hook)
+
+    def register_state_dict_pre_hook(self, hook: Any, prepend: bool = False) -> Any:
+        return self.optimizer.register_state_dict_pre_hook(hook, prepend)
+
+    def register_state_dict_post_hook(self, hook: Any, prepend: bool = False) -> Any:
+        return self.optimizer.register_state_dict_post_hook(hook, prepend)
+
+    def register_load_state_dict_pre_hook(self, hook: Any, prepend: bool = False) -> Any:
+        return self.optimizer.register_load_state_dict_pre_hook(hook, prepend)
+
+    def register_load_state_dict_post_hook(self, hook: Any, prepend: bool = False) -> Any:
+        return self.optimizer.register_load_state_dict_post_hook(hook, prepend)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return self.__dict__
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+    def __repr__(self) -> str:
+        return f"ParallelOptimizer({self.optimizer!r})"
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "optimizer":  # not set yet (unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.optimizer, name)
+
+
+class ParallelScheduler:
+    """The user's LR scheduler, as :meth:`Parallel.setup` returns it: ``step()`` acts once per
+    real optimizer step, so a loop that calls it after every ``optimizer.step()`` — once per
+    micro-batch under accumulation — or once per epoch gets the schedule it would get without
+    accumulation. Everything else (``get_last_lr``, ``state_dict``...) is the scheduler's.
+    """
+
+    def __init__(self, scheduler: Any, clock: StepClock) -> None:
+        self.scheduler = scheduler
+        self._clock = clock
+        clock.follow(self)
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        if self._clock.due(self):
+            self.scheduler.step(*args, **kwargs)
+
+    def state_dict(self) -> Any:
+        return self.scheduler.state_dict()
+
+    def load_state_dict(self, state: Any) -> None:
+        self.scheduler.load_state_dict(state)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "scheduler":
+            raise AttributeError(name)
+        return getattr(self.scheduler, name)
