@@ -21,6 +21,8 @@ echo "== static checks (ruff, mypy)"
 "$venv/bin/mypy" paratrain
 echo "== full suite, torch $("$venv/bin/python" -c 'import torch; print(torch.__version__)')"
 timeout --foreground -k 30 45m "$venv/bin/python" -m pytest -q --durations=25 --ignore=tests/test_smoke.py "$@" </dev/null  # test_smoke.py is for the CUDA wheel (below)
+echo "== docs: the site in strict mode, and every code block of its pages run"
+bash scripts/docs.sh  # docs/requirements.txt into $venv; about 2-4 minutes on 2 cores
 if [ "${PARATRAIN_SKIP_CUDA_WHEEL:-0}" != 1 ]; then
   bash scripts/setup.sh cuda
   cvenv=${PARATRAIN_CUDA_VENV:-.venv-cuda}

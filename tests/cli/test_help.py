@@ -28,7 +28,7 @@ def test_help_renders_and_tells_no_project_history(command: str) -> None:
 
 def test_readmes_and_docstrings_tell_no_project_history() -> None:
     found = []
-    for path in [ROOT / "README.md", ROOT / "examples" / "README.md"]:
+    for path in [ROOT / "README.md", ROOT / "examples" / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
         found += [f"{path.name}:{i}" for i, line in enumerate(path.read_text().splitlines(), 1) if HISTORY.search(line)]
     for path in sorted((ROOT / "paratrain").rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):

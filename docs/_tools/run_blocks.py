@@ -1,0 +1,428 @@
+"""Run every code block of the documentation, so the pages cannot drift from the code.
+
+    python docs/_tools/run_blocks.py [--list] [FILE.md ...]     (default: docs/**/*.md)
+
+Each page runs in a fresh working directory (a temporary folder that links to everything at the top of
+the checkout except ``runs/``, so ``examples/...`` and ``scripts/...`` resolve and a run's files never
+land in the checkout). Its blocks run in page order:
+
+* ``python``: executed in one Python process per page (a later block sees an earlier one's names, as
+  in a notebook);
+* ``bash``: every command (a line, ``\\``-continued lines joined) runs with ``bash -c`` and must exit 0;
+* ``text``: program output shown to the reader, not code: not run.
+
+An HTML comment right before a block changes what happens to it (GitHub and the site hide it)::
+
+    <!-- docs: file NAME -->                   write the block to NAME (a script, a config) for later blocks
+    <!-- docs: run append="ARGS" — WHY -->     append ARGS to every command (e.g. --print-config: the
+                                               command's flags and values are checked, nothing trains)
+    <!-- docs: run exit=1 timeout=120 -->      the exit status every command must have; its time limit (s)
+    <!-- docs: parse — WHY -->                 not run: the ``paratrain ...`` part of every command is parsed
+                                               by paratrain's own argument parser (bad flags fail)
+    <!-- docs: skip — WHY -->                  not run at all (a GPU, a cluster, root); the count is printed
+
+Every command and every page's Python process runs in its own process group with a hard time limit;
+the group is killed when the limit passes, and after each command (workers left behind).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import select
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+FENCE = re.compile(r"^(?P<indent> *)(?P<fence>`{3,}|~{3,})(?P<info>[^`]*)$")
+MARKER = re.compile(r"^\s*<!--\s*docs:\s*(?P<body>.*?)\s*-->\s*$")
+CODE_LANGUAGES = {"python", "bash", "toml", "yaml"}
+OUTPUT_LANGUAGES = {"text"}
+NOT_CODE = re.compile(r"^\{.*\}$")  # MyST directives: {toctree}, {eval-rst}, {paratrain-cli}
+NOT_COPIED = {"runs", "build", "bench_out", ".pytest_cache"}
+PYTHON_TIMEOUT = 120
+COMMAND_TIMEOUT = 90
+
+
+@dataclass
+class Block:
+    path: Path
+    line: int  # 1-based line of the first line of code
+    language: str
+    code: str
+    mode: str = "run"  # run, file, parse, skip, output
+    reason: str = ""
+    options: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def where(self) -> str:
+        return f"{self.path.relative_to(ROOT)}:{self.line}"
+
+
+class DocError(Exception):
+    pass
+
+
+def _marker(text: str, where: str) -> tuple[str, dict[str, str], str]:
+    """``mode [key=value ...] [— reason]`` -> (mode, options, reason)."""
+    head, _, reason = text.partition("—")
+    words = shlex.split(head)
+    if not words or words[0] not in ("run", "file", "parse", "skip"):
+        raise DocError(f"{where}: unknown docs marker {text!r}: use run, file NAME, parse or skip")
+    mode, options = words[0], {}
+    for word in words[1:]:
+        key, eq, value = word.partition("=")
+        if mode == "file" and not eq:
+            options["name"] = word
+        elif key in ("append", "exit", "timeout") and eq:
+            options[key] = value
+        else:
+            raise DocError(f"{where}: unknown option {word!r} in docs marker {text!r}")
+    if mode == "file" and "name" not in options:
+        raise DocError(f"{where}: 'docs: file' needs a file name")
+    if mode in ("parse", "skip") and not reason.strip():
+        raise DocError(f"{where}: 'docs: {mode}' needs a reason after '—' (why it cannot run here)")
+    return mode, options, reason.strip()
+
+
+def parse_blocks(path: Path) -> list[Block]:
+    """The fenced code blocks of a Markdown file, with the marker that precedes each."""
+    lines = path.read_text().splitlines()
+    blocks: list[Block] = []
+    i, pending = 0, None
+    while i < len(lines):
+        m = MARKER.match(lines[i])
+        if m:
+            pending = (m.group("body"), i + 1)
+            i += 1
+            continue
+        f = FENCE.match(lines[i])
+        if not f:
+            if lines[i].strip():
+                pending = None  # a marker applies to the block right after it only
+            i += 1
+            continue
+        fence, indent = f.group("fence"), len(f.group("indent"))
+        language = (f.group("info").strip().split() or [""])[0]
+        end = i + 1
+        while end < len(lines) and not re.match(rf"^ {{0,{indent + 3}}}{fence[0]}{{{len(fence)},}}\s*$", lines[end]):
+            end += 1
+        if end == len(lines):
+            raise DocError(f"{path.relative_to(ROOT)}:{i + 1}: code block never closed")
+        code = "\n".join(ln[indent:] if not ln[:indent].strip() else ln.lstrip() for ln in lines[i + 1:end])
+        block = Block(path, i + 2, language, code + "\n")
+        where = block.where
+        if pending:
+            block.mode, block.options, block.reason = _marker(pending[0], f"{path.relative_to(ROOT)}:{pending[1]}")
+        if NOT_CODE.match(language):
+            pass  # a directive, not a code block
+        elif language in OUTPUT_LANGUAGES and not pending:
+            block.mode = "output"
+            blocks.append(block)
+        elif language not in CODE_LANGUAGES:
+            raise DocError(f"{where}: code block in {language or 'no language'!r}: use python, bash, toml, yaml "
+                           "or text (output)")
+        elif language in ("toml", "yaml") and block.mode not in ("file", "skip"):
+            raise DocError(f"{where}: a {language} block must be written to a file for a command to use "
+                           "(<!-- docs: file NAME -->) or skipped with a reason")
+        else:
+            blocks.append(block)
+        pending = None
+        i = end + 1
+    return blocks
+
+
+def commands(code: str) -> list[str]:
+    """The commands of a shell block: one per line, ``\\``-continued lines joined, comments dropped."""
+    out, current = [], ""
+    for line in code.splitlines():
+        if not current and (not line.strip() or line.lstrip().startswith("#")):
+            continue
+        if line.rstrip().endswith("\\"):
+            current += line.rstrip()[:-1] + " "
+            continue
+        out.append(current + line)
+        current = ""
+    if current:
+        out.append(current)
+    return out
+
+
+def _paratrain_argv(command: str) -> list[str] | None:
+    """The arguments after the ``paratrain`` program in a command line (None if it runs none); the
+    command ends at the first shell operator (``>``, ``|``, ``&&``, ``;``, ``&``) or comment."""
+    lex = shlex.shlex(command, posix=True, punctuation_chars=True)
+    lex.whitespace_split = True
+    try:
+        tokens = list(lex)
+    except ValueError:
+        return None
+    segment: list[str] = []
+    for token in tokens + [";"]:
+        if token and all(c in "();<>|&" for c in token):
+            for i, word in enumerate(segment):
+                if os.path.basename(word) == "paratrain":
+                    return segment[i + 1:]
+                if word == "-m" and segment[i + 1:i + 2] == ["paratrain"]:
+                    return segment[i + 2:]
+            segment = []
+        else:
+            segment.append(token)
+    return None
+
+
+def check_parse(command: str) -> str:
+    """Parse a command's paratrain arguments with paratrain's own parser; '' if none, else what it checked."""
+    argv = _paratrain_argv(command)
+    if argv is None:
+        return ""
+    from paratrain.cli.main import _parse, build_parser
+
+    import contextlib
+    import io
+
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            _parse(build_parser(), argv)
+    except SystemExit as e:
+        if e.code not in (0, None):
+            raise DocError(f"paratrain rejects its arguments: {err.getvalue().strip()}") from None
+    return "paratrain " + " ".join(argv[:1])
+
+
+def kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+class Page:
+    """One page's working directory, environment and Python process."""
+
+    def __init__(self, path: Path, log):
+        self.path = path
+        self.log = log
+        self.dir = Path(tempfile.mkdtemp(prefix="paratrain-docs-"))
+        for entry in ROOT.iterdir():
+            if entry.name not in NOT_COPIED:
+                (self.dir / entry.name).symlink_to(entry)
+        venv_bin = str(Path(sys.executable).parent)
+        self.env = dict(os.environ)
+        self.env.update(
+            PATH=os.pathsep.join([venv_bin, os.environ.get("PATH", "")]),
+            WANDB_MODE="offline", WANDB_SILENT="true", MPLBACKEND="Agg", TQDM_DISABLE="1",
+            PYTHONUNBUFFERED="1",
+        )
+        self.python: subprocess.Popen | None = None
+        self.result_fd = -1
+
+    def close(self) -> None:
+        if self.python is not None:
+            kill_group(self.python.pid)
+            self.python.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def _start_python(self) -> None:
+        r, w = os.pipe()
+        driver = (
+            "import json, os, sys, traceback\n"
+            f"out = os.fdopen({w}, 'w')\n"
+            "ns = {'__name__': '__main__'}\n"
+            "for line in sys.stdin:\n"
+            "    req = json.loads(line)\n"
+            "    try:\n"
+            "        exec(compile('\\n' * (req['line'] - 1) + req['code'], req['file'], 'exec'), ns)\n"
+            "        res = {'ok': True}\n"
+            "    except BaseException:\n"
+            "        res = {'ok': False, 'error': traceback.format_exc()}\n"
+            "    sys.stdout.flush(); sys.stderr.flush()\n"
+            "    out.write(json.dumps(res) + '\\n'); out.flush()\n"
+        )
+        self.python = subprocess.Popen(
+            [sys.executable, "-c", driver], cwd=self.dir, env=self.env, stdin=subprocess.PIPE, stdout=self.log,
+            stderr=subprocess.STDOUT, text=True, start_new_session=True, pass_fds=[w],
+        )
+        os.close(w)
+        self.result_fd = r
+
+    def run_python(self, block: Block) -> None:
+        if self.python is None:
+            self._start_python()
+        assert self.python is not None and self.python.stdin is not None
+        timeout = float(block.options.get("timeout", PYTHON_TIMEOUT))
+        self.python.stdin.write(json.dumps({"code": block.code, "file": str(block.path), "line": block.line}) + "\n")
+        self.python.stdin.flush()
+        ready, _, _ = select.select([self.result_fd], [], [], timeout)
+        if not ready:
+            kill_group(self.python.pid)
+            self.python.wait()
+            self.python = None
+            raise DocError(f"ran past its {timeout:.0f} s limit; its process group was killed")
+        line = b""
+        while not line.endswith(b"\n"):
+            chunk = os.read(self.result_fd, 65536)
+            if not chunk:
+                raise DocError("the page's Python process died (see the output above)")
+            line += chunk
+        res = json.loads(line)
+        if not res["ok"]:
+            raise DocError("raised:\n" + res["error"])
+
+    def run_command(self, command: str, expect: int, timeout: float) -> None:
+        self.log.write(f"$ {command}\n")
+        self.log.flush()
+        proc = subprocess.Popen(["bash", "-c", command], cwd=self.dir, env=self.env, stdin=subprocess.DEVNULL,
+                                stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            code = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise DocError(f"`{command}` ran past its {timeout:.0f} s limit; its process group was killed") from None
+        finally:
+            kill_group(proc.pid)  # also what a finished command left behind (a launcher's workers)
+            proc.wait()
+        if code != expect:
+            raise DocError(f"`{command}` exited with {code} (expected {expect})")
+
+    def write_file(self, block: Block) -> None:
+        name = block.options["name"]
+        target = self.dir / name
+        if target.is_symlink() or (target.exists() and not target.is_file()):
+            raise DocError(f"'docs: file {name}' would overwrite a file of the checkout")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(block.code)
+        if block.language == "toml":
+            try:
+                tomllib.loads(block.code)
+            except tomllib.TOMLDecodeError as e:
+                raise DocError(f"{name} is not valid TOML: {e}") from None
+        elif block.language == "python":
+            try:
+                compile("\n" * (block.line - 1) + block.code, str(block.path), "exec")
+            except SyntaxError as e:
+                raise DocError(f"{name} is not valid Python: {e}") from None
+
+
+@dataclass
+class Tally:
+    python: int = 0
+    commands: int = 0
+    files: int = 0
+    parsed: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    appended: list[str] = field(default_factory=list)
+    output: int = 0
+
+
+def run_page(path: Path, tally: Tally, list_only: bool, verbose: bool = False) -> float:
+    blocks = parse_blocks(path)
+    start = time.monotonic()
+    logf = tempfile.NamedTemporaryFile("w+", prefix="paratrain-docs-", suffix=".log", delete=False)
+    page = None if list_only else Page(path, logf)
+    try:
+        for block in blocks:
+            began = time.monotonic()
+            try:
+                if block.mode == "output":
+                    tally.output += 1
+                elif block.mode == "skip":
+                    tally.skipped.append(f"{block.where} ({block.language}): {block.reason}")
+                elif block.mode == "parse":
+                    if block.language != "bash":
+                        raise DocError("'docs: parse' is for shell blocks")
+                    checked = [check_parse(c) for c in commands(block.code)]
+                    n = sum(1 for c in checked if c)
+                    tally.parsed.append(f"{block.where}: {n} of {len(checked)} commands parsed by paratrain's "
+                                        f"parser, none run: {block.reason}")
+                elif block.mode == "file":
+                    tally.files += 1
+                    if page:
+                        page.write_file(block)
+                elif block.language == "python":
+                    tally.python += 1
+                    if page:
+                        page.run_python(block)
+                elif block.language == "bash":
+                    append = block.options.get("append", "")
+                    if append:
+                        tally.appended.append(f"{block.where}: run with {append} appended: {block.reason}")
+                    for command in commands(block.code):
+                        tally.commands += 1
+                        check_parse(command)
+                        if page:
+                            if append:
+                                body, hash_, comment = command.partition(" #")
+                                command = f"{body.rstrip()} {append}" + (f"  #{comment}" if hash_ else "")
+                            page.run_command(command, int(block.options.get("exit", 0)),
+                                             float(block.options.get("timeout", COMMAND_TIMEOUT)))
+                else:
+                    raise DocError(f"a {block.language} block cannot run: write it to a file or skip it")
+                if verbose and page and block.mode in ("run", "file"):
+                    print(f"docs:   {block.where} ({block.language}): {time.monotonic() - began:.1f} s", flush=True)
+            except DocError as e:
+                logf.flush()
+                logf.seek(0)
+                tail = logf.read()[-6000:]
+                raise DocError(f"{block.where}: {e}\n--- output of {path.relative_to(ROOT)} so far ---\n{tail}") \
+                    from None
+    finally:
+        if page:
+            page.close()
+        logf.close()
+        os.unlink(logf.name)
+    return time.monotonic() - start
+
+
+def default_files() -> list[Path]:
+    """The Markdown files whose blocks CI runs: the site's pages (not ``docs/_*``)."""
+    return sorted(p for p in (ROOT / "docs").rglob("*.md")
+                  if not any(part.startswith("_") for part in p.relative_to(ROOT / "docs").parts))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("files", nargs="*", type=Path, help="Markdown files (default: docs/**/*.md)")
+    ap.add_argument("--list", action="store_true", help="check the markers and count the blocks; run nothing")
+    ap.add_argument("--verbose", action="store_true", help="print each block's time")
+    ap.add_argument("--max-skipped", type=int, default=10,
+                    help="fail when more blocks than this are skipped or only parsed (default 10)")
+    args = ap.parse_args(argv)
+    files = [p.resolve() for p in args.files] or default_files()
+    tally = Tally()
+    total = time.monotonic()
+    try:
+        for path in files:
+            seconds = run_page(path, tally, args.list, args.verbose)
+            if not args.list:
+                print(f"docs: {path.relative_to(ROOT)}: ok in {seconds:.1f} s", flush=True)
+    except DocError as e:
+        print(f"docs: FAILED: {e}", file=sys.stderr)
+        return 1
+    print(f"docs: {tally.python} python blocks and {tally.commands} shell commands run, {tally.files} blocks "
+          f"written to files and used, {tally.output} output blocks (not code); "
+          f"{len(tally.parsed)} shell blocks only parsed, {len(tally.skipped)} blocks skipped"
+          + ("" if args.list else f"; {time.monotonic() - total:.0f} s"))
+    for line in tally.appended:
+        print(f"  changed: {line}")
+    for line in tally.parsed + tally.skipped:
+        print(f"  not run: {line}")
+    if len(tally.parsed) + len(tally.skipped) > args.max_skipped:
+        print(f"docs: FAILED: {len(tally.parsed) + len(tally.skipped)} blocks do not run (at most "
+              f"{args.max_skipped}): make them run here, at tiny sizes", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

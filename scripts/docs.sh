@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Builds the documentation site (docs/ -> build/docs/index.html) and runs every code block of its
+# pages, so the docs cannot drift from the code. scripts/test.sh runs it; one command, no arguments:
+#   1. the docs tools (docs/requirements.txt) into the test venv, reinstalled when that file changes;
+#   2. Sphinx in strict mode: any warning fails (a broken internal link, a reference to something the
+#      API reference does not document, a docstring that does not render), with -n (nitpicky);
+#   3. docs/_tools/check_site.py: paratrain.__all__, every subcommand and every extra are covered;
+#   4. docs/_tools/run_blocks.py: every code block of docs/**/*.md runs (python, shell;
+#      each in its own process group with a hard time limit), or is parsed or skipped with its reason
+#      printed (at most 10 such blocks).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh cpu
+venv=${PARATRAIN_VENV:-.venv}
+key=$(sha256sum docs/requirements.txt | cut -c1-16)
+if [ "$(cat "$venv/.paratrain-docs-key" 2>/dev/null || true)" != "$key" ]; then
+  echo "docs: installing docs/requirements.txt into $venv" >&2
+  "$venv/bin/pip" install -q --disable-pip-version-check -r docs/requirements.txt 2>&1 | { grep -v "^WARNING: Location" || true; } >&2
+  echo "$key" > "$venv/.paratrain-docs-key"
+fi
+start=$SECONDS
+rm -rf build/docs
+echo "== docs: build the site (strict)"
+timeout --foreground -k 10 5m "$venv/bin/python" -m sphinx -b html -n -W --keep-going -q docs build/docs </dev/null
+"$venv/bin/python" docs/_tools/check_site.py build/docs
+echo "== docs: run the code blocks"
+timeout --foreground -k 30 15m "$venv/bin/python" docs/_tools/run_blocks.py </dev/null
+echo "docs: site in build/docs/index.html; $((SECONDS - start)) s"
