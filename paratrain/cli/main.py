@@ -23,6 +23,7 @@ SUBCOMMANDS = {
     "env": "paratrain.cli.env",
     "export": "paratrain.cli.export",
     "selftest": "paratrain.cli.selftest",
+    "estimate": "paratrain.cli.estimate",
 }
 
 

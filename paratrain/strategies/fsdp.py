@@ -132,8 +132,8 @@ def _blocks(model: nn.Module, wrap_classes: list[str], min_params: int) -> list[
     would split a tied parameter's users are left to the root's group."""
     wrap_classes = wrap_classes or (list(getattr(model, "_no_split_modules", None) or []) if not min_params else [])
     if wrap_classes:
-        blocks = [m for m in reversed(list(model.modules())) if m is not model and type(m).__name__ in wrap_classes]
-        return _tie_safe(model, blocks)
+        named = [m for m in reversed(list(model.modules())) if m is not model and type(m).__name__ in wrap_classes]
+        return _tie_safe(model, named)
     if min_params == 0:
         stacked = _stacked_blocks(model)
         if stacked:

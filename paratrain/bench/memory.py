@@ -1,0 +1,315 @@
+"""Memory estimate: each rank's peak for a strategy, precision and world size, before renting the cluster.
+
+With ``P`` parameters, ``N`` ranks, a micro-batch of ``b`` samples per rank, and per parameter
+``w`` bytes of weights, ``g`` of gradients, ``m`` of master weights and ``s`` of optimizer state:
+
+* **precision**: ``32``/``tf32`` and the ``*-mixed`` ones (autocast keeps fp32 weights): w = g = 4,
+  m = 0; ``bf16-true``/``fp16-true``: w = g = 2 and fp32 master weights m = 4;
+* **optimizer**: Adam/AdamW s = 8 (two fp32 moments), SGD with momentum s = 4, plain SGD s = 0;
+* **model states** per rank:
+
+  - ``single``, ``dp`` (the device that holds the model), ``ps`` workers: ``P(w + g + m + s)``;
+  - ``ddp``: the same plus DDP's gradient buckets, ``4P`` (``gradient_as_bucket_view`` off);
+  - ``fsdp`` (FSDP2, parameters resharded after forward: ZeRO-3): ``P(w + g + m + s)/N`` plus what
+    is unsharded at once: the root group's ``R`` parameters (those outside every block) with their
+    gradients, ``R(w + g)``, and two blocks in flight (one computing, one prefetched) of the
+    largest block's ``B`` parameters, ``2B(w + g)``;
+  - ``tensor`` (tp = N): the ``L`` parameters of the split Linear layers are divided, ``(L/N +
+    P − L)(w + g + m + s)``;
+  - ``pipeline``: the largest stage's parameters ``S``, ``S(w + g + m + s)``;
+
+* **activations**: what autograd saves for backward, ``b·a`` with ``a`` bytes per sample measured
+  by one forward on the meta device (no memory, any model size). With **activation
+  checkpointing** of the blocks only each block's input is kept, plus one block's internals while
+  it is recomputed: ``b(a_out + Σ a_in(block) + max a_inside(block))``. Mixed precision halves the
+  saved tensors of autocast's low-precision ops; the estimate keeps them fp32 (an upper bound);
+* **CPU offload** (fsdp): parameters, gradients and optimizer state live in host memory; the
+  device holds the unsharded blocks in flight and the activations;
+* **building the model**: without sharded initialisation every rank first builds the whole model,
+  ``4P``; the peak is the larger of that and the training peak.
+
+DeepSpeed's ZeRO paper (Rajbhandari et al. 2020) writes the same model states for mixed-precision
+Adam with fp16 weights and gradients and fp32 masters and moments (``2 + 2 + 12 = 16`` bytes per
+parameter): ``16P`` for DDP, ``4P + 12P/N`` for ZeRO-1, ``2P + 14P/N`` for ZeRO-2 and ``16P/N`` for
+ZeRO-3; :func:`zero_model_states` gives them for comparison. paratrain's ``*-mixed`` precisions keep
+fp32 weights and gradients (``4 + 4 + 8 = 16`` bytes per parameter with Adam, the same total),
+``bf16-true`` is the paper's layout (``2 + 2 + 4 + 8``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+__all__ = ["ModelFacts", "Estimate", "measure_model", "estimate", "zero_model_states", "bytes_per_param",
+           "format_estimates", "OPTIMIZER_STATE_BYTES"]
+
+OPTIMIZER_STATE_BYTES = {"adam": 8, "adamw": 8, "sgd-momentum": 4, "sgd": 0}
+"""Optimizer state bytes per parameter (fp32)."""
+
+
+@dataclass
+class ModelFacts:
+    """What the estimate needs to know about a model, measured once on the meta device."""
+
+    params: int
+    """P: parameters (tied ones once)."""
+    largest_block: int
+    """B: parameters of the largest block (fsdp's unit of sharding, activation checkpointing's unit)."""
+    root_params: int
+    """R: parameters outside every block (embeddings, heads): fsdp's root group."""
+    linear_params: int
+    """L: parameters of the Linear layers tensor parallelism splits (its plan's)."""
+    largest_stage: int
+    """S: parameters of the largest of ``stages`` pipeline stages cut at block boundaries."""
+    activation_bytes: float
+    """a: bytes saved for backward per sample (fp32)."""
+    outside_bytes: float = 0.0
+    """Of ``activation_bytes``: saved outside every block."""
+    block_input_bytes: float = 0.0
+    """Σ over blocks of each block's input bytes per sample (what checkpointing keeps)."""
+    largest_inside_bytes: float = 0.0
+    """The largest block's internal saved bytes per sample (recomputed one block at a time)."""
+    largest_saved_bytes: float = 0.0
+    """The largest single saved tensor per sample (its gradient arrives while it is alive: the logits)."""
+    largest_param: int = 0
+    """Elements of the largest parameter tensor (the optimizer's per-tensor temporaries)."""
+    largest_linear: bool = False
+    """Whether that tensor is a weight tensor parallelism splits."""
+    blocks: int = 0
+    buffers_bytes: int = 0
+
+    @property
+    def checkpointed_activation_bytes(self) -> float:
+        if not self.blocks:
+            return self.activation_bytes
+        return self.outside_bytes + self.block_input_bytes + self.largest_inside_bytes
+
+
+def bytes_per_param(precision: str, optimizer: str) -> dict[str, int]:
+    """``w``, ``g``, ``m``, ``s``: weight, gradient, master-weight and optimizer-state bytes per parameter."""
+    from ..precision import resolve
+
+    name = resolve(precision)
+    if optimizer not in OPTIMIZER_STATE_BYTES:
+        raise ValueError(f"optimizer {optimizer!r} is unknown to the estimate: use one of "
+                         f"{', '.join(OPTIMIZER_STATE_BYTES)}")
+    true_half = name in ("bf16-true", "fp16-true")
+    return {"w": 2 if true_half else 4, "g": 2 if true_half else 4, "m": 4 if true_half else 0,
+            "s": OPTIMIZER_STATE_BYTES[optimizer]}
+
+
+@dataclass
+class Estimate:
+    """One rank's estimated peak, in bytes, and its parts."""
+
+    strategy: str
+    precision: str
+    world_size: int
+    parts: dict[str, float] = field(default_factory=dict)
+    checkpointing: bool = False
+    offload: bool = False
+
+    @property
+    def training(self) -> float:
+        return sum(v for k, v in self.parts.items() if k != "build")
+
+    @property
+    def peak(self) -> float:
+        return max(self.training, self.parts.get("build", 0.0))
+
+
+def estimate(facts: ModelFacts, strategy: str, world_size: int, micro_batch: int, precision: str = "32",
+             optimizer: str = "adamw", checkpointing: bool = False, offload: bool = False,
+             sharded_init: bool = False, device: str = "cpu") -> Estimate:
+    """Each rank's peak for ``strategy`` at ``world_size`` (see the module's formulas)."""
+    if world_size < 1 or micro_batch < 1:
+        raise ValueError(f"world_size {world_size} and micro_batch {micro_batch} must be at least 1")
+    if offload and strategy != "fsdp":
+        raise ValueError(f"CPU offload is fsdp's (strategy {strategy!r} keeps its states on the device)")
+    b = bytes_per_param(precision, optimizer)
+    P, n = facts.params, world_size
+    sharded = strategy in ("fsdp", "tensor", "pipeline", "ddp") and n > 1  # at world size 1 nothing is wrapped
+    local: float = P
+    largest = facts.largest_param
+    if sharded and strategy == "fsdp":
+        local, largest = P / n, math.ceil(facts.largest_param / n)
+    elif sharded and strategy == "tensor":
+        local = facts.linear_params / n + P - facts.linear_params
+        largest = math.ceil(facts.largest_param / n) if facts.largest_linear else facts.largest_param
+    elif sharded and strategy == "pipeline":
+        local = facts.largest_stage
+    parts: dict[str, float] = {}
+    kept = 0.0 if offload and sharded else local
+    parts["weights, masters, optimizer state"] = kept * (b["w"] + b["m"] + b["s"])
+    if sharded and strategy == "ddp":
+        parts["gradient buckets"] = 4 * P
+    parts["buffers"] = facts.buffers_bytes
+    in_flight_fwd = in_flight_bwd = 0.0
+    if sharded and strategy == "fsdp":
+        # forward: the root's parameters and two blocks (one computing, one prefetched); backward:
+        # the root's and one block's parameters with their unsharded gradients
+        in_flight_fwd = (facts.root_params + 2 * facts.largest_block) * b["w"]
+        in_flight_bwd = (facts.root_params + facts.largest_block) * (b["w"] + b["g"])
+    act = facts.checkpointed_activation_bytes if checkpointing else facts.activation_bytes
+    activations = (act + facts.largest_saved_bytes) * micro_batch
+    grads = kept * b["g"]
+    temporaries = _step_temporaries(optimizer, kept, largest, device)
+    # The peak comes either at the start of the backward (every saved activation alive) or at its
+    # end and in the optimizer step (every gradient, and the step's temporaries).
+    parts["activations (forward)" if activations + in_flight_fwd >= grads + temporaries + in_flight_bwd
+          else "gradients + step temporaries"] = max(activations + in_flight_fwd, grads + temporaries + in_flight_bwd)
+    if not sharded_init:
+        parts["build"] = 4 * P + facts.buffers_bytes
+    return Estimate(strategy, precision, world_size, parts, checkpointing, offload)
+
+
+def _step_temporaries(optimizer: str, params: float, largest: int, device: str) -> float:
+    """Adam's update makes ``sqrt(v) / bias_correction`` per tensor: on the CPU (one tensor at a
+    time) two temporaries of the largest tensor, on CUDA (``foreach``) one of every parameter."""
+    if OPTIMIZER_STATE_BYTES.get(optimizer, 0) < 8:
+        return 0.0
+    return 4 * params if device == "cuda" else 8 * largest
+
+
+def zero_model_states(params: int, world_size: int, stage: int) -> float:
+    """DeepSpeed's ZeRO model-state bytes per GPU for mixed-precision Adam (``K = 12``):
+    stage 0 (DDP) ``16P``, 1 ``4P + 12P/N``, 2 ``2P + 14P/N``, 3 ``16P/N``."""
+    P, n = params, world_size
+    return {0: 16 * P, 1: 4 * P + 12 * P / n, 2: 2 * P + 14 * P / n, 3: 16 * P / n}[stage]
+
+
+# --------------------------------------------------------------------------- measuring a model
+def _numel(t: torch.Tensor) -> int:
+    return int(t.numel())
+
+
+def measure_model(build: Callable[[], nn.Module], sample: Callable[[int], Any],
+                  loss: Callable[[Any, Any], torch.Tensor] | None = None, stages: int = 2) -> ModelFacts:
+    """Build ``build()`` on the meta device and run a forward (and the loss) on ``sample(k)``
+    (the model's input for ``k`` samples, built on the meta device too; a tuple is unpacked as
+    positional arguments) at two batch sizes: the bytes autograd saves per sample are the difference.
+    Blocks are fsdp's default units (:func:`paratrain.strategies.fsdp._blocks`); the Linear layers
+    tensor parallelism splits are its automatic plan's (or every Linear, if it finds no pair)."""
+    from ..strategies.fsdp import _blocks
+    from ..strategies.tensor import auto_plan
+
+    with torch.device("meta"):
+        model = build()
+    params = {id(p): p for p in model.parameters()}
+    P = sum(_numel(p) for p in params.values())
+    blocks = [blk for blk in _blocks(model, [], 0)]
+    outermost = [blk for blk in blocks if not any(o is not blk and any(m is blk for m in o.modules()) for o in blocks)]
+    in_block = {id(p) for blk in outermost for p in blk.parameters()}
+    sizes = [sum(_numel(p) for p in blk.parameters()) for blk in outermost]
+    plan = auto_plan(model)
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    split = [linears[n] for n in plan if n in linears] or list(linears.values())
+    L = sum(_numel(p) for m in {id(m): m for m in split}.values() for p in m.parameters(recurse=False))
+    root = sum(_numel(p) for pid, p in params.items() if pid not in in_block)
+    buffers = sum(_numel(buf) * buf.element_size() for buf in model.buffers())
+
+    def saved(k: int) -> tuple[float, float, float, list[float], float]:
+        """(total, outside blocks, block inputs, [inside each block]) saved for backward at batch k."""
+        stack: list[int] = []
+        inside = [0.0] * len(outermost)
+        inputs = [0.0] * len(outermost)
+        totals = {"all": 0.0, "out": 0.0, "largest": 0.0}
+        index = {id(blk): i for i, blk in enumerate(outermost)}
+
+        seen: set[int] = set()
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            if id(t) in params or t._base is not None and id(t._base) in params:
+                return t  # a parameter (or a view of one) costs no extra memory
+            storage = t.untyped_storage()
+            if storage._cdata in seen:  # saved twice (by two ops, or as views): one memory
+                return t
+            seen.add(storage._cdata)
+            nbytes = storage.nbytes()
+            totals["all"] += nbytes
+            totals["largest"] = max(totals["largest"], nbytes)
+            if stack:
+                inside[stack[-1]] += nbytes
+            else:
+                totals["out"] += nbytes
+            return t
+
+        def pre(module: nn.Module, args: Any) -> None:
+            i = index[id(module)]
+            inputs[i] += sum(_numel(a) * a.element_size() for a in args if isinstance(a, torch.Tensor))
+            stack.append(i)
+
+        def post(module: nn.Module, args: Any, out: Any) -> None:
+            stack.pop()
+
+        handles = [blk.register_forward_pre_hook(pre) for blk in outermost]
+        handles += [blk.register_forward_hook(post) for blk in outermost]
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                x = sample(k)
+                out = model(*x) if isinstance(x, tuple) else model(x)
+                if loss is not None:
+                    loss(out, k)
+        finally:
+            for h in handles:
+                h.remove()
+        return totals["all"], totals["out"], sum(inputs), inside, totals["largest"]
+
+    with torch.device("meta"):  # batches of 2 and 4: BatchNorm refuses one sample in training
+        small, big = saved(2), saved(4)
+
+    def per_sample(a: float, b: float) -> float:
+        return max(0.0, (b - a) / 2)
+
+    inside = [per_sample(a, b) for a, b in zip(small[3], big[3])]
+    biggest = max((_numel(p) for p in params.values()), default=0)
+    return ModelFacts(
+        params=P, largest_block=max(sizes, default=0), root_params=root, linear_params=L,
+        largest_stage=_largest_stage(sizes, root, stages), activation_bytes=per_sample(small[0], big[0]),
+        outside_bytes=per_sample(small[1], big[1]), block_input_bytes=per_sample(small[2], big[2]),
+        largest_inside_bytes=max(inside, default=0.0), largest_saved_bytes=per_sample(small[4], big[4]),
+        largest_param=biggest, largest_linear=any(p.numel() == biggest for m in split for p in m.parameters(recurse=False)),
+        blocks=len(outermost),
+        buffers_bytes=buffers)
+
+
+def _largest_stage(sizes: Sequence[int], root: int, stages: int) -> int:
+    """The largest stage when the blocks are cut into ``stages`` contiguous runs of nearly equal
+    size (the root's parameters, embeddings and head, split between the first and last stage)."""
+    if stages <= 1 or not sizes:
+        return sum(sizes) + root
+    per = math.ceil(len(sizes) / stages)
+    runs = [sum(sizes[i:i + per]) for i in range(0, len(sizes), per)]
+    runs[0] += root // 2
+    runs[-1] += root - root // 2
+    return max(runs)
+
+
+# --------------------------------------------------------------------------- report
+def _mib(n: float) -> str:
+    return f"{n / 2**20:,.1f}"
+
+
+def format_estimates(facts: ModelFacts, estimates: Sequence[Estimate], title: str) -> str:
+    lines = [title,
+             f"parameters {facts.params:,} (largest block {facts.largest_block:,}, outside blocks {facts.root_params:,}, "
+             f"split by tensor {facts.linear_params:,}); activations {_mib(facts.activation_bytes)} MiB per sample, "
+             f"{_mib(facts.checkpointed_activation_bytes)} MiB with activation checkpointing of {facts.blocks} blocks"]
+    head = ("strategy", "world", "precision", "options", "states MiB", "peak phase", "peak MiB per rank")
+    rows = []
+    for e in estimates:
+        states = sum(v for k, v in e.parts.items() if k in ("weights, masters, optimizer state", "gradient buckets"))
+        opts = ",".join(o for o, on in (("checkpointing", e.checkpointing), ("offload", e.offload)) if on) or "-"
+        phase = "forward" if "activations (forward)" in e.parts else "step"
+        if e.parts.get("build", 0.0) > e.training:
+            phase = "building the model"
+        rows.append((e.strategy, str(e.world_size), e.precision, opts, _mib(states), phase, _mib(e.peak)))
+    widths = [max(len(x) for x in col) for col in zip(head, *rows)]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    lines += [fmt.format(*head), *(fmt.format(*r) for r in rows)]
+    return "\n".join(lines)

@@ -1,0 +1,103 @@
+"""The memory estimate's formulas, by hand, and its measurement of a model on the meta device.
+(Against measured peaks: ``benchmarks/memory_check.py``, whose smoke run is in tests/test_benchmarks.py.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from clitools import run_cli
+from torch import nn
+
+from paratrain.bench.memory import ModelFacts, bytes_per_param, estimate, measure_model, zero_model_states
+
+MiB = 2**20
+
+
+def facts(**kw) -> ModelFacts:
+    base = dict(params=1000, largest_block=300, root_params=100, linear_params=800, largest_stage=600,
+                activation_bytes=50.0, largest_saved_bytes=10.0, largest_param=200, largest_linear=True)
+    base.update(kw)
+    return ModelFacts(**base)
+
+
+def test_bytes_per_parameter():
+    assert bytes_per_param("32", "adamw") == {"w": 4, "g": 4, "m": 0, "s": 8}
+    assert bytes_per_param("bf16-mixed", "sgd-momentum") == {"w": 4, "g": 4, "m": 0, "s": 4}
+    assert bytes_per_param("bf16-true", "adam") == {"w": 2, "g": 2, "m": 4, "s": 8}  # ZeRO's 16 bytes
+    with pytest.raises(ValueError, match="optimizer 'lion' is unknown"):
+        bytes_per_param("32", "lion")
+
+
+def test_single_and_ddp_by_hand():
+    f = facts()
+    e = estimate(f, "single", 1, micro_batch=4, optimizer="adamw")
+    # static 1000*(4+8); the step phase: grads 4000 + Adam's two CPU temporaries of the largest tensor 8*200
+    assert e.training == 12_000 + max((50 + 10) * 4, 4000 + 1600)
+    assert e.parts["build"] == 4000 and e.peak == e.training
+    ddp = estimate(f, "ddp", 2, micro_batch=4, optimizer="adamw")
+    assert ddp.training == e.training + 4 * 1000  # DDP's gradient buckets
+    assert estimate(f, "ddp", 1, 4).training == e.training  # nothing is wrapped at world size 1
+    cuda = estimate(f, "single", 1, 4, optimizer="adamw", device="cuda")
+    assert cuda.training == 12_000 + 4000 + 4 * 1000  # foreach: one temporary of every parameter
+
+
+def test_fsdp_tensor_pipeline_by_hand():
+    f = facts()
+    fsdp = estimate(f, "fsdp", 4, micro_batch=4, optimizer="sgd")  # no optimizer state, no temporaries
+    static = 1000 / 4 * 4
+    forward = (50 + 10) * 4 + (100 + 2 * 300) * 4
+    step = 1000 / 4 * 4 + (100 + 300) * 8
+    assert fsdp.training == static + max(forward, step)
+    off = estimate(f, "fsdp", 4, micro_batch=4, optimizer="sgd", offload=True)
+    assert off.training == max(forward, (100 + 300) * 8)
+    tensor = estimate(f, "tensor", 2, micro_batch=1, optimizer="sgd")
+    assert tensor.training == (800 / 2 + 200) * 4 + max(60, (800 / 2 + 200) * 4)
+    pipe = estimate(f, "pipeline", 2, micro_batch=1, optimizer="sgd")
+    assert pipe.training == 600 * 4 + max(60, 600 * 4)
+    with pytest.raises(ValueError, match="offload is fsdp's"):
+        estimate(f, "ddp", 2, 1, offload=True)
+
+
+def test_checkpointing_keeps_block_inputs_and_one_block():
+    f = facts(outside_bytes=5.0, block_input_bytes=8.0, largest_inside_bytes=12.0, blocks=3)
+    assert f.checkpointed_activation_bytes == 25.0
+    with_ckpt = estimate(f, "single", 1, 100, optimizer="sgd", checkpointing=True)
+    without = estimate(f, "single", 1, 100, optimizer="sgd")
+    assert with_ckpt.training < without.training
+
+
+def test_zero_formulas_match_deepspeed():
+    P, N = 7_500_000_000, 64  # the ZeRO paper's 7.5B model on 64 GPUs: 120 GB, 31.4, 16.6, 1.88 GB
+    assert zero_model_states(P, N, 0) == 120e9
+    assert round(zero_model_states(P, N, 1) / 1e9, 1) == 31.4
+    assert round(zero_model_states(P, N, 2) / 1e9, 1) == 16.6
+    assert round(zero_model_states(P, N, 3) / 1e9, 2) == 1.88
+    # paratrain's bf16-true with Adam is ZeRO's layout: 16 bytes per parameter
+    assert sum(bytes_per_param("bf16-true", "adam").values()) == 16
+
+
+def test_measure_on_meta_counts_what_autograd_saves():
+    f = measure_model(lambda: nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)),
+                      lambda k: torch.randn(k, 4),
+                      lambda out, k: nn.functional.cross_entropy(out, torch.zeros(k, dtype=torch.long)))
+    assert f.params == 58 and f.largest_param == 32 and f.buffers_bytes == 0
+    # per sample: the input (4 floats), ReLU's output (8, shared with the second Linear), the loss's
+    # log-softmax (2) and target (one int64); the weights are not counted
+    assert f.activation_bytes == 4 * 4 + 8 * 4 + 2 * 4 + 8
+
+
+def test_measure_never_allocates_the_model():
+    # 4 * 16384^2 parameters: 4 GiB if it were built for real
+    f = measure_model(lambda: nn.Sequential(*[nn.Linear(16384, 16384, bias=False) for _ in range(4)]),
+                      lambda k: torch.randn(k, 16384))
+    assert f.params == 4 * 16384**2
+
+
+def test_cli_prints_the_table_and_what_fits():
+    r = run_cli(["estimate", "--model", "resnet20", "--dataset", "synthetic", "--world-sizes", "1,2",
+                 "--strategies", "single,ddp,fsdp", "--checkpointing", "--offload", "--memory", "0.1"], timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "peak MiB per rank" in r.stdout and "fsdp      2" in r.stdout
+    assert "fits in 0.1 GiB per rank:" in r.stdout
+    bad = run_cli(["estimate", "--strategies", "zero"], timeout=60)
+    assert bad.returncode == 2 and "strategy 'zero' is unknown" in bad.stderr
