@@ -141,8 +141,6 @@ def main(argv: list[str] | None = None) -> int:
         facts = measure_model(builder(name, size), lambda k, name=name, size=size: batch(name, size, k)[0],
                               lambda out, k, name=name, size=size: loss_fn(out, batch(name, size, k)[1]))
         for strategy, world in cases:
-            if name == "gpt" and strategy == "tensor" and world > 1:
-                continue  # nanoGPT's fused c_attn: tensor cannot split it yet (issue 28)
             peaks = paratrain.launch(worker, nprocs=world, args=(name, size, strategy, args.steps), timeout=600,
                                      env={"OMP_NUM_THREADS": "1"})
             measured = max(peaks)

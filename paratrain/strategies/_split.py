@@ -30,7 +30,16 @@ def parse_split_points(value: Any, owner: str) -> list[str]:
     return list(value)
 
 
+_NEEDS = ("it needs a model whose forward calls its top-level children in order, each taking the previous one's "
+          "tensor (an nn.Sequential): build the embeddings, the blocks and the head as one, or use fsdp or tensor")
+
+
 def _children(model: nn.Module, owner: str) -> list[tuple[str, nn.Module]]:
+    containers = [name for name, m in model.named_children() if isinstance(m, (nn.ModuleList, nn.ModuleDict))]
+    if containers or (hasattr(model, "config") and hasattr(model, "base_model_prefix")):
+        why = (f"its child {containers[0]!r} is a {type(getattr(model, containers[0])).__name__}, which has no forward"
+               if containers else "its forward returns a HuggingFace output object, not a tensor")
+        raise NotApplicable(f"{owner}: cannot cut {type(model).__name__} into stages: {why}; {_NEEDS}")
     direct = [name for name, p in model.named_parameters(recurse=False)]
     if direct:
         raise NotApplicable(
@@ -131,7 +140,7 @@ def check_sequential(model: nn.Module, parts: Sequence[nn.Module], x: torch.Tens
         got = x
         for part in parts:
             got = part(got)
-    except RuntimeError as e:
+    except Exception as e:  # noqa: BLE001 - a part that cannot take the previous one's output: not sequential
         got, expected = None, e
     finally:
         for m, training in modes:

@@ -14,6 +14,7 @@ same batch, so the data layer shards batches over ``dp`` only.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,9 +27,16 @@ from ..precision import lookup as precision_class
 from .base import NotApplicable
 from .fsdp import DTensorStrategy, FSDPOptions, format_bytes, parameter_bytes, shard_model
 
-__all__ = ["TensorOptions", "TensorParallelStrategy", "auto_plan"]
+__all__ = ["TensorOptions", "TensorParallelStrategy", "auto_plan", "model_plan", "expand_plan", "STYLES"]
 
-STYLES = ("colwise", "rowwise")
+STYLES = ("colwise", "rowwise", "colwise_rep", "rowwise_rep", "colwise_gather_output", "embedding_rowwise")
+"""Plan styles, in torch's ``parallelize_module`` terms (HuggingFace's ``base_model_tp_plan`` uses them):
+``colwise`` splits a Linear's output features and keeps its output local (the next ``rowwise`` layer
+takes those slices); ``rowwise`` splits the input features and all-reduces the output;
+``colwise_rep`` (HuggingFace: ``colwise_gather_output``) gathers the output whole; ``rowwise_rep``
+takes a whole input (it slices it locally); ``embedding_rowwise`` splits an Embedding's rows. A
+``_rep`` layer's output is whole, so it is exact whatever the forward does with it: a fused
+projection (nanoGPT's ``c_attn``, split into q, k, v in the forward) is ``colwise_rep``."""
 
 
 @dataclass(kw_only=True)
@@ -39,8 +47,9 @@ class TensorOptions:
     """Processes that split each Linear pair. None: all of them. Must divide the world size;
     the quotient is the data-parallel (FSDP) size."""
     plan: dict[str, str] = field(default_factory=dict)
-    """Explicit plan {module name: "colwise" | "rowwise"}; every colwise Linear must feed a
-    rowwise one so the model's output is full. Empty: pair up consecutive Linears automatically."""
+    """Explicit plan {module name or pattern with ``*``: style} (see ``STYLES``); every colwise
+    Linear must feed a rowwise one so the model's output is full. Empty: the model's own plan
+    (HuggingFace's ``base_model_tp_plan``), else consecutive Linears paired automatically."""
 
     def __post_init__(self) -> None:
         if isinstance(self.plan, str):  # from the command line: "0.fc1=colwise,0.fc2=rowwise"
@@ -53,31 +62,83 @@ class TensorOptions:
             raise ValueError(f"tensor tp_size {self.tp_size} must be at least 1")
         for name, style in self.plan.items():
             if style not in STYLES:
-                raise ValueError(f"tensor plan[{name!r}] = {style!r} is unknown: use colwise or rowwise")
+                raise ValueError(f"tensor plan[{name!r}] = {style!r} is unknown: use one of {', '.join(STYLES)}")
 
 
 def auto_plan(model: nn.Module) -> dict[str, str]:
     """Column-wise/row-wise pairs: two Linear children of one module with only parameter-free
-    modules (activations) between them, e.g. ``fc1, GELU, fc2`` in an MLP block."""
+    modules (activations) between them, e.g. ``fc1, GELU, fc2`` in an MLP block, where the first's
+    output features are the second's input features. A first Linear whose output is k times the
+    second's input (a fused projection split into k parts in the forward, nanoGPT's ``c_attn``
+    before ``c_proj``) pairs as ``colwise_rep``/``rowwise_rep``: exact whatever the forward does."""
     plan: dict[str, str] = {}
     for prefix, module in model.named_modules():
         children = list(module.named_children())
         i = 0
         while i < len(children):
-            if not isinstance(children[i][1], nn.Linear):
+            a = children[i][1]
+            if not isinstance(a, nn.Linear):
                 i += 1
                 continue
             j = i + 1
             while j < len(children) and not isinstance(children[j][1], nn.Linear) \
                     and not any(True for _ in children[j][1].parameters()):
                 j += 1
-            if j < len(children) and isinstance(children[j][1], nn.Linear):
-                plan[f"{prefix}.{children[i][0]}".lstrip(".")] = "colwise"
-                plan[f"{prefix}.{children[j][0]}".lstrip(".")] = "rowwise"
+            b = children[j][1] if j < len(children) else None
+            if isinstance(b, nn.Linear) and (a.out_features == b.in_features or a.out_features % b.in_features == 0):
+                fused = a.out_features != b.in_features
+                plan[f"{prefix}.{children[i][0]}".lstrip(".")] = "colwise_rep" if fused else "colwise"
+                plan[f"{prefix}.{children[j][0]}".lstrip(".")] = "rowwise_rep" if fused else "rowwise"
                 i = j + 1
             else:
                 i = j
     return plan
+
+
+def model_plan(model: nn.Module) -> dict[str, str] | None:
+    """The model's own tensor-parallel plan, module patterns (``*``: any name) to styles: a
+    HuggingFace model's ``_tp_plan``, or its ``config.base_model_tp_plan`` under the base model's
+    prefix; None for a model without one."""
+    own = getattr(model, "_tp_plan", None)
+    if isinstance(own, dict) and own:
+        return {str(k): str(v) for k, v in own.items()}
+    config_plan = getattr(getattr(model, "config", None), "base_model_tp_plan", None)
+    if isinstance(config_plan, dict) and config_plan:
+        prefix = getattr(model, "base_model_prefix", "") or ""
+        base = getattr(model, prefix, None) if prefix else None
+        lead = f"{prefix}." if isinstance(base, nn.Module) and base is not model else ""
+        return {lead + str(k): str(v) for k, v in config_plan.items()}
+    return None
+
+
+def expand_plan(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
+    """``plan`` with each ``*`` pattern replaced by the module names it matches (in model order)."""
+    names = [n for n, _ in model.named_modules()]
+    out: dict[str, str] = {}
+    for pattern, style in plan.items():
+        if "*" not in pattern:
+            out[pattern] = style
+            continue
+        rx = re.compile("^" + re.escape(pattern).replace(r"\*", r"[^.]+") + "$")
+        out.update({n: style for n in names if rx.match(n)})
+    return out
+
+
+def _parallel_style(style: str) -> Any:
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    if style == "colwise":
+        return ColwiseParallel()
+    if style == "rowwise":
+        return RowwiseParallel()
+    if style in ("colwise_rep", "colwise_gather_output"):
+        return ColwiseParallel(output_layouts=Replicate())
+    return RowwiseParallel(input_layouts=Replicate())  # rowwise_rep, embedding_rowwise
+
+
+def _is_huggingface(model: nn.Module) -> bool:
+    return hasattr(model, "config") and hasattr(model, "base_model_prefix")
 
 
 class TensorParallelStrategy(DTensorStrategy):
@@ -134,36 +195,56 @@ class TensorParallelStrategy(DTensorStrategy):
 
     # --- model ----------------------------------------------------------------------------------
     def plan_for(self, model: nn.Module) -> dict[str, str]:
-        """The checked plan for ``model``: the explicit one from the options, or :func:`auto_plan`."""
-        linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+        """The checked plan for ``model``: the options' (``*`` patterns allowed), else the model's
+        own (HuggingFace's ``base_model_tp_plan``), else :func:`auto_plan`. A HuggingFace model
+        without a plan is refused: its forwards are not followed by pairing Linears up."""
+        modules = dict(model.named_modules())
+        linears = {n: m for n, m in modules.items() if isinstance(m, nn.Linear)}
         if not linears:
             raise NotApplicable(f"tensor: the model ({type(model).__name__}) has no nn.Linear layer to "
                              "parallelize: use fsdp or ddp")
-        plan = self.options.plan or auto_plan(model)
+        own = model_plan(model)
+        if self.options.plan:
+            plan = expand_plan(model, self.options.plan)
+        elif own is not None:
+            plan = expand_plan(model, own)
+        elif _is_huggingface(model):
+            first = next(iter(linears))
+            raise NotApplicable(
+                f"tensor: cannot split {type(model).__name__}'s {first!r}: the model has no tensor-parallel plan "
+                f"(config.base_model_tp_plan); give one as tensor={{'plan': {{'{first}': 'colwise', ...}}}} or use fsdp")
+        else:
+            plan = auto_plan(model)
         if not plan:
             raise NotApplicable(f"tensor: found no Linear -> activation -> Linear pair among {len(linears)} Linear "
                              "layers: give an explicit plan in the tensor options")
         for fqn, style in plan.items():
-            if fqn not in linears:
+            if style not in STYLES:
+                raise NotApplicable(f"tensor: the plan's style {style!r} for {fqn!r} is not supported: use one of "
+                                    f"{', '.join(STYLES)}")
+            module = modules.get(fqn)
+            if isinstance(module, nn.Embedding) and style in ("rowwise", "rowwise_rep", "embedding_rowwise"):
+                dim, size = "num_embeddings", module.num_embeddings
+            elif isinstance(module, nn.Linear):
+                # colwise splits the output features over the tp ranks, rowwise the input features
+                dim = "out_features" if style.startswith("colwise") else "in_features"
+                size = getattr(module, dim)
+            else:
                 raise ValueError(f"tensor plan names {fqn!r}, which is not an nn.Linear of the model")
-            # colwise splits the output features over the tp ranks, rowwise the input features
-            dim = "out_features" if style == "colwise" else "in_features"
-            size = getattr(linears[fqn], dim)
             if size % self.tp:
-                raise NotApplicable(
-                    f"tensor: Linear {fqn!r} ({style}) has {dim} {size}, not divisible by tp_size {self.tp}")
+                raise NotApplicable(f"tensor: {type(module).__name__} {fqn!r} ({style}) has {dim} {size}, "
+                                    f"not divisible by tp_size {self.tp}")
         return plan
 
     def wrap(self, model: nn.Module) -> nn.Module:
         plan = self.plan_for(model)  # checked even in a world of one: the error shows up early
         if self.proc.backend is None:
             return model
-        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+        from torch.distributed.tensor.parallel import parallelize_module
 
         old = self.swap.before(model)
         if self.tp > 1:
-            styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
-            parallelize_module(model, self.mesh["tp"], {fqn: styles[s]() for fqn, s in plan.items()})
+            parallelize_module(model, self.mesh["tp"], {fqn: _parallel_style(s) for fqn, s in plan.items()})
         if self.dp > 1:
             shard_model(model, self.mesh["dp"], FSDPOptions(), self.precision)
         self.swap.after(model, old)
