@@ -5,7 +5,7 @@
 #   2. Sphinx in strict mode: any warning fails (a broken internal link, a reference to something the
 #      API reference does not document, a docstring that does not render), with -n (nitpicky);
 #   3. docs/_tools/check_site.py: paratrain.__all__, every subcommand and every extra are covered;
-#   4. docs/_tools/run_blocks.py: every code block of docs/**/*.md runs (python, shell;
+#   4. docs/_tools/run_blocks.py: every code block of README.md and docs/**/*.md runs (python, shell;
 #      each in its own process group with a hard time limit), or is parsed or skipped with its reason
 #      printed (at most 10 such blocks).
 set -euo pipefail

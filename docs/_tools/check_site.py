@@ -34,7 +34,7 @@ def main() -> int:
     problems += [f"paratrain {name} is missing from the command-line reference"
                  for name in sub.choices if f"cli-paratrain-{name}" not in labels]
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
-    for page in (ROOT / "docs" / "getting-started.md",):
+    for page in (ROOT / "docs" / "getting-started.md", ROOT / "README.md"):
         text = page.read_text()
         problems += [f"{page.relative_to(ROOT)} does not name the extra [{extra}] of pyproject.toml"
                      for extra in extras if f"`{extra}`" not in text and f"[{extra}]" not in text]

@@ -1,10 +1,10 @@
 """Run every code block of the documentation, so the pages cannot drift from the code.
 
-    python docs/_tools/run_blocks.py [--list] [FILE.md ...]     (default: docs/**/*.md)
+    python docs/_tools/run_blocks.py [--list] [FILE.md ...]     (default: README.md and docs/**/*.md)
 
 Each page runs in a fresh working directory (a temporary folder that links to everything at the top of
 the checkout except ``runs/``, so ``examples/...`` and ``scripts/...`` resolve and a run's files never
-land in the checkout). Its blocks run in page order:
+land in the checkout); two pages run at a time (``--jobs``). A page's blocks run in page order:
 
 * ``python``: executed in one Python process per page (a later block sees an earlier one's names, as
   in a notebook);
@@ -17,6 +17,7 @@ An HTML comment right before a block changes what happens to it (GitHub and the 
     <!-- docs: run append="ARGS" — WHY -->     append ARGS to every command (e.g. --print-config: the
                                                command's flags and values are checked, nothing trains)
     <!-- docs: run exit=1 timeout=120 -->      the exit status every command must have; its time limit (s)
+    <!-- docs: run only=1 — WHY -->            run the first command only; the others are parsed (as below)
     <!-- docs: parse — WHY -->                 not run: the ``paratrain ...`` part of every command is parsed
                                                by paratrain's own argument parser (bad flags fail)
     <!-- docs: skip — WHY -->                  not run at all (a GPU, a cluster, root); the count is printed
@@ -38,7 +39,9 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -73,6 +76,10 @@ class DocError(Exception):
     pass
 
 
+class Stopped(Exception):
+    """Another page failed: this one stops at its next block."""
+
+
 def _marker(text: str, where: str) -> tuple[str, dict[str, str], str]:
     """``mode [key=value ...] [— reason]`` -> (mode, options, reason)."""
     head, _, reason = text.partition("—")
@@ -84,7 +91,7 @@ def _marker(text: str, where: str) -> tuple[str, dict[str, str], str]:
         key, eq, value = word.partition("=")
         if mode == "file" and not eq:
             options["name"] = word
-        elif key in ("append", "exit", "timeout") and eq:
+        elif key in ("append", "exit", "timeout", "only") and eq:
             options[key] = value
         else:
             raise DocError(f"{where}: unknown option {word!r} in docs marker {text!r}")
@@ -186,18 +193,22 @@ def check_parse(command: str) -> str:
     argv = _paratrain_argv(command)
     if argv is None:
         return ""
+    import argparse as _argparse
+
     from paratrain.cli.main import _parse, build_parser
 
-    import contextlib
-    import io
-
-    err = io.StringIO()
+    parser = build_parser()
+    said: list[str] = []
+    # what argparse prints (an error, --help) goes to `said`, not to this process's stdout/stderr,
+    # which the other pages' threads share
+    sub = next(a for a in parser._actions if isinstance(a, _argparse._SubParsersAction))
+    for p in [parser, *sub.choices.values()]:
+        p._print_message = lambda message, file=None: said.append(message or "")  # type: ignore[method-assign]
     try:
-        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-            _parse(build_parser(), argv)
+        _parse(parser, argv)
     except SystemExit as e:
         if e.code not in (0, None):
-            raise DocError(f"paratrain rejects its arguments: {err.getvalue().strip()}") from None
+            raise DocError(f"paratrain rejects its arguments: {''.join(said).strip()}") from None
     return "paratrain " + " ".join(argv[:1])
 
 
@@ -325,13 +336,16 @@ class Tally:
     output: int = 0
 
 
-def run_page(path: Path, tally: Tally, list_only: bool, verbose: bool = False) -> float:
+def run_page(path: Path, tally: Tally, list_only: bool, verbose: bool = False,
+             stop: threading.Event | None = None) -> float:
     blocks = parse_blocks(path)
     start = time.monotonic()
     logf = tempfile.NamedTemporaryFile("w+", prefix="paratrain-docs-", suffix=".log", delete=False)
     page = None if list_only else Page(path, logf)
     try:
         for block in blocks:
+            if stop is not None and stop.is_set():
+                raise Stopped
             began = time.monotonic()
             try:
                 if block.mode == "output":
@@ -357,9 +371,16 @@ def run_page(path: Path, tally: Tally, list_only: bool, verbose: bool = False) -
                     append = block.options.get("append", "")
                     if append:
                         tally.appended.append(f"{block.where}: run with {append} appended: {block.reason}")
-                    for command in commands(block.code):
-                        tally.commands += 1
+                    only = int(block.options.get("only", 10**9))  # the first `only` commands run, the rest are parsed
+                    if block.options.get("only") and not block.reason:
+                        raise DocError("'docs: run only=N' needs a reason after '—' (why the others cannot run)")
+                    for index, command in enumerate(commands(block.code)):
                         check_parse(command)
+                        if index >= only:
+                            tally.parsed.append(f"{block.where}: `{command.split(' #')[0].strip()}` parsed, not run: "
+                                                f"{block.reason}")
+                            continue
+                        tally.commands += 1
                         if page:
                             if append:
                                 body, hash_, comment = command.partition(" #")
@@ -385,33 +406,60 @@ def run_page(path: Path, tally: Tally, list_only: bool, verbose: bool = False) -
 
 
 def default_files() -> list[Path]:
-    """The Markdown files whose blocks CI runs: the site's pages (not ``docs/_*``)."""
-    return sorted(p for p in (ROOT / "docs").rglob("*.md")
-                  if not any(part.startswith("_") for part in p.relative_to(ROOT / "docs").parts))
+    """The Markdown files whose blocks CI runs: the README and the site's pages (not ``docs/_*``)."""
+    return [ROOT / "README.md"] + sorted(p for p in (ROOT / "docs").rglob("*.md")
+                                         if not any(part.startswith("_") for part in p.relative_to(ROOT / "docs").parts))
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("files", nargs="*", type=Path, help="Markdown files (default: docs/**/*.md)")
+    ap.add_argument("files", nargs="*", type=Path, help="Markdown files (default: README.md and docs/**/*.md)")
     ap.add_argument("--list", action="store_true", help="check the markers and count the blocks; run nothing")
     ap.add_argument("--verbose", action="store_true", help="print each block's time")
+    ap.add_argument("--jobs", type=int, default=2, help="pages run at the same time (default 2)")
     ap.add_argument("--max-skipped", type=int, default=10,
                     help="fail when more blocks than this are skipped or only parsed (default 10)")
     args = ap.parse_args(argv)
     files = [p.resolve() for p in args.files] or default_files()
-    tally = Tally()
+    tallies: dict[Path, Tally] = {}
+    failures: list[str] = []
+    stop = threading.Event()
     total = time.monotonic()
-    try:
-        for path in files:
-            seconds = run_page(path, tally, args.list, args.verbose)
-            if not args.list:
-                print(f"docs: {path.relative_to(ROOT)}: ok in {seconds:.1f} s", flush=True)
-    except DocError as e:
-        print(f"docs: FAILED: {e}", file=sys.stderr)
+
+    def one(path: Path) -> None:
+        tally = Tally()
+        try:
+            seconds = run_page(path, tally, args.list, args.verbose, stop)
+        except Stopped:
+            return
+        except DocError as e:
+            stop.set()  # the other pages stop at their next block
+            failures.append(str(e))
+            return
+        tallies[path] = tally
+        if not args.list:
+            print(f"docs: {path.relative_to(ROOT)}: ok in {seconds:.1f} s", flush=True)
+
+    # the pages with the most to run first, so that the last one to finish is a short one
+    order = sorted(files, key=lambda p: -sum(b.mode == "run" for b in parse_blocks(p)))
+    with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        list(pool.map(one, order))
+    if failures:
+        print(f"docs: FAILED: {failures[0]}", file=sys.stderr)
         return 1
+    tally = Tally()
+    for path in files:
+        page = tallies[path]
+        tally.python += page.python
+        tally.commands += page.commands
+        tally.files += page.files
+        tally.output += page.output
+        tally.parsed += page.parsed
+        tally.skipped += page.skipped
+        tally.appended += page.appended
     print(f"docs: {tally.python} python blocks and {tally.commands} shell commands run, {tally.files} blocks "
           f"written to files and used, {tally.output} output blocks (not code); "
-          f"{len(tally.parsed)} shell blocks only parsed, {len(tally.skipped)} blocks skipped"
+          f"{len(tally.parsed)} shell blocks or commands only parsed, {len(tally.skipped)} blocks skipped"
           + ("" if args.list else f"; {time.monotonic() - total:.0f} s"))
     for line in tally.appended:
         print(f"  changed: {line}")
