@@ -171,10 +171,20 @@ class Parallel:
         module = ParallelModule(runner, original, self.precision, self._before_forward, self.strategy.model_loaded,
                                 wrapped, self.strategy.checkpoint_module(wrapped, original))
         self._models.append(wrapped)
+        if callable(getattr(original, "generate", None)) and hasattr(original, "config"):
+            module.mark_forward_method("generate")  # HuggingFace's: its forwards run under autocast
         if optimizer is None:
             return module
         wrapped_optimizer = self.setup_optimizer(optimizer, module, scheduler)
         return (module, *wrapped_optimizer) if scheduler is not None else (module, wrapped_optimizer)
+
+    def mark_forward_method(self, model: nn.Module, name: str) -> None:
+        """Run ``model.<name>(...)`` (an ``encode``, ``generate``: marked by :meth:`setup` on a HuggingFace
+        model) as its forward runs: fsdp gathers the root's shards around it, under the precision's autocast."""
+        if not isinstance(model, ParallelModule):
+            raise ValueError(f"mark_forward_method takes the model pt.setup returned, not a {type(model).__name__}")
+        model.mark_forward_method(name)
+        self.strategy.mark_forward_method(model.module, name)
 
     def setup_optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module | None = None,
                         scheduler: Any = None) -> Any:

@@ -11,6 +11,8 @@ where the global batch stands.
 
 from __future__ import annotations
 
+import functools
+
 import sys
 from typing import Any, Callable
 
@@ -149,11 +151,30 @@ class ParallelModule(nn.Module):
         self._after_load(self.original)
         return result
 
+    def mark_forward_method(self, name: str) -> None:
+        """Run ``self.<name>(...)`` as :meth:`forward` runs: before-forward bookkeeping, the
+        precision's autocast, fp32 floating outputs (see :meth:`Parallel.mark_forward_method`)."""
+        method = getattr(self.__dict__["original"], name, None)
+        if not callable(method):
+            raise ValueError(f"mark_forward_method: {type(self.original).__name__} has no method {name!r}")
+        self.__dict__.setdefault("_forward_methods", set()).add(name)
+
+    def _run_marked(self, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        self._before_forward(self._strategy_module)
+        if not self._precision.autocast:
+            return method(*args, **kwargs)
+        with self._precision.forward_context():
+            out = method(*args, **kwargs)
+        return to_float32(out)
+
     def __getattr__(self, name: str) -> Any:
         try:
             return super().__getattr__(name)
         except AttributeError:
-            return getattr(self.__dict__["original"], name)  # the user's own attributes
+            attr = getattr(self.__dict__["original"], name)  # the user's own attributes
+            if name in self.__dict__.get("_forward_methods", ()):
+                return functools.partial(self._run_marked, attr)
+            return attr
 
 
 class ParallelOptimizer(torch.optim.Optimizer):

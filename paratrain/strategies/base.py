@@ -115,6 +115,10 @@ class Strategy:
         """:meth:`setup_optimizer`, then the precision's (fp32 masters in place of the parameters)."""
         return self.precision.setup_optimizer(self.setup_optimizer(model, optimizer))
 
+    def mark_forward_method(self, module: nn.Module, name: str) -> None:
+        """Make ``module.<name>()`` (a method other than forward, e.g. ``encode``) run as a forward
+        does under this strategy (fsdp gathers the root's parameters around it); default: nothing."""
+
     def model_loaded(self, module: nn.Module) -> None:
         """The user loaded new weights into the set-up ``module``: the precision's masters and
         :meth:`sync_from_model`'s copies follow."""

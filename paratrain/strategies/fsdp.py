@@ -319,6 +319,14 @@ class FSDPStrategy(DTensorStrategy):
         self._report(model)
         return model
 
+    def mark_forward_method(self, module: nn.Module, name: str) -> None:
+        if self.proc.backend is None:
+            return
+        from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
+
+        if isinstance(module, FSDPModule):
+            register_fsdp_forward_method(module, name)
+
     def _report(self, model: nn.Module) -> None:
         b = self.parameter_bytes(model)
         if self.proc.is_main_process:

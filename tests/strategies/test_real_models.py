@@ -107,3 +107,58 @@ def test_pipeline_refuses_a_decoder_it_cannot_cut_in_one_line(kind):
     line = str(e.value)
     assert "\n" not in line and line.startswith(f"pipeline: cannot cut {type(build(kind)).__name__} into stages")
     assert "nn.Sequential" in line
+
+
+class Encoder(nn.Module):
+    """A model with a method besides forward that uses the root's own parameters directly."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(zoo.VOCAB, zoo.WIDTH)
+        self.blocks = nn.ModuleList([nn.Linear(zoo.WIDTH, zoo.WIDTH) for _ in range(2)])
+        self.head = nn.Linear(zoo.WIDTH, zoo.VOCAB)
+
+    def encode(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return x
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encode(ids))
+
+
+def generate_worker(rank: int) -> dict[str, object]:
+    out: dict[str, object] = {}
+    prompt = torch.tensor([[1, 2, 3]])
+    for strategy in ("fsdp", "tensor"):
+        pt = paratrain.Parallel(strategy=strategy, seed=SEED)
+        model = pt.setup(zoo.hf_model("llama"))
+        out[strategy] = model.generate(prompt, max_new_tokens=5, do_sample=False).tolist()
+    pt = paratrain.Parallel(strategy="fsdp", seed=SEED)
+    model = pt.setup(Encoder())
+    pt.mark_forward_method(model, "encode")
+    out["encode"] = model.encode(torch.tensor([[4, 5]])).detach()
+    pt.close()
+    return out
+
+
+def test_generate_and_marked_methods_at_world_size_2_equal_one_process():
+    pytest.importorskip("transformers")
+    ranks = paratrain.launch(generate_worker, nprocs=2, timeout=240)
+    torch.manual_seed(SEED)
+    want = zoo.hf_model("llama").generate(torch.tensor([[1, 2, 3]]), max_new_tokens=5, do_sample=False).tolist()
+    torch.manual_seed(SEED)
+    encoded = Encoder().encode(torch.tensor([[4, 5]])).detach()
+    for got in ranks:
+        assert got["fsdp"] == want and got["tensor"] == want
+        torch.testing.assert_close(got["encode"], encoded, rtol=1e-6, atol=1e-6)
+
+
+def test_mark_forward_method_names_a_missing_method():
+    pt = paratrain.Parallel(strategy="single")
+    model = pt.setup(Encoder())
+    with pytest.raises(ValueError, match="Encoder has no method 'decode'"):
+        pt.mark_forward_method(model, "decode")
+    with pytest.raises(ValueError, match="takes the model pt.setup returned"):
+        pt.mark_forward_method(Encoder(), "encode")
