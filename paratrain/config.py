@@ -82,6 +82,9 @@ class ParallelConfig:
     """torch.compile the set-up model (after DDP/FSDP wrapping). Checkpoints keep the uncompiled keys."""
     compile_backend: str = "inductor"
     """torch.compile's backend (inductor needs a C++ compiler on CPU; eager and aot_eager do not)."""
+    activation_checkpointing: Any = None
+    """Blocks whose activations are recomputed in the backward instead of kept: class names (or, from
+    Python, classes or a callable module -> bool), e.g. ["Block"]. None: keep every activation."""
     ddp: DDPOptions = field(default_factory=DDPOptions)
     fsdp: FSDPOptions = field(default_factory=FSDPOptions)
     tensor: TensorOptions = field(default_factory=TensorOptions)
@@ -103,6 +106,12 @@ class ParallelConfig:
         if isinstance(self.ps, Mapping):
             self.ps = from_dict(PSOptions, self.ps, "parallel.ps")
         _strategies.resolve(self.strategy)
+        if isinstance(self.activation_checkpointing, str):  # from the command line: "Block,Layer"
+            self.activation_checkpointing = [c.strip() for c in self.activation_checkpointing.split(",") if c.strip()]
+        if self.activation_checkpointing is not None:
+            from .nn.checkpointing import checkpoint_policy
+
+            checkpoint_policy(self.activation_checkpointing)  # one-line error for a bad value, before any process starts
         self.precision = _precision.resolve(self.precision)
         for name in ("global_batch", "accumulation", "micro_batch", "seed"):
             setattr(self, name, _integer(getattr(self, name), name))

@@ -5,7 +5,7 @@ of every strategy and precision the hardware supports, each compared with a one-
 (a divergence fails the command, exit code 1); all_reduce/all_gather latency and bus bandwidth as
 nccl-tests computes them; paratrain's ddp step against the hand-written DDP loop (and Accelerate's
 and Lightning Fabric's, where they are installed), interleaved in the same processes; each
-strategy's peak memory; the seed's single/DP/DDP/mixed-precision table on ResNet-50 (synthetic
+strategy's peak memory; single vs DataParallel vs DDP vs mixed precision on ResNet-50 (synthetic
 CIFAR-shaped data); the device facts (bf16, TF32, fp16, compute capability, NCCL, P2P/NVLink,
 torch.compile). It prints one table and writes selftest.json and selftest.md into --out. What did
 not fit the budget or this hardware is listed with the reason.

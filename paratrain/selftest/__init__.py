@@ -8,7 +8,8 @@ Within one time budget, on whatever hardware it finds, in this order:
   nccl-tests computes them;
 * **speed** (:mod:`.speed`): paratrain's ``ddp`` (and Accelerate's and Lightning's, where they
   import) against the hand-written DDP loop, interleaved; **memory**: each strategy's peak per rank;
-* **seed** (:mod:`.seed`): the seed's single/DP/DDP/mixed-precision table on ResNet-50;
+* **resnet50** (:mod:`.seed`): single vs DataParallel vs DDP vs mixed precision on ResNet-50, beside a
+  published CIFAR-10 tutorial's table;
 * **compile**: whether ``torch.compile`` works here; plus the device facts (:mod:`.facts`).
 
 What does not fit the budget, or this hardware, is listed with the reason.

@@ -29,7 +29,7 @@ class Report:
     facts: dict[str, Any] = field(default_factory=dict)
     rows: list[Row] = field(default_factory=list)
     seed_table: list[dict[str, Any]] = field(default_factory=list)
-    """The seed's comparison on this machine: one dict per configuration (see ``seed.py``)."""
+    """The ResNet-50 comparison on this machine: one dict per configuration (see ``seed.py``)."""
     seed_note: str = ""
     budget_s: float = 0.0
     elapsed_s: float = 0.0
@@ -75,7 +75,7 @@ class Report:
         lines += ["", "## Checks", "", "| section | check | status | result |", "|---|---|---|---|"]
         lines += [f"| {r.section} | {_md(r.check)} | {r.status} | {_md(r.result)} |" for r in self.rows]
         if self.seed_table:
-            lines += ["", "## The seed's table on this machine", "", self.seed_note, ""]
+            lines += ["", "## Single vs DataParallel vs DDP vs mixed precision on ResNet-50", "", self.seed_note, ""]
             lines += ["| configuration | " + " | ".join(_SEED_COLUMNS[1:]) + " |",
                       "|---" * len(_SEED_COLUMNS) + "|"]
             lines += ["| " + " | ".join(_md(c) for c in _seed_cells(row)) + " |" for row in self.seed_table]
@@ -98,7 +98,7 @@ class Report:
         return paths
 
 
-_SEED_COLUMNS = ("configuration", "s/epoch", "samples/s", "speed-up", "peak MiB", "seed's s/epoch", "note")
+_SEED_COLUMNS = ("configuration", "s/epoch", "samples/s", "speed-up", "peak MiB", "published s/epoch", "note")
 
 
 def _seed_cells(row: dict[str, Any]) -> list[str]:

@@ -1,11 +1,11 @@
-"""The seed's comparison table on this machine: single vs DataParallel vs DDP vs DDP with mixed
-precision, on ResNet-50 (torchvision's architecture) with CIFAR-shaped synthetic data.
+"""A classic comparison on this machine: single vs DataParallel vs DDP vs DDP with mixed precision,
+on ResNet-50 (torchvision's architecture) with CIFAR-shaped synthetic data.
 
-The seed (``shared/seeds/000_*``) trained ``torchvision.models.resnet50`` on CIFAR-10 at batch 256
-and reported seconds per epoch: single GPU 13.2, DataParallel on 4 GPUs 19.1, DDP on 2 GPUs 9.8, DDP
+A widely read PyTorch tutorial on DP/DDP/AMP trained ``torchvision.models.resnet50`` on CIFAR-10 at
+batch 256 and published seconds per epoch: single GPU 13.2, DataParallel on 4 GPUs 19.1, DDP on 2 GPUs 9.8, DDP
 on 4 GPUs 6.1, DDP on 4 GPUs with mixed precision 6.5. Here every configuration is one ``bench``
 cell (fresh processes, warm-up steps untimed), and its time per epoch is projected to CIFAR-10's
-50,000 training samples from the timed steps, so the numbers compare with the seed's whatever the
+50,000 training samples from the timed steps, so the numbers compare with the published ones whatever the
 synthetic set's size. A cell this machine cannot run keeps its row, with the reason.
 """
 
@@ -26,11 +26,11 @@ __all__ = ["SEED_SECONDS", "seed_cells", "run_seed_table", "CIFAR10_TRAIN"]
 CIFAR10_TRAIN = 50_000
 SEED_SECONDS = {("single", 1, "32"): 13.2, ("dp", 4, "32"): 19.1, ("ddp", 2, "32"): 9.8, ("ddp", 4, "32"): 6.1,
                 ("ddp", 4, "fp16-mixed"): 6.5}
-"""The seed's seconds per epoch, keyed by (strategy, GPUs, precision)."""
+"""The published seconds per epoch, keyed by (strategy, GPUs, precision)."""
 
 
 def seed_config(gpus: int) -> TrainConfig:
-    """The seed's job: ResNet-50, global batch 256, SGD; on a CPU a batch of 32 and a few steps."""
+    """The tutorial's job: ResNet-50, global batch 256, SGD; on a CPU a batch of 32 and a few steps."""
     batch, size = (256, 256 * 12) if gpus else (32, 32 * 3)
     return TrainConfig().with_overrides({
         "model": "resnet50", "data.dataset": "synthetic", "data.synthetic_size": size, "data.augment": False,
@@ -40,7 +40,7 @@ def seed_config(gpus: int) -> TrainConfig:
 
 
 def seed_cells(cfg: TrainConfig, world: int, gpus: int) -> list[Any]:
-    """The table's configurations, in the seed's order, with ``skip`` set where this machine cannot
+    """The table's configurations, in the tutorial's order, with ``skip`` set where this machine cannot
     run them."""
     from ..bench.matrix import Cell, annotate
 
@@ -89,7 +89,7 @@ def run_seed_table(report: Report, world: int, gpus: int, deadline: Deadline,
     _derive(results)
     steps = CIFAR10_TRAIN // cfg.parallel.global_batch
     report.seed_note = (f"ResNet-50 on CIFAR-shaped synthetic data, global batch {cfg.parallel.global_batch}; "
-                        f"s/epoch is the timed step x {steps} steps (one CIFAR-10 epoch); the seed's on its GPUs")
+                        f"s/epoch is the timed step x {steps} steps (one CIFAR-10 epoch); published: the tutorial's, on its GPUs")
     for r in results:
         c = r.cell
         seed = SEED_SECONDS.get((c.strategy, c.world_size, c.precision))
@@ -104,4 +104,4 @@ def run_seed_table(report: Report, world: int, gpus: int, deadline: Deadline,
         status = "ok" if r.status == "ok" else ("FAIL" if r.status == "failed" else "skipped")
         text = (f"{row['seconds_per_epoch']:.1f} s/epoch, {r.samples_per_s:.0f} samples/s"
                 if "seconds_per_epoch" in row else row["skip"])
-        report.add("seed table", c.label, status, text)
+        report.add("resnet50", c.label, status, text)

@@ -72,4 +72,4 @@ def build(cfg: Any, dist_info: Dist, precision: Precision | None = None) -> Stra
     if precision is None:
         precision = build_precision(cfg.precision, dist_info.device, cfg.loss_scale)
     return cls(dist_info, cfg.sync_batchnorm, getattr(cfg, cls.name, None), precision=precision,
-               max_grad_norm=cfg.clip_grad_norm)
+               max_grad_norm=cfg.clip_grad_norm, activation_checkpointing=getattr(cfg, "activation_checkpointing", None))

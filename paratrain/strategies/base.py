@@ -12,6 +12,7 @@ from torch import nn
 from ..checkpoint.sharded import full_state_dict as sharded_full_state_dict
 from ..env.process import Dist
 from ..metrics import predictions
+from ..nn.checkpointing import apply_activation_checkpointing
 from ..nn.syncbn import convert_sync_batchnorm
 from ..precision import Precision, lookup as precision_class
 
@@ -47,11 +48,14 @@ class Strategy:
     comm_hooks: ClassVar[tuple[str, ...]] = ()  # what options.comm_hook accepts (DDP gradient compression); (): no hooks
     bench_default: ClassVar[str] = "full"  # in paratrain bench's default matrices: "quick" (and full), "full", "no"
     def __init__(self, dist_info: Dist, sync_batchnorm: bool = False, options: Any = None, *,
-                 precision: Precision | None = None, max_grad_norm: float | None = None) -> None:
+                 precision: Precision | None = None, max_grad_norm: float | None = None,
+                 activation_checkpointing: Any = None) -> None:
         """``dist_info``: this process's place in the job; ``options``: the strategy's own section
         of the config; ``precision``: the run's precision (default: plain fp32, changing no setting);
-        ``max_grad_norm``: clip_grad_norm (ps clips on its server)."""
+        ``max_grad_norm``: clip_grad_norm (ps clips on its server); ``activation_checkpointing``:
+        the blocks to checkpoint (:mod:`paratrain.nn.checkpointing`), applied before wrapping."""
         self.proc = dist_info
+        self.activation_checkpointing = activation_checkpointing
         self.precision = precision if precision is not None else Precision(dist_info.device)
         self.max_grad_norm = max_grad_norm
         self.device = dist_info.device
@@ -107,6 +111,8 @@ class Strategy:
                 raise ValueError(f"precision {self.precision.name} converts the model's weights: pass the plain module "
                                  f"to setup, not one already wrapped in {type(adopted).__name__}")
             return adopted, self.unwrap(adopted)
+        if self.activation_checkpointing:
+            apply_activation_checkpointing(model, self.activation_checkpointing)  # before sharding, as torchtitan
         wrapped = self.setup_model(self.precision.setup_model(model))
         self.precision.broadcast()  # the model now holds rank 0's weights: so does what the precision keeps
         return wrapped, model

@@ -39,6 +39,10 @@ class FSDPOptions:
     wrap_classes: list[str] = field(default_factory=list)
     """Class names of the blocks sharded as one unit (e.g. ["Block"]). Empty: a HuggingFace model's
     ``_no_split_modules``, else the elements of the model's stacks of blocks (see min_params)."""
+    cpu_offload: bool = False
+    """Keep the sharded parameters, their gradients and the optimizer state in host memory (FSDP2's
+    ``CPUOffloadPolicy``): the device holds only what is gathered for compute. The optimizer steps
+    on the CPU."""
     min_params: int = 0
     """With no wrap_classes: a submodule holding at least this many not-yet-sharded parameters is
     a block. 0: every direct child of the model that has parameters is a block."""
@@ -163,7 +167,14 @@ def shard_model(model: nn.Module, mesh: Any, options: FSDPOptions, precision: Pr
     if missing:
         Strategy.warn(f"fsdp wrap_classes {missing} match no module of the model: those blocks are not sharded")
     policy = mixed_precision_policy(precision)
-    kwargs = dict(mesh=mesh, reshard_after_forward=options.reshard_after_forward)
+    kwargs: dict[str, Any] = dict(mesh=mesh, reshard_after_forward=options.reshard_after_forward)
+    if options.cpu_offload and getattr(mesh, "device_type", "cpu") == "cpu":
+        Strategy.warn("fsdp cpu_offload: the model trains on the CPU, so its states are in host memory already: "
+                      "nothing to offload")
+    elif options.cpu_offload:
+        from torch.distributed.fsdp import CPUOffloadPolicy
+
+        kwargs["offload_policy"] = CPUOffloadPolicy()
     done: set[int] = set()
     if policy.param_dtype is not None:
         # BatchNorm stays fp32, as under autocast: its fp32 running statistics cannot meet
