@@ -55,12 +55,14 @@ class Parallel:
     """Process setup + strategy + precision + global-batch data, for a loop the user writes.
 
     Pass a :class:`~paratrain.config.ParallelConfig`, or its fields as keyword arguments.
-    ``log_to`` (``["csv", "tensorboard", "wandb", "mlflow"]``, or ``"csv,wandb"``) and ``loggers``
-    (:class:`~paratrain.tracking.Tracker` instances) are where :meth:`log` writes, into
-    ``log_dir`` (default: a new ``runs/<start time>``), on the main process only.
+    ``log_to`` (``["csv", "tensorboard", "wandb", "mlflow", "comet"]``, or ``"csv,wandb"``, and
+    :class:`~paratrain.tracking.Tracker` instances among the names) and ``loggers`` (more instances)
+    are where :meth:`log` writes, into ``log_dir`` (default: a new ``runs/<start time>``), on the
+    main process only.
     """
 
-    def __init__(self, config: ParallelConfig | None = None, *, log_to: str | Iterable[str] | None = None,
+    def __init__(self, config: ParallelConfig | None = None, *,
+                 log_to: str | Iterable[str | tracking.Tracker] | None = None,
                  log_dir: str | None = None, loggers: Iterable[tracking.Tracker] = (), **kwargs: Any) -> None:
         self.config = cfg = ParallelConfig.of(config, kwargs)
         self.dist = process.init(None if cfg.backend == "auto" else cfg.backend, cfg.timeout_s, cfg.accelerator)
@@ -147,6 +149,35 @@ class Parallel:
         and without trackers, nothing happens. The first call starts the backends' runs, with
         this job's parallel config and provenance as their config."""
         self.trackers.log(metrics, self.global_step if step is None else int(step), kind)
+
+    def log_image(self, name: str, image: Any, step: int | None = None, kind: str = "train") -> None:
+        """Record ``image`` as ``<kind>/<name>`` at ``step`` (default: ``global_step``): a tensor
+        ``C x H x W`` or ``H x W``, a NumPy array ``H x W x C`` or ``H x W``, or a PIL image, with 1,
+        3 or 4 channels; floats are taken as 0 to 1, integers as 0 to 255. Main process only, like
+        :meth:`log`; a backend without images says so once (csv writes a PNG, see the docs)."""
+        self.trackers.log_image(name, image, self.global_step if step is None else int(step), kind)
+
+    def log_histogram(self, name: str, values: Any, step: int | None = None, kind: str = "train") -> None:
+        """Record the distribution of ``values`` (a tensor of any shape, an array, numbers) as
+        ``<kind>/<name>`` at ``step`` (default: ``global_step``). Main process only, like :meth:`log`."""
+        self.trackers.log_histogram(name, values, self.global_step if step is None else int(step), kind)
+
+    def log_table(self, name: str, columns: Any = None, data: Any = None, *, dataframe: Any = None,
+                  step: int | None = None, kind: str = "train") -> None:
+        """Record a table as ``<kind>/<name>`` at ``step`` (default: ``global_step``): ``columns`` and
+        ``data`` (a list of rows, or a mapping of columns), or a pandas ``dataframe``, as in
+        Accelerate's and Lightning's ``log_table``. Main process only, like :meth:`log`."""
+        self.trackers.log_table(name, columns, data, self.global_step if step is None else int(step), kind, dataframe)
+
+    def tracker(self, name: str, unwrap: bool = False) -> Any:
+        """The tracker ``name`` of ``log_to``/``loggers`` (a :class:`~paratrain.tracking.Tracker`,
+        its run started), or with ``unwrap=True`` the backend's own object, as Accelerate's
+        ``get_tracker(name, unwrap=True)``: the wandb run, TensorBoard's ``SummaryWriter``, the
+        ``MlflowClient`` (the run: ``pt.tracker("mlflow").run_id``), the Comet experiment. On other
+        ranks than the main process, where nothing is opened, a :class:`~paratrain.tracking.NoTracker`:
+        whatever is done with it does nothing, and it is falsy. A name the run does not log to is a
+        one-line ``ValueError`` on every rank."""
+        return self.trackers.get(name, unwrap)
 
     def _run_config(self) -> dict[str, Any]:
         return {"parallel": asdict(self.config), "provenance": provenance(self.describe())}

@@ -1,8 +1,9 @@
-"""Where a run's metrics go: ``csv`` (CSV + JSONL files), ``tensorboard``, ``wandb``, ``mlflow``.
+"""Where a run's metrics go: ``csv`` (CSV + JSONL files), ``tensorboard``, ``wandb``, ``mlflow``, ``comet``.
 
 One small file per backend behind :class:`~paratrain.tracking.base.Tracker`; :class:`Trackers`
 sends each record to all of them, on the main process only. ``Parallel(log_to=[...])``,
-``pt.log(...)`` and ``paratrain train --log-to`` are built on it.
+``pt.log(...)``, ``pt.log_image``/``log_histogram``/``log_table``, ``pt.tracker(name)`` and
+``paratrain train --log-to`` are built on it.
 """
 
 from __future__ import annotations
@@ -14,23 +15,27 @@ import sys
 from collections.abc import Iterable, Mapping
 from typing import Any, Callable
 
-from .base import Tracker
+from . import media
+from .base import NoTracker, Tracker
+from .comet import CometTracker
 from .files import CSVTracker
 from .mlflow import MLflowTracker
 from .runs import latest_run, link_latest, new_run_dir
 from .tensorboard import TensorBoardTracker
 from .wandb import WandbTracker
 
-__all__ = ["Tracker", "Trackers", "TRACKERS", "parse_log_to", "CSVTracker", "TensorBoardTracker", "WandbTracker",
-           "MLflowTracker", "new_run_dir", "link_latest", "latest_run"]
+__all__ = ["Tracker", "NoTracker", "Trackers", "TRACKERS", "parse_log_to", "CSVTracker", "TensorBoardTracker",
+           "WandbTracker", "MLflowTracker", "CometTracker", "new_run_dir", "link_latest", "latest_run"]
 
 TRACKERS: dict[str, type[Tracker]] = {
     "csv": CSVTracker,
     "tensorboard": TensorBoardTracker,
     "wandb": WandbTracker,
     "mlflow": MLflowTracker,
+    "comet": CometTracker,
 }
 _EXTRA = {"tensorboard": "tensorboard", "wandb": "trackers", "mlflow": "trackers"}
+_PIP = {"comet_ml": "comet-ml"}  # pip names that differ from the import name
 
 
 def parse_log_to(log_to: str | Iterable[str] | None) -> list[str]:
@@ -50,25 +55,31 @@ def parse_log_to(log_to: str | Iterable[str] | None) -> list[str]:
             raise ValueError(f"log_to {item!r} is unknown: use {', '.join(TRACKERS)} (comma-separated)")
         package = TRACKERS[name].package
         if package is not None and importlib.util.find_spec(package) is None:
-            raise ValueError(f"log_to {name!r} needs the {package} package: pip install {package} "
-                             f"(or pip install 'paratrain[{_EXTRA[name]}]'), or drop {name!r} from log_to")
+            extra = f" (or pip install 'paratrain[{_EXTRA[name]}]')" if name in _EXTRA else ""
+            raise ValueError(f"log_to {name!r} needs the {package} package: pip install {_PIP.get(package, package)}"
+                             f"{extra}, or drop {name!r} from log_to")
         names.append(name)
     return names
 
 
 class Trackers:
-    """The backends named in ``log_to`` plus the ``loggers`` given as instances, opened on first use.
+    """The backends named in ``log_to`` plus those given as instances (in ``log_to`` or
+    ``loggers``), opened on first use.
 
     ``enabled=False`` (ranks other than the main process) makes every call a no-op and creates no
     backend. ``log_dir=None`` with backends to open makes a fresh run folder, ``runs/<start time>``.
     ``config`` (a mapping, or a function returning one, called once) is each backend's run config.
     """
 
-    def __init__(self, log_to: str | Iterable[str] | None = None, log_dir: str | None = None,
+    def __init__(self, log_to: str | Iterable[str | Tracker] | None = None, log_dir: str | None = None,
                  loggers: Iterable[Tracker] = (), *, enabled: bool = True, append: bool = False,
                  config: Mapping[str, Any] | Callable[[], Mapping[str, Any]] | None = None) -> None:
-        self.names = parse_log_to(log_to)
-        self.loggers = list(loggers)
+        instances: list[Tracker] = []
+        if isinstance(log_to, (list, tuple, set, frozenset)) and any(isinstance(t, Tracker) for t in log_to):
+            instances = [t for t in log_to if isinstance(t, Tracker)]
+            log_to = [t for t in log_to if not isinstance(t, Tracker)]
+        self.names = parse_log_to(log_to)  # type: ignore[arg-type]  # the instances are taken out above
+        self.loggers = instances + list(loggers)
         for logger in self.loggers:
             if not isinstance(logger, Tracker):
                 raise ValueError(f"loggers: {logger!r} is not a paratrain.tracking.Tracker")
@@ -109,6 +120,44 @@ class Trackers:
         if self.enabled:
             for tracker in self.open():
                 tracker.log_metrics(metrics, step, kind)
+
+    def log_image(self, name: str, image: Any, step: int, kind: str = "train") -> None:
+        """``image`` (a tensor ``C x H x W`` or ``H x W``, an array ``H x W x C``, a PIL image) to every
+        backend, as an ``H x W x C`` ``uint8`` array; checked on every rank, converted on the main one."""
+        media.check_image(image)
+        if self.enabled:
+            array = media.image_array(image)
+            for tracker in self.open():
+                tracker.log_image(name, array, step, kind)
+
+    def log_histogram(self, name: str, values: Any, step: int, kind: str = "train") -> None:
+        """The distribution of ``values`` (a tensor, an array, numbers; non-finite ones left out) to every backend."""
+        if self.enabled:
+            array = media.histogram_values(values)
+            for tracker in self.open():
+                tracker.log_histogram(name, array, step, kind)
+
+    def log_table(self, name: str, columns: Any = None, data: Any = None, step: int = 0, kind: str = "train",
+                  dataframe: Any = None) -> None:
+        """A table to every backend: ``columns`` and ``data`` (rows, or a mapping of columns), or a
+        pandas ``dataframe``; checked on every rank."""
+        names, rows = media.table_of(columns, data, dataframe)
+        if self.enabled:
+            for tracker in self.open():
+                tracker.log_table(name, names, rows, step, kind)
+
+    def get(self, name: str, unwrap: bool = False) -> Any:
+        """The backend ``name`` (its ``name`` attribute), opened; ``unwrap``:
+        its own object (:attr:`~paratrain.tracking.Tracker.experiment`). A :class:`NoTracker` where
+        ``enabled`` is False; a one-line ``ValueError`` on every rank when there is no such backend."""
+        known = self.names + [t.name for t in self.loggers if t.name not in self.names]
+        if name not in known:
+            have = ", ".join(known) if known else "none (log_to is empty)"
+            raise ValueError(f"tracker {name!r} is not one this run logs to: {have}")
+        if not self.enabled:
+            return NoTracker()
+        tracker = next(t for t in self.open() if t.name == name)
+        return tracker.experiment if unwrap else tracker
 
     def close(self, ok: bool = True) -> None:
         """Finish every opened backend (the wandb/MLflow run, the event file); safe to call twice."""

@@ -1,19 +1,26 @@
-"""``Tracker``: one place a run's metrics go (files, TensorBoard, Weights & Biases, MLflow)."""
+"""``Tracker``: one place a run's metrics go (files, TensorBoard, Weights & Biases, MLflow, Comet)."""
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+import warnings
+from collections.abc import Iterator, Mapping
 from typing import Any
 
-__all__ = ["Tracker", "numeric", "flatten"]
+__all__ = ["Tracker", "NoTracker", "numeric", "flatten"]
 
 
 class Tracker:
     """One backend. Paratrain calls it on the main process only, so a backend's run (a wandb or
     MLflow run, an event file) is created lazily, on the first call: an instance made on every
-    rank (``Parallel(loggers=[...])``) opens nothing on the others.
+    rank (``Parallel(log_to=[MyTracker()])``) opens nothing on the others.
+
+    Your own backend subclasses it: a ``name`` (what ``pt.tracker(name)`` finds),
+    :meth:`log_metrics`, and where it has them :meth:`log_config`, :meth:`log_image`,
+    :meth:`log_histogram`, :meth:`log_table`, :meth:`close` and :attr:`experiment` (its own object,
+    what ``pt.tracker(name, unwrap=True)`` returns). A kind it does not define is not recorded
+    there, with a one-line warning the first time.
 
     ``log_dir``, ``run_name`` and ``append`` are filled in by :class:`~paratrain.tracking.Trackers`
     when the instance was made without them (``append``: a resumed run continues its files, and
@@ -64,8 +71,71 @@ class Tracker:
         """Record ``metrics`` at optimizer step ``step``; ``kind`` groups them (``train``, ``eval``)."""
         raise NotImplementedError
 
+    def log_image(self, name: str, image: Any, step: int, kind: str) -> None:
+        """Record ``image``, an ``H x W x C`` ``uint8`` NumPy array (C: 1, 3 or 4), as ``<kind>/<name>``."""
+        self._cannot("images", "log_image")
+
+    def log_histogram(self, name: str, values: Any, step: int, kind: str) -> None:
+        """Record the distribution of ``values``, a flat ``float64`` NumPy array, as ``<kind>/<name>``."""
+        self._cannot("histograms", "log_histogram")
+
+    def log_table(self, name: str, columns: list[str], rows: list[list[Any]], step: int, kind: str) -> None:
+        """Record a table (``rows``: lists of plain values, one per column) as ``<kind>/<name>``."""
+        self._cannot("tables", "log_table")
+
+    @property
+    def experiment(self) -> Any:
+        """The backend's own object (a wandb run, a ``SummaryWriter``, an ``MlflowClient``), started
+        if it was not yet; None where there is none (csv)."""
+        return None
+
     def close(self, ok: bool = True) -> None:
         """Flush and finish the run (``ok=False``: the job failed)."""
+
+    def _cannot(self, what: str, method: str) -> None:
+        warned = self.__dict__.setdefault("_cannot_warned", set())
+        if what not in warned:
+            warned.add(what)
+            warnings.warn(f"tracker {self.name!r} ({type(self).__name__}) takes no {what}: pt.{method} records them "
+                          f"in the other trackers only (define {method} on it)", stacklevel=5)
+
+
+class NoTracker:
+    """What ``pt.tracker(name)`` returns on ranks other than the main process, where no backend is
+    opened: any attribute, call or item of it is itself, so ``pt.tracker("wandb", unwrap=True).log(...)``
+    does nothing there; it is falsy (``if run := pt.tracker("wandb", unwrap=True):``)."""
+
+    def __getattr__(self, name: str) -> NoTracker:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return self
+
+    def __call__(self, *args: Any, **kwargs: Any) -> NoTracker:
+        return self
+
+    def __getitem__(self, key: Any) -> NoTracker:
+        return self
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        pass
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        pass
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(())
+
+    def __enter__(self) -> NoTracker:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        pass
+
+    def __bool__(self) -> bool:
+        return False
+
+    def __repr__(self) -> str:
+        return "NoTracker()"
 
 
 def scalar(value: Any) -> Any:

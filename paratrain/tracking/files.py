@@ -1,4 +1,5 @@
-"""``csv``: one row per record in ``<log_dir>/<kind>.csv`` and ``<kind>.jsonl``."""
+"""``csv``: one row per record in ``<log_dir>/<kind>.csv`` and ``<kind>.jsonl``; images, histograms
+and tables as lines of ``<log_dir>/media.jsonl`` (images and tables in files under ``media/``)."""
 
 from __future__ import annotations
 
@@ -10,20 +11,69 @@ from collections.abc import Mapping
 from typing import Any
 
 from .base import Tracker, scalar
+from .media import histogram_summary, media_file, png_bytes
 
 __all__ = ["CSVTracker"]
 
 
 class CSVTracker(Tracker):
     """CSV and JSON lines, one file pair per kind (``train.csv``, ``eval.jsonl``). The CSV columns
-    are the first record's; later keys go to the JSONL file only."""
+    are the first record's; later keys go to the JSONL file only.
+
+    Images, histograms and tables: one line each in ``media.jsonl`` (``step``, ``kind``, ``name``,
+    ``type``), an image written as ``media/<kind>/<name>/step-XXXXXXXX.png`` and a table as
+    ``....csv`` (the line's ``path``, relative to the log folder), a histogram in the line itself
+    (``min``, ``max``, ``num``, ``sum``, 64 ``counts`` between 65 ``bins`` edges)."""
 
     name = "csv"
+    MEDIA = "media"
 
     def __init__(self, log_dir: str | None = None, run_name: str | None = None) -> None:
         super().__init__(log_dir, run_name)
         self._fields: dict[str, list[str]] = {}
         self._warned: set[tuple[str, str]] = set()
+        self._media_started = False
+
+    def log_image(self, name: str, image: Any, step: int, kind: str) -> None:
+        path = self._media_path(kind, name, step, ".png")
+        with open(path, "wb") as f:
+            f.write(png_bytes(image))
+        self._media({"step": step, "kind": kind, "name": name, "type": "image", "path": self._relative(path)})
+
+    def log_histogram(self, name: str, values: Any, step: int, kind: str) -> None:
+        self._media({"step": step, "kind": kind, "name": name, "type": "histogram", **histogram_summary(values)})
+
+    def log_table(self, name: str, columns: list[str], rows: list[list[Any]], step: int, kind: str) -> None:
+        path = self._media_path(kind, name, step, ".csv")
+        with open(path, "w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(columns)
+            writer.writerows(rows)
+        self._media({"step": step, "kind": kind, "name": name, "type": "table", "path": self._relative(path)})
+
+    def _media_path(self, kind: str, name: str, step: int, suffix: str) -> str:
+        if self.log_dir is None:
+            raise ValueError("the csv tracker needs a log_dir")
+        path = os.path.join(self.log_dir, self.MEDIA, *media_file(kind, name, step, suffix).split("/"))
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        return path
+
+    def _relative(self, path: str) -> str:
+        return os.path.relpath(path, self.log_dir or ".").replace(os.sep, "/")
+
+    def _media(self, record: dict[str, Any]) -> None:
+        if self.log_dir is None:
+            raise ValueError("the csv tracker needs a log_dir")
+        os.makedirs(self.log_dir, exist_ok=True)
+        path = os.path.join(self.log_dir, self.MEDIA)
+        if not self._media_started:
+            self._media_started = True
+            if not self.append and os.path.exists(path + ".jsonl"):
+                os.remove(path + ".jsonl")
+            elif self.append and self.resume_step is not None:
+                _drop_after(path, self.resume_step)
+        with open(path + ".jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
 
     def log_metrics(self, metrics: Mapping[str, Any], step: int, kind: str) -> None:
         if self.log_dir is None:

@@ -1,4 +1,5 @@
-"""``tensorboard``: each numeric value as a scalar ``<kind>/<name>`` in ``<log_dir>/tensorboard``."""
+"""``tensorboard``: each numeric value as a scalar ``<kind>/<name>`` in ``<log_dir>/tensorboard``; images
+and histograms as TensorBoard's own, tables as Markdown text."""
 
 from __future__ import annotations
 
@@ -8,11 +9,15 @@ from collections.abc import Mapping
 from typing import Any
 
 from .base import Tracker, numeric
+from .media import markdown_table
 
 __all__ = ["TensorBoardTracker"]
 
 
 class TensorBoardTracker(Tracker):
+    """Scalars, images (Pillow encodes them) and histograms as ``<kind>/<name>``; a table as
+    Markdown text (the Text tab shows it as a table). :attr:`experiment` is the ``SummaryWriter``."""
+
     name = "tensorboard"
     package = "tensorboard"
 
@@ -38,6 +43,22 @@ class TensorBoardTracker(Tracker):
     def log_metrics(self, metrics: Mapping[str, Any], step: int, kind: str) -> None:
         for name, value in numeric(metrics).items():
             self.writer.add_scalar(f"{kind}/{name}", value, step)
+
+    def log_image(self, name: str, image: Any, step: int, kind: str) -> None:
+        if image.shape[2] == 1:
+            self.writer.add_image(f"{kind}/{name}", image[:, :, 0], step, dataformats="HW")
+        else:
+            self.writer.add_image(f"{kind}/{name}", image, step, dataformats="HWC")
+
+    def log_histogram(self, name: str, values: Any, step: int, kind: str) -> None:
+        self.writer.add_histogram(f"{kind}/{name}", values, step)
+
+    def log_table(self, name: str, columns: list[str], rows: list[list[Any]], step: int, kind: str) -> None:
+        self.writer.add_text(f"{kind}/{name}", markdown_table(columns, rows), step)
+
+    @property
+    def experiment(self) -> Any:
+        return self.writer
 
     def close(self, ok: bool = True) -> None:
         if self._writer is not None:

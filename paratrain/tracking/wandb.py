@@ -13,7 +13,10 @@ __all__ = ["WandbTracker"]
 
 class WandbTracker(Tracker):
     """Metrics as ``<kind>/<name>`` at the optimizer step; the config and provenance as the run's
-    config. ``project`` and further ``wandb.init`` arguments (``entity``, ``tags``, ``mode``) as keywords."""
+    config. ``project`` and further ``wandb.init`` arguments (``entity``, ``tags``, ``mode``) as keywords.
+    Images, histograms and tables as ``wandb.Image``, ``wandb.Histogram`` and ``wandb.Table``, in the
+    step's row (W&B keeps steps in order: a step below one already logged is dropped, with W&B's
+    warning). :attr:`experiment` (and :attr:`run`) is the wandb run."""
 
     name = "wandb"
     package = "wandb"
@@ -49,6 +52,26 @@ class WandbTracker(Tracker):
 
     def log_metrics(self, metrics: Mapping[str, Any], step: int, kind: str) -> None:
         self.run.log({f"{kind}/{k}": v for k, v in numeric(metrics).items()}, step=step)
+
+    def log_image(self, name: str, image: Any, step: int, kind: str) -> None:
+        import wandb  # function-local: optional
+
+        self.run.log({f"{kind}/{name}": wandb.Image(image[:, :, 0] if image.shape[2] == 1 else image)}, step=step)
+
+    def log_histogram(self, name: str, values: Any, step: int, kind: str) -> None:
+        import wandb  # function-local: optional
+
+        self.run.log({f"{kind}/{name}": wandb.Histogram(values)}, step=step)
+
+    def log_table(self, name: str, columns: list[str], rows: list[list[Any]], step: int, kind: str) -> None:
+        import wandb  # function-local: optional
+
+        header: list[str | int] = list(columns)
+        self.run.log({f"{kind}/{name}": wandb.Table(columns=header, data=rows, allow_mixed_types=True)}, step=step)
+
+    @property
+    def experiment(self) -> Any:
+        return self.run
 
     def close(self, ok: bool = True) -> None:
         if self._run is not None:

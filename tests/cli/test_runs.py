@@ -26,7 +26,7 @@ def two_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path
     """``paratrain train`` twice in one folder: once unnamed, once ``--name second`` with MLflow;
     returns the folder, both runs, and the first run's files as they were before the second."""
     cwd = tmp_path_factory.mktemp("cwd")
-    env = {"MLFLOW_TRACKING_URI": ""}  # MLflow's default: the run folder's mlruns
+    env = {"MLFLOW_TRACKING_URI": ""}  # MLflow's default: the run folder's mlflow.db
     first = run_cli(TRAIN, timeout=90, cwd=cwd, **env)
     assert first.returncode == 0, first.stderr[-3000:]
     (stamp,) = [p for p in (cwd / "runs").iterdir() if p.name != "latest"]
@@ -63,7 +63,9 @@ def test_tracker_run_gets_the_config_and_provenance(two_runs: tuple[Path, Path, 
     from mlflow.tracking import MlflowClient
 
     second = two_runs[2]
-    client = MlflowClient("file:" + str(second / "mlruns"))
+    uri = json.loads((second / "trackers.json").read_text())["mlflow"]["tracking_uri"]
+    assert uri == "sqlite:///" + str(second.resolve() / "mlflow.db")  # paratrain's default store
+    client = MlflowClient(uri)
     (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
     provenance = json.loads((second / "result.json").read_text())["provenance"]
     assert run.info.run_name == "second" and run.info.status == "FINISHED"

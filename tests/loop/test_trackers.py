@@ -1,5 +1,6 @@
-"""``pt.log`` and the trackers (csv, tensorboard, wandb, mlflow): what each backend receives, the
-one-line errors for a bad ``log_to``, and that only rank 0 opens a backend's run."""
+"""``pt.log`` and the trackers (csv, tensorboard, wandb, mlflow, comet): what each backend receives,
+the one-line errors for a bad ``log_to``, MLflow's store, and that only rank 0 opens a backend's run.
+Images, histograms, tables and ``pt.tracker``: tests/tracking/test_tracker_media.py."""
 
 from __future__ import annotations
 
@@ -19,14 +20,18 @@ pytestmark = pytest.mark.timeout(180)
 
 @pytest.fixture
 def offline(monkeypatch: pytest.MonkeyPatch) -> None:
-    """wandb offline and quiet; MLflow's default local store (no tracking server from the environment)."""
+    """wandb and Comet offline and quiet; MLflow's default local store (no tracking server from the environment)."""
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    for name in ("COMET_API_KEY", "COMET_START_ONLINE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("COMET_CONFIG", os.devnull)  # no ~/.comet.config key: offline
 
 
 def test_a_bad_log_to_is_one_line_naming_the_value_and_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
-    with pytest.raises(ValueError, match=r"^log_to 'neptune' is unknown: use csv, tensorboard, wandb, mlflow") as e:
+    with pytest.raises(ValueError, match=r"^log_to 'neptune' is unknown: use csv, tensorboard, wandb, mlflow, comet "
+                                         r"\(comma-separated\)$") as e:
         parse_log_to("csv,neptune")
     assert "\n" not in str(e.value)
     with pytest.raises(ValueError, match="log_to 'nope' is unknown"):
@@ -37,6 +42,9 @@ def test_a_bad_log_to_is_one_line_naming_the_value_and_what_to_install(monkeypat
         paratrain.TrainConfig.load(None, {"log_to": "csv,wandb"})  # as --log-to csv,wandb gives it
     assert str(e.value) == ("log_to 'wandb' needs the wandb package: pip install wandb (or pip install "
                             "'paratrain[trackers]'), or drop 'wandb' from log_to")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "comet_ml" else real(name, *a))
+    with pytest.raises(ValueError, match=r"^log_to 'comet' needs the comet_ml package: pip install comet-ml, or drop"):
+        parse_log_to("comet")
     assert parse_log_to(" CSV, tensorboard,csv ") == ["csv", "tensorboard"]
     assert paratrain.TrainConfig(tensorboard=True).log_to == ["csv", "tensorboard"]  # --tensorboard: an alias
 
@@ -67,7 +75,7 @@ def test_pt_log_writes_to_every_backend_with_the_run_config(tmp_path: Path, offl
         {"step": 2, "accuracy": 0.9}]
     acc = EventAccumulator(str(tmp_path / "tensorboard")).Reload()
     assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [(1, 0.5), (2, 0.25)]
-    assert uri == "file:" + str(tmp_path / "mlruns")
+    assert uri == "sqlite:///" + str(tmp_path / "mlflow.db")  # the default store: SQLite in the run folder
     client = MlflowClient(uri)
     assert [(m.step, m.value) for m in client.get_metric_history(run_id, "train/acc")] == [(1, 0.75), (2, 1.0)]
     run = client.get_run(run_id)
@@ -113,11 +121,15 @@ def test_only_rank_0_creates_runs_at_world_size_2(tmp_path: Path, offline: None)
     pytest.importorskip("mlflow")
     listed = paratrain.launch(_world2_worker, nprocs=2, args=(str(tmp_path),), timeout=150,
                               env={"OMP_NUM_THREADS": "1"})
-    assert listed[0] == ["mlruns", "tensorboard", "trackers.json", "train.csv", "train.jsonl", "wandb"] and listed[1] == []
+    assert listed[0] == ["mlflow.db", "tensorboard", "trackers.json", "train.csv", "train.jsonl", "wandb"] and listed[1] == []
     assert sorted(p.name for p in tmp_path.iterdir()) == ["instance0", "rank0"]
     assert (tmp_path / "rank0" / "train.csv").read_text().splitlines() == ["step,loss", "1,0.0"]
     assert len(list((tmp_path / "rank0" / "wandb").glob("offline-run-*"))) == 1
-    assert len(list((tmp_path / "rank0" / "mlruns").glob("*/*/meta.yaml"))) == 1  # one run in one experiment
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient("sqlite:///" + str(tmp_path / "rank0" / "mlflow.db"))
+    experiments = client.search_experiments()
+    assert len(client.search_runs([e.experiment_id for e in experiments])) == 1  # one run in one experiment
 
 
 def test_a_resumed_run_continues_its_wandb_and_mlflow_runs(tmp_path: Path, offline: None) -> None:
@@ -144,6 +156,68 @@ def test_a_resumed_run_continues_its_wandb_and_mlflow_runs(tmp_path: Path, offli
     assert run.info.status == "FINISHED" and run.data.params == {"lr": "0.1", "resume": "True"}
     fresh_wandb, fresh_run, _ = session(False, {"lr": 0.1}, 1)  # not resumed: new runs
     assert fresh_wandb != wandb_id and fresh_run != run_id
+
+
+def test_a_resumed_run_continues_its_comet_experiment(tmp_path: Path, offline: None) -> None:
+    pytest.importorskip("comet_ml")
+    import zipfile
+
+    def session(append: bool, step: int) -> str:
+        trackers = Trackers("comet", str(tmp_path), append=append, config={"lr": 0.1})
+        try:
+            trackers.log({"loss": 1.0 / step}, step=step)
+            return trackers.get("comet", unwrap=True).get_key()
+        finally:
+            trackers.close()
+
+    key = session(False, 1)
+    assert session(True, 2) == key  # offline: a second archive of the same experiment (comet upload sends both)
+    archives = sorted((tmp_path / "comet").glob(f"{key}*.zip"))
+    assert len(archives) == 2
+    steps = []
+    for archive in archives:
+        with zipfile.ZipFile(archive) as z:
+            assert json.loads(z.read("experiment.json"))["offline_id"] == key
+            steps += [json.loads(line)["payload"]["metric"]["step"] for line in z.read("messages.json").splitlines()
+                      if json.loads(line)["type"] == "metric_msg"
+                      and json.loads(line)["payload"]["metric"]["metricName"] == "train/loss"]
+    assert sorted(steps) == [1, 2]
+    assert session(False, 1) != key  # not resumed: a new experiment
+
+
+def test_mlflow_store_env_uri_and_the_file_store_fallbacks(tmp_path: Path, offline: None,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default is SQLite (the other tests); MLFLOW_TRACKING_URI wins; without sqlalchemy, or for a
+    run an older paratrain started in <log_dir>/mlruns, the file store (fast: no database to create)."""
+    pytest.importorskip("mlflow")
+    from paratrain.tracking import MLflowTracker
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 reads a file store only when asked to
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "file:" + str(tmp_path / "elsewhere"))  # a server's URL: the same
+    tracker = MLflowTracker(str(tmp_path / "a"), "a")
+    tracker.log_metrics({"loss": 1.0}, 1, "train")
+    tracker.close()
+    assert tracker.tracking_uri == "file:" + str(tmp_path / "elsewhere") and (tmp_path / "elsewhere").is_dir()
+    assert not (tmp_path / "a" / "mlflow.db").exists()
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "sqlalchemy" else real(name, *a))
+    tracker = MLflowTracker(str(tmp_path / "b"), "b")
+    with pytest.warns(UserWarning, match="^mlflow: without sqlalchemy and alembic the run goes to MLflow's deprecated "
+                                         "file store .*: pip install sqlalchemy alembic"):
+        tracker.log_metrics({"loss": 1.0}, 1, "train")
+    run_id = tracker.run_id
+    tracker.close()
+    assert tracker.tracking_uri == "file:" + str(tmp_path / "b" / "mlruns")
+
+    monkeypatch.setattr(importlib.util, "find_spec", real)  # sqlalchemy back: a resumed file-store run stays there
+    tracker = MLflowTracker(str(tmp_path / "b"), "b")
+    tracker.append, tracker.resume_step = True, 1
+    tracker.log_metrics({"loss": 0.5}, 2, "train")
+    assert tracker.run_id == run_id and tracker.tracking_uri == "file:" + str(tmp_path / "b" / "mlruns")
+    tracker.close()
+    assert not (tmp_path / "b" / "mlflow.db").exists()
 
 
 def test_trackers_are_finished_at_exit_without_pt_close(tmp_path):
