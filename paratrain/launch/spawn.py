@@ -7,23 +7,26 @@ variables that ``torchrun`` sets (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MA
 
 from __future__ import annotations
 
+import atexit
 import os
 import pickle
 import tempfile
 import time
 from typing import Any, Callable, Sequence
 
+import torch
 import torch.multiprocessing as mp
 from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
 
 from ..env.network import free_port  # re-exported: the launch API's port picker
 from ..env.process import AGENT_PID
+from .notebook import check_fork_safe, needs_fork
 
 __all__ = ["launch", "free_port", "LaunchError"]
 
 
 class LaunchError(RuntimeError):
-    """A launched worker failed, or the launch ran past its time limit."""
+    """A launched worker failed, the launch ran past its time limit, or its workers cannot start."""
 
 
 # A launcher's variables that a worker of paratrain.launch must not inherit from its caller (a
@@ -31,7 +34,26 @@ class LaunchError(RuntimeError):
 _INHERITED = ("TORCHELASTIC_", "ROLE_", "GROUP_WORLD_SIZE")
 
 
-def _worker(local_rank: int, fn: Callable, nprocs: int, env: dict[str, str], args: tuple, out_dir: str) -> None:
+def _worker(local_rank: int, fn: Callable, nprocs: int, env: dict[str, str], args: tuple, out_dir: str,
+            forked: bool = False) -> None:
+    if forked:
+        # A forked worker ends with os._exit: the parent's (a kernel's) exit handlers must never run
+        # here, and its own (leaving the process group, see env.process) run below, as at a
+        # spawned worker's exit.
+        atexit._clear()
+        # One intra-op thread unless the caller's env says otherwise: a forked process cannot use
+        # the OpenMP threads its parent started, and its first parallel op with more would hang
+        # once the notebook has run one (torch's CPU build, GNU OpenMP).
+        threads = env.get("OMP_NUM_THREADS", "").strip()
+        torch.set_num_threads(int(threads) if threads.isdigit() and int(threads) > 0 else 1)
+    try:
+        _run(local_rank, fn, env, args, out_dir)
+    finally:
+        if forked:
+            atexit._run_exitfuncs()
+
+
+def _run(local_rank: int, fn: Callable, env: dict[str, str], args: tuple, out_dir: str) -> None:
     for name in [n for n in os.environ if n.startswith(_INHERITED)]:
         del os.environ[name]
     os.environ.update(env)
@@ -80,7 +102,14 @@ def launch(
 
     Args:
         fn: a picklable (module-level) function. It receives the process index first, like
-            :func:`torch.multiprocessing.spawn`.
+            :func:`torch.multiprocessing.spawn`. In Jupyter/IPython (any session whose
+            ``__main__`` a new interpreter cannot import) a function defined there, or ``args``
+            that refer to it, run in workers *forked* from this process whatever
+            ``start_method`` says: on the CPU, or while CUDA is not initialised here (else a
+            one-line :class:`LaunchError`: restart the kernel and launch before touching CUDA).
+            Forked workers run one intra-op thread each (``torch.set_num_threads``) unless
+            ``env`` sets ``OMP_NUM_THREADS``: more hang in a process forked after the notebook
+            ran a parallel op.
         nprocs: number of processes (the world size; one node).
         args: extra positional arguments for ``fn``.
         timeout: hard wall-clock limit in seconds; past it every worker is killed and
@@ -102,7 +131,8 @@ def launch(
 
     Raises:
         LaunchError: naming the first rank that failed (and its exception), or the ranks still
-            running when ``timeout`` expired.
+            running when ``timeout`` expired; or, before any worker starts, that a notebook's
+            function cannot be forked because CUDA is initialised in this process.
     """
     if nprocs < 1:
         raise ValueError(f"nprocs={nprocs} must be at least 1")
@@ -118,13 +148,17 @@ def launch(
         worker_env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     if start_method not in ("spawn", "forkserver"):
         raise ValueError(f"start_method {start_method!r} is unknown: use spawn or forkserver")
-    if start_method == "forkserver" and preload:
+    forked = needs_fork(fn, tuple(args))  # a notebook's function: a new interpreter cannot import it
+    if forked:
+        check_fork_safe(fn, LaunchError)
+        start_method = "fork"
+    elif start_method == "forkserver" and preload:
         mp.get_context("forkserver").set_forkserver_preload(list(preload))
     deadline = None if timeout is None else time.monotonic() + timeout
     with tempfile.TemporaryDirectory(prefix="paratrain-launch-") as out_dir:
         ctx = mp.start_processes(
             _worker,
-            args=(fn, nprocs, worker_env, tuple(args), out_dir),
+            args=(fn, nprocs, worker_env, tuple(args), out_dir, forked),
             nprocs=nprocs,
             join=False,
             start_method=start_method,

@@ -7,6 +7,7 @@ replaces it with PowerSGD's low-rank approximation.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,15 +77,21 @@ class DDPStrategy(Strategy):
         o: DDPOptions = self.options
         # broadcast_buffers is passed only to turn it off: newer torch warns that it is deprecated.
         extra: dict[str, Any] = {} if o.broadcast_buffers else {"broadcast_buffers": False}
-        ddp = DDP(
-            model,
-            device_ids=[self.device.index] if self.device.type == "cuda" else None,
-            bucket_cap_mb=o.bucket_cap_mb,
-            find_unused_parameters=o.find_unused_parameters,
-            static_graph=o.static_graph,
-            gradient_as_bucket_view=o.gradient_as_bucket_view,
-            **extra,
-        )
+        try:
+            ddp = ParatrainDDP(
+                model,
+                device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                bucket_cap_mb=o.bucket_cap_mb,
+                find_unused_parameters=o.find_unused_parameters,
+                static_graph=o.static_graph,
+                gradient_as_bucket_view=o.gradient_as_bucket_view,
+                **extra,
+            )
+        except RuntimeError as e:  # DDP compares the model across ranks first: a different one fails here
+            why = explain_model_mismatch(e, model)
+            if why is None:
+                raise
+            raise why from e
         self._register_comm_hook(ddp, o)
         return ddp
 
@@ -115,6 +122,102 @@ class DDPStrategy(Strategy):
         # What DDP.no_sync() does, as a flag: the caller sets it before each forward (nanoGPT).
         if isinstance(model, DDP) and not self.options.static_graph:
             model.require_backward_grad_sync = enabled
+
+
+class DDPModelError(ValueError, RuntimeError):
+    """DDP cannot reduce this model's gradients as it is set up: parameters that got no gradient, or a
+    model that differs between ranks. One line that names paratrain's option or the cause; torch's
+    own error (a paragraph about ``DistributedDataParallel``'s arguments) is its ``__cause__``. A
+    ``ValueError`` (a user error: ``paratrain train`` prints its line) and the ``RuntimeError`` torch raised."""
+
+
+class ParatrainDDP(DDP):
+    """torch's ``DistributedDataParallel`` whose own failures in forward name paratrain's option.
+
+    DDP notices parameters that got no gradient in a backward only at the next forward (its
+    reduction never finished); its error tells the user to pass ``find_unused_parameters=True``
+    to a ``DistributedDataParallel`` they never constructed. Here it becomes a one-line
+    :class:`DDPModelError` that names the parameters and ``ddp={"find_unused_parameters": True}``."""
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        try:
+            return super().forward(*inputs, **kwargs)
+        except RuntimeError as e:
+            why = explain_unused_parameters(e, self)
+            if why is None:
+                raise
+            raise why from e
+
+
+_UNUSED = "Expected to have finished reduction in the prior iteration"
+_UNUSED_INDICES = re.compile(r"Parameter indices which did not receive grad for rank (\d+): ([\d ]+)")
+_UNUSED_NAMES = re.compile(r"Parameters which did not receive grad for rank (\d+): ([^\n]+)")
+_COUNT_MISMATCH = re.compile(r"DDP expects same model across all ranks, but Rank (\d+) has (\d+) params, "
+                             r"while rank (\d+) has inconsistent (\d+) params")
+_SHAPE_MISMATCH = re.compile(r"params\[(\d+)\] in this process with sizes (\[[^\]]*\]) appears not to match "
+                             r"sizes of the same param in process (\d+)")
+
+
+def reduced_parameter_names(module: nn.Module, ignored: Any = ()) -> list[str]:
+    """The names of the parameters DDP reduces, in its reducer's order (what the indices in its
+    errors count): per module in ``named_modules`` order, its own trainable parameters, each once."""
+    names, seen = [], set()
+    for prefix, sub in module.named_modules():
+        for name, param in sub.named_parameters(recurse=False):
+            full = f"{prefix}.{name}" if prefix else name
+            if param.requires_grad and full not in ignored and id(param) not in seen:
+                seen.add(id(param))
+                names.append(full)
+    return names
+
+
+def _listed(names: list[str], most: int = 6) -> str:
+    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
+
+
+def explain_unused_parameters(error: BaseException, ddp: DDP) -> DDPModelError | None:
+    """If ``error`` is DDP's "Expected to have finished reduction in the prior iteration", a
+    :class:`DDPModelError` naming the parameters that got no gradient and what to do (else None)."""
+    text = str(error)
+    if not isinstance(error, RuntimeError) or _UNUSED not in text:
+        return None
+    names = reduced_parameter_names(ddp.module, getattr(ddp, "parameters_to_ignore", ()))
+    found = _UNUSED_INDICES.search(text)
+    rank = found.group(1) if found else None
+    unused = [names[int(i)] if int(i) < len(names) else f"#{i}" for i in found.group(2).split()] if found else []
+    if not unused and (by_name := _UNUSED_NAMES.search(text)):
+        rank, unused = by_name.group(1), [n.strip() for n in by_name.group(2).split(",") if n.strip()]
+    which = f"parameters {_listed(unused)}" if unused else "some parameters"
+    on = f" on rank {rank}" if rank is not None else ""
+    if getattr(ddp, "find_unused_parameters", False):
+        return DDPModelError(
+            f"{which} got no gradient in the previous backward{on}, with ddp find_unused_parameters on: an output of "
+            "forward took no part in the loss (every output must), or DDP cannot find the output tensors in what "
+            "forward returns (return tensors, or tuples/lists/dicts of them)")
+    return DDPModelError(
+        f"{which} got no gradient in the previous backward{on}, and DDP waits for every parameter's gradient: pass "
+        'ddp={"find_unused_parameters": True} to paratrain.Parallel (parallel.ddp.find_unused_parameters=true in a '
+        "config or --set), or make every parameter take part in the loss")
+
+
+def explain_model_mismatch(error: BaseException, module: nn.Module) -> DDPModelError | None:
+    """If ``error`` is DDP's check at construction that every rank has the same parameters, a
+    :class:`DDPModelError` that says how the model differs (else None)."""
+    text = str(error)
+    same = ("DDP needs the same model on every rank: build it the same way everywhere (no sizes or layers that depend "
+            "on the rank), and load the same checkpoint on all")
+    if count := _COUNT_MISMATCH.search(text):
+        mine, n_mine, other, n_other = count.groups()
+        return DDPModelError(f"the model differs between ranks: rank {mine} has {n_mine} trainable parameter tensors, "
+                             f"rank {other} has {n_other}; {same}")
+    if shape := _SHAPE_MISMATCH.search(text):
+        index, size, other = shape.groups()
+        names = reduced_parameter_names(module, getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+        name = names[int(index)] if int(index) < len(names) else f"#{index}"
+        here = f"rank {dist.get_rank()}" if dist.is_available() and dist.is_initialized() else "this rank"
+        return DDPModelError(f"the model differs between ranks: parameter {name} has shape {size} on {here} but "
+                             f"another on rank {other}; {same}")
+    return None
 
 
 def bucket_bytes(model: nn.Module) -> int:
