@@ -15,7 +15,7 @@ __all__ = ["check_continues"]
 def check_continues(state: dict[str, Any], global_batch: int, seed: int) -> None:
     """Refuse, in one line, a run ``state`` (``Run.state_dict()`` of a checkpoint) that a run with
     ``global_batch`` and ``seed`` cannot continue: the data position is a step of global batches
-    in the seed's epoch order. The world size may differ."""
+    in the epoch order of the seed. The world size may differ."""
     if state["global_batch"] != global_batch:
         raise ValueError(f"was written with global batch {state['global_batch']}, this run uses "
                          f"{global_batch}: resume with the same global batch (the world size may change)")

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .io import CheckpointError, list_checkpoints, load_file, load_latest, verify_checkpoint, write_checkpoint
-from ..env.process import seed_everything
+from ..env.process import mix_seed, seed_everything
 from .rng import rng_state, same_rng_state, set_rng_state
 from .sharded import load_sharded, save_sharded
 
@@ -197,7 +197,7 @@ def restore_rng(rngs: list[Any], run: Run) -> None:
         set_rng_state(rngs[0])
     else:
         now = run.state_dict()
-        seed_everything((int(now["seed"]) * 1_000_003 + int(now["global_step"]) * 1_009 + run.rank) % 2**63)
+        seed_everything(mix_seed(now["seed"], now["global_step"], run.rank, bits=63))
 
 
 def uncompiled_keys(model_state: dict[str, Any]) -> dict[str, Any]:

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
+from ..env.process import mix_seed
 from ..userfn import is_user_spec, load_callable
 
 __all__ = [
@@ -222,7 +223,7 @@ def synthetic(
     if not shape or any(s < 1 for s in shape):
         raise ValueError(f"synthetic shape {shape} must be non-empty with positive sizes")
     patterns = torch.randn((num_classes, *shape), generator=torch.Generator().manual_seed(int(seed)))
-    noise_seed = (int(seed) * 1_000_003 + (1 if train else 2)) % (2**63)
+    noise_seed = mix_seed(seed, 1 if train else 2, bits=63)
     gen = torch.Generator().manual_seed(noise_seed)
     labels = (torch.arange(n) % num_classes)[torch.randperm(n, generator=gen)]
     x = patterns[labels] + torch.randn((n, *shape), generator=gen)

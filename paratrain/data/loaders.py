@@ -10,7 +10,6 @@ micro-batch by the DataLoader, followed by its collate.
 
 from __future__ import annotations
 
-import hashlib
 import random
 from typing import Any, Callable, Iterator
 
@@ -20,7 +19,7 @@ from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset,
 from torch.utils.data._utils import worker as _worker_state
 from torch.utils.data._utils.collate import default_collate, default_convert
 
-from ..env.process import mix_seed, mix_step
+from ..env.process import mix_seed
 from .batch import to_device
 from .sampler import BatchPlan, GlobalBatchSampler, ShardedEvalSampler
 
@@ -30,8 +29,7 @@ __all__ = ["to_device", "GlobalBatchLoader", "EvalLoader", "step_seed", "sample_
 
 def step_seed(seed: int, global_step: int, micro_step: int) -> int:
     """A seed for the random augmentation of one micro-step, the same on every rank."""
-    digest = hashlib.blake2b(f"{seed}:{global_step}:{micro_step}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & (2**63 - 1)
+    return mix_seed(seed, global_step, micro_step, bits=63)
 
 
 class TensorBatchView(Dataset):
@@ -94,13 +92,14 @@ def batch_view(dataset: Dataset, collate_fn: Callable[..., Any] | None = None) -
 def sample_seed(seed: int, epoch: int, index: int) -> int:
     """The seed of sample ``index``'s random draws in ``epoch``: the same on every rank, at every
     world size, in a DataLoader worker or not, and in a resumed run."""
-    return mix_seed(seed, epoch, index) >> 1  # torch's manual_seed takes a non-negative int64
+    return mix_seed(seed, epoch, index, bits=63)  # torch's manual_seed takes a non-negative int64
 
 
 def sample_seeds(seed: int, epoch: int, indices: list[int]) -> list[int]:
-    """:func:`sample_seed` of every index at once: the last mixing step on a NumPy array."""
-    state = np.full(len(indices), mix_seed(seed, epoch), dtype=np.uint64)
-    return (mix_step(state, np.asarray(indices, dtype=np.int64).astype(np.uint64)) >> 1).tolist()
+    """:func:`sample_seed` of every index at once: the last step of the mix (``+ index``) on a NumPy
+    array, whose uint64 sums wrap at ``2**64`` as the mix's modulo does."""
+    base = np.uint64(mix_seed(seed, epoch, 0))
+    return ((base + np.asarray(indices, dtype=np.int64).astype(np.uint64)) & np.uint64(2**63 - 1)).tolist()
 
 
 class SeededSamples(Dataset):

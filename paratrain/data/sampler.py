@@ -24,6 +24,8 @@ from typing import Any, Iterator
 import torch
 from torch.utils.data import Sampler
 
+from ..env.process import mix_seed
+
 __all__ = ["BatchPlan", "GlobalBatchSampler", "ShardedEvalSampler", "epoch_permutation", "check_dataset_fits"]
 
 
@@ -103,7 +105,7 @@ def epoch_permutation(n: int, seed: int, epoch: int, shuffle: bool = True) -> to
     if not shuffle:
         return torch.arange(n)
     g = torch.Generator()
-    g.manual_seed((seed * 1_000_003 + epoch) % 2**64)  # any seed: the same order as before where it fitted
+    g.manual_seed(mix_seed(seed, epoch))  # any seed: the same order as before where it fitted
     return torch.randperm(n, generator=g)
 
 

@@ -33,7 +33,7 @@ from .network import free_port, gloo_interface, interface_towards, is_loopback, 
 
 __all__ = [
     "Dist", "UnavailableError", "free_port", "CollectiveTimeoutError", "PeerLostError", "explain_timeout", "explain_peer_loss", "explain_failure",
-    "explain_uncaught", "collective_of", "mix_seed", "mix_step", "init", "interface_towards", "is_loopback", "loopback_store", "store_init_method", "die_with_launcher", "destroy", "preload_dynamo", "available_accelerator", "select_device", "select_backend", "rank", "world_size",
+    "explain_uncaught", "collective_of", "mix_seed", "init", "interface_towards", "is_loopback", "loopback_store", "store_init_method", "die_with_launcher", "destroy", "preload_dynamo", "available_accelerator", "select_device", "select_backend", "rank", "world_size",
     "local_rank", "is_main_process", "barrier", "print_once", "save_on_main",
     "main_process_first", "seed_everything",
 ]
@@ -387,24 +387,23 @@ def main_process_first() -> Iterator[None]:
             barrier()
 
 
-_U64 = 0xFFFFFFFFFFFFFFFF
+SEED_STRIDE = 1_000_003  # a prime larger than any epoch, step or rank count a run reaches
 
 
-def mix_step(x: Any, value: Any) -> Any:
-    """One splitmix64 step folding ``value`` into the state ``x``: Python ints, or NumPy uint64
-    arrays (one state per element; their arithmetic wraps at 64 bits, as the masks do for ints)."""
-    x = ((x ^ (value & _U64)) + 0x9E3779B97F4A7C15) & _U64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _U64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _U64
-    return x ^ (x >> 31)
+def mix_seed(seed: int, *values: int, bits: int = 64) -> int:
+    """The one way paratrain derives a seed from the run's ``seed`` and positions (epoch, sample
+    index, step, micro-step, rank): ``seed * 1_000_003 + value``, folded over ``values``, modulo
+    ``2**bits`` (63: a non-negative int64, what ``torch.manual_seed`` and NumPy take).
 
-
-def mix_seed(*values: int) -> int:
-    """A 64-bit seed from integers (splitmix64 steps): nearby inputs give unrelated seeds."""
-    x = 0
+    Every derived seed is one of these: the epoch order (``mix_seed(seed, epoch)``, the formula of
+    the first release, so a seed keeps its data order), the synthetic data's noise, each sample's
+    and each step's augmentation draws, and the random streams of a rank that joins a resumed run.
+    Distinct positions give distinct seeds below ``1_000_003`` steps of each; generators seeded
+    with nearby seeds draw unrelated streams (torch's and NumPy's Mersenne Twister, Python's)."""
+    x = int(seed)
     for v in values:
-        x = mix_step(x, v)
-    return x
+        x = x * SEED_STRIDE + int(v)
+    return x % 2**bits
 
 
 def seed_everything(seed: int, offset_by_rank: bool = False) -> int:

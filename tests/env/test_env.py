@@ -272,3 +272,31 @@ def test_a_process_group_the_script_made_is_where_the_process_is():
     ranks = sorted((json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")), key=lambda d: d["rank"])
     assert [(d["rank"], d["world"], d["main"], d["helper_rank"]) for d in ranks] == [(0, 2, True, 0), (1, 2, False, 1)]
     assert sorted(ranks[0]["rows"] + ranks[1]["rows"]) == [float(i) for i in range(8)]  # the global batch, split
+
+
+def test_one_seed_mixing_function_derives_every_seed():
+    """Issue 25: seeds were mixed two ways (``seed * 1_000_003 + x`` in three places, splitmix in the
+    loaders; blake2b for a step's augmentation). ``mix_seed`` is the one; the epoch order keeps the
+    first release's formula, so a seed keeps its data order."""
+    import ast
+    import pathlib
+
+    from paratrain.data.loaders import sample_seed, sample_seeds, step_seed
+    from paratrain.env.process import mix_seed
+
+    assert mix_seed(3, 1) == 3 * 1_000_003 + 1 and mix_seed(-1, 0) == (-1_000_003) % 2**64
+    assert mix_seed(2**62, 5, 7, bits=63) == ((2**62 * 1_000_003 + 5) * 1_000_003 + 7) % 2**63
+    assert sample_seed(3, 2, 9) == mix_seed(3, 2, 9, bits=63) and step_seed(3, 4, 1) == mix_seed(3, 4, 1, bits=63)
+    assert sample_seeds(2**61, 3, [0, 1, 2**40]) == [sample_seed(2**61, 3, i) for i in (0, 1, 2**40)]
+    assert len({sample_seed(0, e, i) for e in range(3) for i in range(1000)}) == 3000
+    root = pathlib.Path(__file__).resolve().parents[2] / "paratrain"
+    mixers = []  # the stride or splitmix's constant anywhere but mix_seed's module; a hash among the data's seeds
+    for path in sorted(root.rglob("*.py")):
+        if path.relative_to(root).as_posix() == "env/process.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Constant) and node.value in (1_000_003, 0x9E3779B97F4A7C15)) or (
+                    isinstance(node, ast.Import) and path.parent.name == "data"
+                    and any(a.name == "hashlib" for a in node.names)):
+                mixers.append(f"{path.relative_to(root.parent)}:{node.lineno}")
+    assert mixers == []
