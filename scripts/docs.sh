@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds the documentation site (docs/ -> build/docs/index.html) and runs every code block of its
 # pages, so the docs cannot drift from the code. scripts/test.sh runs it; one command, no arguments:
-#   1. the docs tools (docs/requirements.txt) into the test venv, reinstalled when that file changes;
+#   1. the test venv (scripts/setup.sh), whose lock holds the docs tools of docs/requirements.txt;
 #   2. Sphinx in strict mode: any warning fails (a broken internal link, a reference to something the
 #      API reference does not document, a docstring that does not render), with -n (nitpicky);
 #   3. docs/_tools/check_site.py: paratrain.__all__, every subcommand and every extra are covered;
@@ -10,14 +10,8 @@
 #      printed (at most 10 such blocks).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh cpu
+bash scripts/setup.sh cpu  # the docs tools (docs/requirements.txt) are part of its lock, requirements/lock-cpu.txt
 venv=${PARATRAIN_VENV:-.venv}
-key=$(sha256sum docs/requirements.txt | cut -c1-16)
-if [ "$(cat "$venv/.paratrain-docs-key" 2>/dev/null || true)" != "$key" ]; then
-  echo "docs: installing docs/requirements.txt into $venv" >&2
-  "$venv/bin/pip" install -q --disable-pip-version-check -r docs/requirements.txt 2>&1 | { grep -v "^WARNING: Location" || true; } >&2
-  echo "$key" > "$venv/.paratrain-docs-key"
-fi
 start=$SECONDS
 rm -rf build/docs
 echo "== docs: build the site (strict)"
