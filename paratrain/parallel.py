@@ -45,6 +45,7 @@ from .data.sampler import BatchPlan
 from .env import failures, process
 from .env.provenance import provenance
 from .metrics import batch_targets, model_loss, predictions
+from .nn.deferred import Deferred
 from .wrappers import (ParallelModule, ParallelOptimizer, ParallelScheduler, attach_scheduler, check_setup_arguments,
                        checkpointed, compiled_like, is_compiled, registered_optimizer, strategy_module, uncompiled)
 
@@ -77,6 +78,7 @@ class Parallel:
         self._models: list[nn.Module] = []  # what the strategy made of each model set up
         # checked on every rank (a bad name fails everywhere alike); opened on the main process only
         self.trackers = tracking.Trackers(log_to, log_dir, loggers, enabled=self.is_main_process, config=self._run_config)
+        self._deferred = Deferred(self.strategy.sharded_state and self.world_size > 1, self.device)
 
     # --- who am I --------------------------------------------------------------------------
     @property
@@ -197,7 +199,9 @@ class Parallel:
         check_setup_arguments(model, optimizer, scheduler)
         compiled = model if is_compiled(model) else None
         original = uncompiled(model)  # its keys are the checkpoint's, compiled or not
+        values = self._deferred.values(original)  # built under init_module: what each tensor's shard holds
         wrapped, original = self.strategy.prepare_model(original)  # a wrapper the user made (their DDP) is kept
+        self._deferred.materialize(original, values)
         runner = compiled_like(compiled, wrapped, self.config.compile, self.config.compile_backend)
         module = ParallelModule(runner, original, self.precision, self._before_forward, self.strategy.model_loaded,
                                 wrapped, self.strategy.checkpoint_module(wrapped, original))
@@ -208,6 +212,12 @@ class Parallel:
             return module
         wrapped_optimizer = self.setup_optimizer(optimizer, module, scheduler)
         return (module, *wrapped_optimizer) if scheduler is not None else (module, wrapped_optimizer)
+
+    def init_module(self) -> Any:
+        """``with pt.init_module(): model = Model()``: under fsdp/tensor the model is built on the meta
+        device and :meth:`setup` gives each rank only its shards, valued as a whole build would be
+        (:mod:`paratrain.nn.deferred`); otherwise it is built whole on this rank's device."""
+        return self._deferred.context()
 
     def mark_forward_method(self, model: nn.Module, name: str) -> None:
         """Run ``model.<name>(...)`` (an ``encode``, ``generate``: marked by :meth:`setup` on a HuggingFace

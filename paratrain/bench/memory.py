@@ -92,13 +92,12 @@ class ModelFacts:
 
 def bytes_per_param(precision: str, optimizer: str) -> dict[str, int]:
     """``w``, ``g``, ``m``, ``s``: weight, gradient, master-weight and optimizer-state bytes per parameter."""
-    from ..precision import resolve
+    from ..precision import lookup
 
-    name = resolve(precision)
+    true_half = lookup(precision).master_weights  # low-precision weights with fp32 masters
     if optimizer not in OPTIMIZER_STATE_BYTES:
         raise ValueError(f"optimizer {optimizer!r} is unknown to the estimate: use one of "
                          f"{', '.join(OPTIMIZER_STATE_BYTES)}")
-    true_half = name in ("bf16-true", "fp16-true")
     return {"w": 2 if true_half else 4, "g": 2 if true_half else 4, "m": 4 if true_half else 0,
             "s": OPTIMIZER_STATE_BYTES[optimizer]}
 
@@ -123,34 +122,59 @@ class Estimate:
         return max(self.training, self.parts.get("build", 0.0))
 
 
-def estimate(facts: ModelFacts, strategy: str, world_size: int, micro_batch: int, precision: str = "32",
+def memory_layout(strategy: str, world_size: int) -> str:
+    """How ``strategy`` lays a model out over ``world_size`` processes, from its class's facts:
+    ``replicas`` (a whole model per process), ``replicas with buckets`` (plus DDP's gradient
+    buckets), ``sharded`` (every parameter split: fsdp), ``split linears`` (tensor), ``stages``
+    (pipeline). A world of one wraps nothing: ``replicas``."""
+    from ..strategies import resolve
+
+    cls = resolve(strategy)
+    if world_size <= 1 or cls.processes == "one":
+        return "replicas"
+    if cls.plain_data_parallel:
+        return "replicas with buckets"
+    shards = cls.data_parallel_size_for(world_size)
+    if cls.sharded_state:
+        return "sharded" if shards == world_size else "split linears"
+    if cls.collective_forward and shards < world_size:
+        return "stages"
+    return "replicas"
+
+
+def estimate(facts: ModelFacts, strategy: str, world_size: int, micro_batch: int, precision: str | None = None,
              optimizer: str = "adamw", checkpointing: bool = False, offload: bool = False,
              sharded_init: bool = False, device: str = "cpu") -> Estimate:
-    """Each rank's peak for ``strategy`` at ``world_size`` (see the module's formulas)."""
+    """Each rank's peak for ``strategy`` at ``world_size`` (see the module's formulas); ``precision``
+    defaults to the reference (fp32)."""
+    from ..precision import reference
+
+    precision = precision or reference()
     if world_size < 1 or micro_batch < 1:
         raise ValueError(f"world_size {world_size} and micro_batch {micro_batch} must be at least 1")
-    if offload and strategy != "fsdp":
+    layout = memory_layout(strategy, world_size)
+    if offload and layout != "sharded":
         raise ValueError(f"CPU offload is fsdp's (strategy {strategy!r} keeps its states on the device)")
     b = bytes_per_param(precision, optimizer)
     P, n = facts.params, world_size
-    sharded = strategy in ("fsdp", "tensor", "pipeline", "ddp") and n > 1  # at world size 1 nothing is wrapped
     local: float = P
     largest = facts.largest_param
-    if sharded and strategy == "fsdp":
+    if layout == "sharded":
         local, largest = P / n, math.ceil(facts.largest_param / n)
-    elif sharded and strategy == "tensor":
+    elif layout == "split linears":
         local = facts.linear_params / n + P - facts.linear_params
         largest = math.ceil(facts.largest_param / n) if facts.largest_linear else facts.largest_param
-    elif sharded and strategy == "pipeline":
+    elif layout == "stages":
         local = facts.largest_stage
+    sharded = layout == "sharded"
     parts: dict[str, float] = {}
     kept = 0.0 if offload and sharded else local
     parts["weights, masters, optimizer state"] = kept * (b["w"] + b["m"] + b["s"])
-    if sharded and strategy == "ddp":
+    if layout == "replicas with buckets":
         parts["gradient buckets"] = 4 * P
     parts["buffers"] = facts.buffers_bytes
     in_flight_fwd = in_flight_bwd = 0.0
-    if sharded and strategy == "fsdp":
+    if sharded:
         # forward: the root's parameters and two blocks (one computing, one prefetched); backward:
         # the root's and one block's parameters with their unsharded gradients
         in_flight_fwd = (facts.root_params + 2 * facts.largest_block) * b["w"]

@@ -35,8 +35,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--tokens", type=_csv(int), default=None, metavar="VOCAB,LENGTH",
                    help="feed token ids of this vocabulary and length (a language model)")
     p.add_argument("--micro-batch", type=int, default=32, help="samples per rank per forward (default 32)")
-    p.add_argument("--strategies", type=_csv(str), default=["single", "ddp", "fsdp", "tensor", "pipeline"],
-                   help="comma-separated (default single,ddp,fsdp,tensor,pipeline)")
+    p.add_argument("--strategies", type=_csv(str), default=None,
+                   help="comma-separated (default: every strategy that runs on several processes, and the reference)")
     p.add_argument("--world-sizes", type=_csv(int), default=[1, 2, 8], help="comma-separated (default 1,2,8)")
     p.add_argument("--precisions", type=_csv(str), default=["32"], help="comma-separated (default 32)")
     p.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZER_STATE_BYTES), help="default adamw")
@@ -54,12 +54,16 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def main(args: argparse.Namespace) -> int:
     import torch
 
-    from ..bench.memory import estimate, format_estimates, measure_model
+    from ..bench.memory import estimate, format_estimates, measure_model, memory_layout
     from ..data.datasets import dataset_info
     from ..models import build_model
     from ..precision import resolve
     from ..strategies import resolve as resolve_strategy
 
+    from ..strategies import STRATEGIES, reference
+
+    if args.strategies is None:  # the reference, and every strategy that spreads one model over processes
+        args.strategies = [reference()] + [n for n, c in STRATEGIES.items() if c.processes != "one"]
     for s in args.strategies:
         resolve_strategy(s)
     precisions = [resolve(p) for p in args.precisions]
@@ -85,12 +89,12 @@ def main(args: argparse.Namespace) -> int:
     for precision in precisions:
         for strategy in args.strategies:
             for world in args.world_sizes:
-                if strategy == "single" and world > 1:
+                if resolve_strategy(strategy).processes == "one" and world > 1:
                     continue
                 for ckpt in sorted({False, args.checkpointing}):
                     rows.append(estimate(facts, strategy, world, args.micro_batch, precision, args.optimizer, ckpt,
                                          sharded_init=args.sharded_init, device=args.device))
-                if args.offload and strategy == "fsdp":
+                if args.offload and memory_layout(strategy, world) == "sharded":
                     rows.append(estimate(facts, strategy, world, args.micro_batch, precision, args.optimizer,
                                          args.checkpointing, offload=True, sharded_init=args.sharded_init,
                                          device=args.device))

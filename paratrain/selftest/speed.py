@@ -27,6 +27,9 @@ from .report import FAIL, OK, SKIPPED, Report
 
 __all__ = ["FRAMEWORKS", "accelerate_steps", "fabric_steps", "speed_worker", "run_speed"]
 
+FABRIC_DDP = "ddp"
+"""Lightning Fabric's name for its DistributedDataParallel strategy (Lightning's, not paratrain's)."""
+
 FRAMEWORKS = {"accelerate": "accelerate", "lightning": "lightning"}
 """The other loops' names and the module each needs."""
 
@@ -56,7 +59,7 @@ def fabric_steps(net: nn.Module, trainset: Any, batch_size: int, device: torch.d
     """The loop as Lightning Fabric's documentation writes it (``setup``, ``fabric.backward``)."""
     from lightning.fabric import Fabric
 
-    fabric = Fabric(accelerator="cuda" if device.type == "cuda" else "cpu", devices=world, strategy="ddp")
+    fabric = Fabric(accelerator="cuda" if device.type == "cuda" else "cpu", devices=world, strategy=FABRIC_DDP)
     fabric.launch()  # the processes exist already: it joins their group
     optimizer = torch.optim.SGD(net.parameters(), lr=lr, momentum=momentum)
     net, optimizer = fabric.setup(net, optimizer)
@@ -80,6 +83,7 @@ def speed_worker(local_rank: int, job: dict[str, Any]) -> dict[str, Any]:
     from ..env.process import select_device
     from ..models import build_model
     from ..parallel import Parallel
+    from ..strategies import data_parallel_reference
 
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
@@ -100,7 +104,8 @@ def speed_worker(local_rank: int, job: dict[str, Any]) -> dict[str, Any]:
                 return build_model(job["model"], shape, classes)
 
             loops["hand-written"] = plain_ddp_steps(model().to(device), trainset, per_worker, device=device)
-            pt = Parallel(ParallelConfig(strategy="ddp", global_batch=per_worker * world, accelerator=accelerator))
+            plain = data_parallel_reference()  # paratrain's DDP
+            pt = Parallel(ParallelConfig(strategy=plain, global_batch=per_worker * world, accelerator=accelerator))
             net = model()
             loops["paratrain"] = parallel_steps(pt, net, torch.optim.SGD(net.parameters(), lr=0.001, momentum=0.9),
                                                 trainset)

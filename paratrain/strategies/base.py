@@ -157,8 +157,10 @@ class Strategy:
         return None
 
     def setup_model(self, model: nn.Module) -> nn.Module:
-        """Move to the device, convert BatchNorm if asked, and wrap."""
-        model = model.to(self.device)
+        """Move to the device, convert BatchNorm if asked, and wrap (a model built on the meta device
+        by ``init_module`` stays there until its shards are made: :mod:`paratrain.nn.deferred`)."""
+        if not any(t.device.type == "meta" for t in (*model.parameters(), *model.buffers())):
+            model = model.to(self.device)
         if self.sync_batchnorm:
             model = self.convert_batchnorm(model)
         return self.wrap(model)
