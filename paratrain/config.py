@@ -29,12 +29,6 @@ from torch.utils.data import Dataset
 from . import precision as _precision
 from . import strategies as _strategies
 from .data.datasets import build_dataset, dataset_info
-from .strategies.ddp import DDPOptions
-from .strategies.devices import DevicesOptions
-from .strategies.fsdp import FSDPOptions
-from .strategies.pipeline import PipelineOptions
-from .strategies.ps import PSOptions
-from .strategies.tensor import TensorOptions
 from .tracking import parse_log_to
 from .tracking.runs import LATEST
 
@@ -47,9 +41,22 @@ ACCELERATORS = ("auto", "cpu", "cuda", "xpu", "mps")
 _SCHEDULES = ("constant", "cosine", "linear", "step")  # paratrain.loop.schedule builds them
 
 
+def _strategy_sections(cls: type) -> type:
+    """Give ``cls`` a field per registered strategy with options, after its own fields, in registry
+    order: ``ddp: DDPOptions`` is the ``[parallel.ddp]`` section (``--set parallel.ddp.comm_hook=fp16``).
+    A new strategy's section comes from its registry row and its class's ``options_class``."""
+    for name, strategy in _strategies.STRATEGIES.items():
+        if strategy.options_class is not None:
+            cls.__annotations__[name] = strategy.options_class
+            setattr(cls, name, field(default_factory=strategy.options_class))
+    return cls
+
+
 @dataclass(kw_only=True)
+@_strategy_sections
 class ParallelConfig:
-    """How one job is spread over processes and devices."""
+    """How one job is spread over processes and devices; one section per strategy with options
+    (``ddp``, ``fsdp``, ``tensor``, ``pipeline``, ``devices``, ``ps``: their ``Options`` dataclasses)."""
 
     strategy: str = _strategies.reference()
     """single, dp, ddp, fsdp (sharded data parallel, ZeRO-3/ZeRO-2-like) or tensor (Linear layers
@@ -85,26 +92,15 @@ class ParallelConfig:
     activation_checkpointing: Any = None
     """Blocks whose activations are recomputed in the backward instead of kept: class names (or, from
     Python, classes or a callable module -> bool), e.g. ["Block"]. None: keep every activation."""
-    ddp: DDPOptions = field(default_factory=DDPOptions)
-    fsdp: FSDPOptions = field(default_factory=FSDPOptions)
-    tensor: TensorOptions = field(default_factory=TensorOptions)
-    pipeline: PipelineOptions = field(default_factory=PipelineOptions)
-    devices: DevicesOptions = field(default_factory=DevicesOptions)
-    ps: PSOptions = field(default_factory=PSOptions)
+    # ... then the strategies' sections, added from the registry (_strategy_sections): Any to a type checker
+    if typing.TYPE_CHECKING:
+        def __getattr__(self, name: str) -> Any: ...
 
     def __post_init__(self) -> None:
-        if isinstance(self.ddp, Mapping):
-            self.ddp = from_dict(DDPOptions, self.ddp, "parallel.ddp")
-        if isinstance(self.fsdp, Mapping):
-            self.fsdp = from_dict(FSDPOptions, self.fsdp, "parallel.fsdp")
-        if isinstance(self.tensor, Mapping):
-            self.tensor = from_dict(TensorOptions, self.tensor, "parallel.tensor")
-        if isinstance(self.pipeline, Mapping):
-            self.pipeline = from_dict(PipelineOptions, self.pipeline, "parallel.pipeline")
-        if isinstance(self.devices, Mapping):
-            self.devices = from_dict(DevicesOptions, self.devices, "parallel.devices")
-        if isinstance(self.ps, Mapping):
-            self.ps = from_dict(PSOptions, self.ps, "parallel.ps")
+        for name, strategy in _strategies.STRATEGIES.items():
+            section = getattr(self, name, None)
+            if strategy.options_class is not None and isinstance(section, Mapping):
+                setattr(self, name, from_dict(strategy.options_class, section, f"parallel.{name}"))
         _strategies.resolve(self.strategy)
         if isinstance(self.activation_checkpointing, str):  # from the command line: "Block,Layer"
             self.activation_checkpointing = [c.strip() for c in self.activation_checkpointing.split(",") if c.strip()]

@@ -15,12 +15,13 @@ from pathlib import Path
 import pytest
 import torch
 
+import paratrain.strategies
 from clitools import run_cli
 
 pytestmark = [pytest.mark.smoke, pytest.mark.timeout(200)]
 
-# strategy -> processes it runs on here
-STRATEGIES = {"single": 1, "dp": 1, "devices": 1, "ddp": 2, "fsdp": 2, "tensor": 2, "pipeline": 2, "ps": 2}
+# strategy -> processes it runs on here: every registered strategy (its class says whether it runs in one process)
+STRATEGIES = {name: 1 if cls.processes == "one" else 2 for name, cls in paratrain.strategies.STRATEGIES.items()}
 
 
 def test_a_cuda_build_without_a_gpu_runs_on_the_cpu() -> None:

@@ -13,7 +13,7 @@ import argparse
 import dataclasses
 import os
 import time
-from typing import Any
+from typing import Any, Iterable
 
 from ..config import TrainConfig, parse_set, to_toml
 from ..data.datasets import DATASET_NAMES
@@ -23,8 +23,16 @@ from ..env.network import is_loopback
 from ..env.process import select_backend, select_device
 from ..launch.torchrun import LaunchConfig, torchrun
 from ..models.registry import MODEL_NAMES
+from ..strategies import STRATEGIES
 from ..tracking.runs import LATEST, latest_run, new_run_dir
 from .run import add_launch_arguments, launch_config
+
+
+def _one_of(names: Iterable[str]) -> str:
+    """``"a, b or c"``."""
+    *rest, last = names
+    return f"{', '.join(rest)} or {last}" if rest else last
+
 
 # flag -> dotted config key
 _FLAGS: dict[str, tuple[str, Any, str]] = {
@@ -33,7 +41,7 @@ _FLAGS: dict[str, tuple[str, Any, str]] = {
     "--dataset": ("data.dataset", str, f"{', '.join(DATASET_NAMES)} (digits ships with paratrain), or your own "
                   "factory as file.py:function or module:function"),
     "--data-dir": ("data.data_dir", str, "folder holding cifar-10-batches-py"),
-    "--strategy": ("parallel.strategy", str, "single, dp, ddp, fsdp, tensor, pipeline, devices or ps"),
+    "--strategy": ("parallel.strategy", str, _one_of(STRATEGIES)),  # the registry's names
     "--precision": ("parallel.precision", str, "32, tf32, fp16-mixed, bf16-mixed, bf16-true, fp16-true, O0-O3"),
     "--global-batch": ("parallel.global_batch", int, "samples per optimizer step over all workers"),
     "--accumulation": ("parallel.accumulation", int, "micro-steps per optimizer step"),

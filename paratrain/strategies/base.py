@@ -47,6 +47,7 @@ class Strategy:
     plain_data_parallel: ClassVar[bool] = False  # a replica per process, gradients all-reduced: the multi-process reference
     comm_hooks: ClassVar[tuple[str, ...]] = ()  # what options.comm_hook accepts (DDP gradient compression); (): no hooks
     bench_default: ClassVar[str] = "full"  # in paratrain bench's default matrices: "quick" (and full), "full", "no"
+    options_class: ClassVar[type | None] = None  # the dataclass of its [parallel.<name>] config section; None: none
     def __init__(self, dist_info: Dist, sync_batchnorm: bool = False, options: Any = None, *,
                  precision: Precision | None = None, max_grad_norm: float | None = None,
                  activation_checkpointing: Any = None) -> None:

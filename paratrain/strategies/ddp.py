@@ -62,6 +62,7 @@ class DDPStrategy(Strategy):
     plain_data_parallel = True
     comm_hooks = COMM_HOOKS
     bench_default = "quick"
+    options_class = DDPOptions
 
     def __init__(self, dist_info: Dist, sync_batchnorm: bool = False, options: DDPOptions | None = None, **common: Any) -> None:
         super().__init__(dist_info, sync_batchnorm, options or DDPOptions(), **common)

@@ -217,6 +217,7 @@ class DevicesStrategy(Strategy):
     master_weights = True
     in_process_micro_batches = True  # options.micro_batches pipelines the parts in this process
     bench_default = "full"  # sequential and pipelined (micro_batches) cells: on a CPU the parts are threads
+    options_class = DevicesOptions
 
     def __init__(self, dist_info: Dist, sync_batchnorm: bool = False, options: DevicesOptions | None = None, **common: Any) -> None:
         super().__init__(dist_info, sync_batchnorm, options or DevicesOptions(), **common)

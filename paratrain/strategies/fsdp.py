@@ -314,6 +314,7 @@ class DTensorStrategy(Strategy):
 class FSDPStrategy(DTensorStrategy):
     name = "fsdp"
     bench_default = "quick"
+    options_class = FSDPOptions
 
     def __init__(self, dist_info: Dist, sync_batchnorm: bool = False, options: Any = None, **common: Any) -> None:
         super().__init__(dist_info, sync_batchnorm, options or FSDPOptions(), **common)

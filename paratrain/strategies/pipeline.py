@@ -180,6 +180,7 @@ class PipelineStrategy(Strategy):
     collective_forward = True
     sharded_state = True  # each rank checkpoints its stage through DCP
     local_overflow_skip = False
+    options_class = PipelineOptions
 
     @classmethod
     def validate(cls, cfg: Any) -> None:

@@ -77,6 +77,7 @@ class ParameterServerStrategy(Strategy):
 
     name = "ps"
     local_overflow_skip = False
+    options_class = PSOptions
 
     def __init__(self, dist_info: Dist, sync_batchnorm: bool = False, options: PSOptions | None = None, **common: Any) -> None:
         super().__init__(dist_info, sync_batchnorm, options or PSOptions(), **common)

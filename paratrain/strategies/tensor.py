@@ -151,6 +151,7 @@ class TensorParallelStrategy(DTensorStrategy):
 
     name = "tensor"
     bench_default = "full"  # a --quick run stays a couple of minutes on 2 CPU cores
+    options_class = TensorOptions
 
     @classmethod
     def validate(cls, cfg: Any) -> None:

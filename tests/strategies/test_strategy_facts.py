@@ -60,18 +60,22 @@ def test_devices_on_two_processes_is_refused_before_workers_start() -> None:
 
 # --- issue 11: bench and verify ask these facts, never a name ------------------------------------------------------
 
-@pytest.mark.parametrize("name, processes, all_devices, reference, plain, hooks, bench", [
-    ("single", "one", False, True, False, False, "quick"),
-    ("dp", "one", True, False, False, False, "quick"),
-    ("ddp", "any", False, False, True, True, "quick"),
-    ("fsdp", "any", False, False, False, False, "quick"),
-    ("tensor", "any", False, False, False, False, "full"),
-    ("pipeline", "any", False, False, False, False, "full"),
-    ("devices", "one", False, False, False, False, "full"),
-    ("ps", "any", False, False, False, False, "full"),
-])
+# The facts table: one row per registered strategy, in registry order (adding a strategy adds its row here).
+FACTS = [  # name, processes, drives all local devices, reference, plain data parallel, comm hooks, bench, options
+    ("single", "one", False, True, False, False, "quick", False),
+    ("dp", "one", True, False, False, False, "quick", False),
+    ("ddp", "any", False, False, True, True, "quick", True),
+    ("fsdp", "any", False, False, False, False, "quick", True),
+    ("tensor", "any", False, False, False, False, "full", True),
+    ("pipeline", "any", False, False, False, False, "full", True),
+    ("devices", "one", False, False, False, False, "full", True),
+    ("ps", "any", False, False, False, False, "full", True),
+]
+
+
+@pytest.mark.parametrize("name, processes, all_devices, reference, plain, hooks, bench, options", FACTS)
 def test_capabilities_per_strategy(name: str, processes: str, all_devices: bool, reference: bool, plain: bool,
-                                   hooks: bool, bench: str) -> None:
+                                   hooks: bool, bench: str, options: bool) -> None:
     cls = strategies.resolve(name)
     assert cls.processes == processes
     assert cls.drives_all_local_devices is all_devices
@@ -79,11 +83,14 @@ def test_capabilities_per_strategy(name: str, processes: str, all_devices: bool,
     assert cls.plain_data_parallel is plain
     assert bool(cls.comm_hooks) is hooks
     assert cls.bench_default == bench
+    assert (cls.options_class is not None) is options
+    if options:  # its [parallel.<name>] section comes from the registry, with its defaults
+        assert isinstance(getattr(ParallelConfig(), name), cls.options_class)
 
 
 def test_every_registered_strategy_has_a_row_above() -> None:
-    """A new strategy must state its facts (add it to the table above)."""
-    assert set(strategies.STRATEGIES) == {"single", "dp", "ddp", "fsdp", "tensor", "pipeline", "devices", "ps"}
+    """A new strategy must state its facts (add it to the table above), in registry order."""
+    assert list(strategies.STRATEGIES) == [row[0] for row in FACTS]
 
 
 def test_registry_names_the_strategy_declaring_a_fact() -> None:
@@ -92,8 +99,29 @@ def test_registry_names_the_strategy_declaring_a_fact() -> None:
     assert strategies.reference() == "single" == ParallelConfig().strategy
     assert strategies.data_parallel_reference() == "ddp"
     assert strategies.resolve("ddp").comm_hooks == COMM_HOOKS
-    assert strategies.bench_defaults() == ["single", "dp", "ddp", "fsdp", "tensor", "pipeline", "devices", "ps"]
-    assert strategies.bench_defaults(quick=True) == ["single", "dp", "ddp", "fsdp"]
+    assert strategies.bench_defaults() == [row[0] for row in FACTS if row[6] in ("quick", "full")]
+    assert strategies.bench_defaults(quick=True) == [row[0] for row in FACTS if row[6] == "quick"]
+
+
+def test_what_lists_the_strategies_comes_from_the_registry() -> None:
+    """Issue 25: adding a strategy touches its file, its test, one registry row and one facts row; the
+    rest lists the registry. The smoke suite trains every registered strategy (tests/test_smoke.py,
+    run on the CUDA wheel), ``paratrain train --strategy``'s help names each one, and the config has
+    a section for each one with options."""
+    import dataclasses
+    import importlib.util
+
+    from paratrain.cli.train import _FLAGS
+
+    spec = importlib.util.spec_from_file_location("smoke_table", pathlib.Path(__file__).parents[1] / "test_smoke.py")
+    smoke = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(smoke)  # type: ignore[union-attr]
+    assert set(smoke.STRATEGIES) == set(strategies.STRATEGIES)
+    assert all(smoke.STRATEGIES[n] == (1 if cls.processes == "one" else 2) for n, cls in strategies.STRATEGIES.items())
+    helped = _FLAGS["--strategy"][2]
+    assert all(name in helped.replace(" or ", ", ").split(", ") for name in strategies.STRATEGIES), helped
+    sections = {f.name for f in dataclasses.fields(ParallelConfig)}
+    assert {n for n, cls in strategies.STRATEGIES.items() if cls.options_class} <= sections
 
 
 def test_hidden_comm_bytes_are_zero_where_everything_goes_through_python_collectives() -> None:
