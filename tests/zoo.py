@@ -14,6 +14,7 @@ HuggingFace output. :class:`Tokens` is a data set of ``(ids, target)`` pairs for
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 from torch import nn
@@ -163,3 +164,38 @@ class Tokens(Dataset):
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.ids[i], self.target[i]
+
+
+# --- the two halves of a parity run on these models ------------------------------------------------
+def train_parallel(make: Callable[[], nn.Module], strategy: str, *, steps: int, global_batch: int, seed: int,
+                   data: Dataset, lr: float = 0.5, **options: object) -> dict[str, torch.Tensor]:
+    """``steps`` SGD steps (momentum 0.9) of ``make().double()`` through ``Parallel(strategy, **options)``;
+    the full state dict. Call it on every rank of a launch."""
+    import paratrain
+
+    pt = paratrain.Parallel(strategy=strategy, global_batch=global_batch, seed=seed, **options)
+    model = make().double()
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    model, opt = pt.setup(model, opt)
+    for step, (ids, target) in enumerate(pt.train_loader(data)):
+        if step == steps:
+            break
+        opt.zero_grad()
+        pt.backward(loss_of(model(ids), target))
+        opt.step()
+    return pt.full_state_dict(model)
+
+
+def train_plain(make: Callable[[], nn.Module], *, steps: int, global_batch: int, seed: int, data: Tokens,
+                lr: float = 0.5) -> dict[str, torch.Tensor]:
+    """The same in plain PyTorch, one process, over paratrain's documented sample order."""
+    from parity import global_batches
+
+    torch.manual_seed(seed)
+    model = make().double()
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    for idx in global_batches(len(data), global_batch, seed, steps):
+        opt.zero_grad()
+        loss_of(model(data.ids[idx]), data.target[idx]).backward()
+        opt.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}

@@ -14,15 +14,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-
-def _csv(tp: Any) -> Any:
-    def parse(text: str) -> list[Any]:
-        try:
-            return [tp(v.strip()) for v in text.split(",") if v.strip()]
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of {tp.__name__}") from None
-
-    return parse
+from .bench import _csv  # the same comma-separated lists as bench's flags
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 import zoo
-from parity import assert_same_state, global_batches
+from parity import assert_same_state
 
 import paratrain
 from paratrain.nn.checkpointing import apply_activation_checkpointing
@@ -18,19 +18,17 @@ GLOBAL_BATCH, STEPS, SEED, N = 8, 3, 7, 24
 
 
 def train(strategy: str, **options) -> dict[str, torch.Tensor]:
-    pt = paratrain.Parallel(strategy=strategy, global_batch=GLOBAL_BATCH, seed=SEED, **options)
-    model = zoo.GPT().double()
-    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
-    model, opt = pt.setup(model, opt)
-    for step, (ids, target) in enumerate(pt.train_loader(zoo.Tokens(N))):
-        if step == STEPS:
-            break
-        opt.zero_grad()
-        pt.backward(zoo.loss_of(model(ids), target))
-        opt.step()
-    recomputed = sum(getattr(m, "_paratrain_checkpointed", False) for m in pt.unwrap(model).modules())
-    state = pt.full_state_dict(model)
-    state["recomputed blocks"] = torch.tensor(recomputed)
+    recomputed = []
+
+    def make() -> torch.nn.Module:
+        model = zoo.GPT()
+        recomputed.append(model)
+        return model
+
+    state = zoo.train_parallel(make, strategy, steps=STEPS, global_batch=GLOBAL_BATCH, seed=SEED, data=zoo.Tokens(N),
+                               **options)
+    state["recomputed blocks"] = torch.tensor(sum(getattr(m, "_paratrain_checkpointed", False)
+                                                  for m in recomputed[0].modules()))
     return state
 
 
@@ -51,15 +49,7 @@ def worker(rank: int) -> dict[str, dict[str, torch.Tensor]]:
 
 def reference() -> dict[str, torch.Tensor]:
     """Plain PyTorch, one process, no checkpointing."""
-    torch.manual_seed(SEED)
-    model = zoo.GPT().double()
-    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
-    ds = zoo.Tokens(N)
-    for idx in global_batches(N, GLOBAL_BATCH, SEED, STEPS):
-        opt.zero_grad()
-        zoo.loss_of(model(ds.ids[idx]), ds.target[idx]).backward()
-        opt.step()
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return zoo.train_plain(zoo.GPT, steps=STEPS, global_batch=GLOBAL_BATCH, seed=SEED, data=zoo.Tokens(N))
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 import zoo
-from parity import assert_same_state, global_batches
+from parity import assert_same_state
 from torch import nn
 
 import paratrain
@@ -34,17 +34,8 @@ def data(kind: str) -> zoo.Tokens:
 
 
 def train_fsdp(kind: str) -> dict[str, torch.Tensor]:
-    pt = paratrain.Parallel(strategy="fsdp", global_batch=GLOBAL_BATCH, seed=SEED)
-    model = build(kind).double()
-    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
-    model, opt = pt.setup(model, opt)
-    for step, (ids, target) in enumerate(pt.train_loader(data(kind))):
-        if step == STEPS:
-            break
-        opt.zero_grad()
-        pt.backward(zoo.loss_of(model(ids), target))
-        opt.step()
-    return pt.full_state_dict(model)
+    return zoo.train_parallel(lambda: build(kind), "fsdp", steps=STEPS, global_batch=GLOBAL_BATCH, seed=SEED,
+                              data=data(kind))
 
 
 def worker(rank: int, kinds: tuple[str, ...]) -> dict[str, dict[str, torch.Tensor]]:
@@ -55,15 +46,7 @@ def worker(rank: int, kinds: tuple[str, ...]) -> dict[str, dict[str, torch.Tenso
 
 def reference(kind: str) -> dict[str, torch.Tensor]:
     """Plain PyTorch in one process, over paratrain's documented sample order."""
-    torch.manual_seed(SEED)
-    model = build(kind).double()
-    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
-    ds = data(kind)
-    for idx in global_batches(N, GLOBAL_BATCH, SEED, STEPS):
-        opt.zero_grad()
-        zoo.loss_of(model(ds.ids[idx]), ds.target[idx]).backward()
-        opt.step()
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return zoo.train_plain(lambda: build(kind), steps=STEPS, global_batch=GLOBAL_BATCH, seed=SEED, data=data(kind))
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import zoo
-from parity import assert_same_state, global_batches
+from parity import assert_same_state
 from torch import nn
 
 import paratrain
@@ -25,17 +25,8 @@ def build(kind: str) -> nn.Module:
 
 
 def train_tensor(kind: str, plan: dict[str, str] | None = None) -> dict[str, torch.Tensor]:
-    pt = paratrain.Parallel(strategy="tensor", global_batch=GLOBAL_BATCH, seed=SEED, tensor={"plan": plan or {}})
-    model = build(kind).double()
-    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
-    model, opt = pt.setup(model, opt)
-    for step, (ids, target) in enumerate(pt.train_loader(zoo.Tokens(N))):
-        if step == STEPS:
-            break
-        opt.zero_grad()
-        pt.backward(zoo.loss_of(model(ids), target))
-        opt.step()
-    return pt.full_state_dict(model)
+    return zoo.train_parallel(lambda: build(kind), "tensor", steps=STEPS, global_batch=GLOBAL_BATCH, seed=SEED,
+                              data=zoo.Tokens(N), tensor={"plan": plan or {}})
 
 
 def worker(rank: int, cases: list[tuple[str, dict[str, str] | None]]) -> dict[str, dict[str, torch.Tensor]]:
@@ -50,15 +41,7 @@ def worker(rank: int, cases: list[tuple[str, dict[str, str] | None]]) -> dict[st
 
 
 def reference(kind: str) -> dict[str, torch.Tensor]:
-    torch.manual_seed(SEED)
-    model = build(kind).double()
-    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
-    ds = zoo.Tokens(N)
-    for idx in global_batches(N, GLOBAL_BATCH, SEED, STEPS):
-        opt.zero_grad()
-        zoo.loss_of(model(ds.ids[idx]), ds.target[idx]).backward()
-        opt.step()
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return zoo.train_plain(lambda: build(kind), steps=STEPS, global_batch=GLOBAL_BATCH, seed=SEED, data=zoo.Tokens(N))
 
 
 @pytest.fixture(scope="module")
