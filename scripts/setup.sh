@@ -37,7 +37,7 @@ if [ "$(cat build/uv/.paratrain-key 2>/dev/null || true)" != "$tools_key" ]; the
   echo "$tools_key" > build/uv/.paratrain-key
 fi
 # pip's package sources, as uv arguments: --index-url/--extra-index-url/--find-links, one per line
-python3 - > build/uv/sources.new <<'EOF'
+python3 - > "build/uv/sources.$$" <<'EOF'  # one file per process: setup.sh may run in two at once
 import shlex, subprocess, sys
 out = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True).stdout
 seen = []
@@ -51,7 +51,7 @@ for line in out.splitlines():
 for option, item in seen:
     print(f"--{option}\n{item}")
 EOF
-mv build/uv/sources.new build/uv/sources
+mv "build/uv/sources.$$" build/uv/sources
 [ "$flavour" = tools ] && exit 0
 
 inputs=("$lock" build/uv/.paratrain-key)
@@ -65,7 +65,8 @@ if [ "$(cat "$venv/.paratrain-key" 2>/dev/null || true)" != "$key" ]; then
     python3 -m venv "$venv"  # with pip: tests build the wheel with `python -m pip wheel`
   fi
   mapfile -t sources < build/uv/sources
-  # exactly the lock: what is missing installed, what differs replaced, what is not in it removed (pip is kept)
+  # exactly the lock: what is missing installed, what differs replaced, what is not in it removed (pip is kept);
+  # every file is hash-checked, so taking a pinned version from whichever source has it is safe
   build/uv/bin/uv pip sync --quiet --python "$venv/bin/python" --require-hashes --index-strategy unsafe-best-match \
     ${sources[@]+"${sources[@]}"} "$lock"
   if [ "$editable" = 1 ]; then
