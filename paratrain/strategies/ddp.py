@@ -79,7 +79,7 @@ class DDPStrategy(Strategy):
         # broadcast_buffers is passed only to turn it off: newer torch warns that it is deprecated.
         extra: dict[str, Any] = {} if o.broadcast_buffers else {"broadcast_buffers": False}
         try:
-            ddp = ParatrainDDP(
+            ddp = ddp_class()(
                 model,
                 device_ids=[self.device.index] if self.device.type == "cuda" else None,
                 bucket_cap_mb=o.bucket_cap_mb,
@@ -132,8 +132,8 @@ class DDPModelError(ValueError, RuntimeError):
     ``ValueError`` (a user error: ``paratrain train`` prints its line) and the ``RuntimeError`` torch raised."""
 
 
-class ParatrainDDP(DDP):
-    """torch's ``DistributedDataParallel`` whose own failures in forward name paratrain's option.
+class NamesUnusedParameters:
+    """Mixed into torch's ``DistributedDataParallel``: its own failures in forward name paratrain's option.
 
     DDP notices parameters that got no gradient in a backward only at the next forward (its
     reduction never finished); its error tells the user to pass ``find_unused_parameters=True``
@@ -142,12 +142,24 @@ class ParatrainDDP(DDP):
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         try:
-            return super().forward(*inputs, **kwargs)
+            return super().forward(*inputs, **kwargs)  # type: ignore[misc]
         except RuntimeError as e:
-            why = explain_unused_parameters(e, self)
+            why = explain_unused_parameters(e, self)  # type: ignore[arg-type]
             if why is None:
                 raise
             raise why from e
+
+
+_DDP_CLASSES: dict[type, type] = {}
+
+
+def ddp_class() -> type:
+    """``DDP`` (torch's ``DistributedDataParallel``, looked up when called: a test may stand in for
+    it) with :class:`NamesUnusedParameters` mixed in."""
+    base = DDP
+    if base not in _DDP_CLASSES:
+        _DDP_CLASSES[base] = type("ParatrainDDP", (NamesUnusedParameters, base), {"__module__": __name__})
+    return _DDP_CLASSES[base]
 
 
 _UNUSED = "Expected to have finished reduction in the prior iteration"
