@@ -258,7 +258,8 @@ class TrainConfig:
     progress: bool = True
     log_to: list[str] = field(default_factory=lambda: ["csv"])
     """Where the logged metrics go: csv (CSV + JSONL in log_dir), tensorboard (<log_dir>/tensorboard),
-    wandb, mlflow (<log_dir>/mlruns unless MLFLOW_TRACKING_URI is set); comma-separated on the command line."""
+    wandb, mlflow (a SQLite store, <log_dir>/mlflow.db, unless MLFLOW_TRACKING_URI is set), comet; comma-separated
+    on the command line."""
     tensorboard: bool = False
     """Also log to TensorBoard (the same as adding tensorboard to log_to; pip install tensorboard)."""
     checkpoint_every: int = 0

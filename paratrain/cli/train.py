@@ -83,7 +83,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--no-progress", dest="progress", action="store_const", const=False, default=None,
                    help="no progress bar")
     p.add_argument("--log-to", dest="log_to", default=None, metavar="LIST",
-                   help="where metrics go, comma-separated: csv, tensorboard, wandb, mlflow [log_to; default csv]")
+                   help="where metrics go, comma-separated: csv, tensorboard, wandb, mlflow, comet [log_to; default csv]")
     p.add_argument("--tensorboard", dest="tensorboard", action="store_const", const=True, default=None,
                    help="also write TensorBoard event files to <log-dir>/tensorboard (the same as adding "
                         "tensorboard to --log-to; needs tensorboard)")
