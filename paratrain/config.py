@@ -28,7 +28,8 @@ from torch.utils.data import Dataset
 
 from . import precision as _precision
 from . import strategies as _strategies
-from .data.datasets import build_dataset, dataset_info
+from .data.datasets import build_dataset, dataset_info, dataset_size
+from .data.sampler import BatchPlan
 from .tracking import parse_log_to
 from .tracking.runs import LATEST
 
@@ -162,6 +163,17 @@ class ParallelConfig:
     def data_parallel_size(self, world: int) -> int:
         """Data shards for ``world`` processes under the configured strategy (tensor/pipeline share batches)."""
         return self.strategy_class.data_parallel_size_for(world, self.strategy_options())
+
+    def batch_plan(self, world: int, given: BatchPlan | None = None) -> BatchPlan:
+        """How the global batch splits over ``world`` processes (a one-line error if it cannot):
+        ``given``, a plan made earlier in this process for the same world (handed down, not derived
+        again), or derived here."""
+        shards = self.data_parallel_size(world)
+        if given is not None:
+            if (given.global_batch, given.world_size) != (self.global_batch, shards):
+                raise ValueError(f"the batch plan ({given}) is not this config's over {world} process(es)")
+            return given
+        return BatchPlan.derive(self.global_batch, shards, self.accumulation, self.micro_batch)
 
 
 @dataclass(kw_only=True)
@@ -355,6 +367,13 @@ class TrainConfig:
         place that turns a config into its data: the job, its pre-launch checks, bench and verify."""
         d = self.data
         return build_dataset(d.dataset, train, d.data_dir, d.synthetic_size, self.parallel.seed)
+
+    def train_size(self) -> int:
+        """Samples in the training split: counted without building it where the data set can say
+        (digits, synthetic: :func:`~paratrain.data.datasets.dataset_size`), else built and counted."""
+        d = self.data
+        n = dataset_size(d.dataset, True, d.data_dir, d.synthetic_size)
+        return n if n is not None else len(self.dataset(train=True))  # type: ignore[arg-type]
 
     def build_model(self) -> nn.Module:
         """The configured model, built for the configured data's input shape and classes (a

@@ -64,14 +64,15 @@ class Parallel:
 
     def __init__(self, config: ParallelConfig | None = None, *,
                  log_to: str | Iterable[str | tracking.Tracker] | None = None,
-                 log_dir: str | None = None, loggers: Iterable[tracking.Tracker] = (), **kwargs: Any) -> None:
+                 log_dir: str | None = None, loggers: Iterable[tracking.Tracker] = (), plan: BatchPlan | None = None,
+                 **kwargs: Any) -> None:
         self.config = cfg = ParallelConfig.of(config, kwargs)
         self.dist = process.init(None if cfg.backend == "auto" else cfg.backend, cfg.timeout_s, cfg.accelerator)
         if self.dist.backend is not None:
             failures.explain_uncaught()  # a failed collective in this loop ends with its one-line cause
         self.precision = precision_lib.build(cfg.precision, self.device, cfg.loss_scale)
         self.strategy = strategies.build(cfg, self.dist, self.precision)  # it asks the precision what to do
-        self.plan = BatchPlan.derive(cfg.global_batch, self.strategy.data_parallel_size, cfg.accumulation, cfg.micro_batch)
+        self.plan = cfg.batch_plan(self.world_size, plan)  # ``plan``: one the caller made for this world
         # Same seed on every rank: identical initial weights, identical global data order.
         process.seed_everything(cfg.seed)
         self._clock = StepClock(self.plan.accumulation, lambda opt, ends: self.strategy.step(opt, self._models, ends))

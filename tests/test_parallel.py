@@ -886,3 +886,16 @@ def test_no_library_module_reaches_through_parallel(tmp_path):
     (tmp_path / "paratrain" / "m.py").write_text("a = pt.strategy.all_reduce_max(t)\nb = self.pt.plan.global_batch\n"
                                                  "c = pt._clock\nd = pt.global_batch\ne = pt.strategy\n")
     assert reach_throughs(tmp_path) == ["paratrain/m.py:1", "paratrain/m.py:2", "paratrain/m.py:3"]
+
+
+def test_a_batch_plan_made_earlier_in_the_process_is_handed_down():
+    """Issue 25: ``paratrain train`` makes the plan once and hands it to its job's Parallel."""
+    from paratrain.data.sampler import BatchPlan
+
+    cfg = paratrain.ParallelConfig(global_batch=8, accumulation=2)
+    plan = cfg.batch_plan(1)
+    pt = paratrain.Parallel(cfg, plan=plan)
+    assert pt.plan is plan and pt.accumulation == 2
+    pt.close()
+    with pytest.raises(ValueError, match=r"the batch plan \(16 = .*\) is not this config's over 1 process"):
+        paratrain.Parallel(cfg, plan=BatchPlan.derive(16, 1))

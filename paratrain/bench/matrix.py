@@ -26,7 +26,7 @@ import torch
 from .. import precision as _precision
 from .. import strategies as _strategies
 from ..config import TrainConfig
-from ..data.sampler import check_dataset_fits
+from ..data.sampler import check_dataset_fits, full_batches
 from ..env.process import available_accelerator
 from ..strategies.ddp import COMM_HOOKS
 
@@ -247,10 +247,6 @@ def _fit_error(train_size: int, global_batch: int) -> str | None:
     return None
 
 
-def _steps_per_epoch(train_size: int, global_batch: int) -> int:
-    return train_size // global_batch
-
-
 def build_matrix(spec: BenchSpec, base: TrainConfig, train_size: int) -> list[Cell]:
     """Every cell of ``spec`` on top of the base config ``base``, skipped ones included."""
     batch = base.parallel.global_batch
@@ -286,7 +282,7 @@ def build_matrix(spec: BenchSpec, base: TrainConfig, train_size: int) -> list[Ce
     if spec.trap and multi:
         n = max(multi)
         grown = batch * n
-        steps = _steps_per_epoch(train_size, grown) * spec.epochs
+        steps = full_batches(train_size, grown) * spec.epochs
         warm = max(1, steps // 4)
         cells += [
             Cell(strategy=plain, world_size=n, global_batch=batch, group="trap",

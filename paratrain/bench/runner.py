@@ -239,7 +239,7 @@ def run_bench(spec: BenchSpec, cfg: TrainConfig, progress: bool = True,
               on_result: Callable[[CellResult], None] | None = None) -> BenchResult:
     """Build the matrix for ``spec`` over the base config ``cfg`` and run it."""
     data = _job_data(cfg)
-    train_size = len(data[0] if data is not None else cfg.dataset(train=True))  # type: ignore[arg-type]
+    train_size = len(data[0]) if data is not None else cfg.train_size()  # type: ignore[arg-type]
     cells = build_matrix(spec, cfg, train_size)
     start = time.perf_counter()
     results = run_cells(cells, spec, cfg, data, progress, on_result)

@@ -17,7 +17,6 @@ from typing import Any, Iterable
 
 from ..config import TrainConfig, parse_set, to_toml
 from ..data.datasets import DATASET_NAMES
-from ..data.sampler import BatchPlan, check_dataset_fits
 from ..env.detect import detect_process
 from ..env.network import is_loopback
 from ..env.process import select_backend, select_device
@@ -138,13 +137,12 @@ def main(args: argparse.Namespace) -> int:
     cfg.parallel.strategy_class.check_world(world)
     _check_paths(cfg)
     _check_machine(cfg)
-    BatchPlan.derive(cfg.parallel.global_batch, cfg.parallel.data_parallel_size(world), cfg.parallel.accumulation,
-                     cfg.parallel.micro_batch)
-    _check_dataset_fits(cfg, world)
+    plan = cfg.parallel.batch_plan(world)  # one-line errors before any worker starts
+    plan.steps_per_epoch(cfg.train_size(), f" over {world} process(es)")  # the data fills a global batch
     if world == 1 and launch.max_nodes == 1 and launch.max_restarts == 0:
         from ..loop.train import run_training
 
-        run_training(cfg)
+        run_training(cfg, plan)  # this process trains: the plan is handed down
         return 0
     # the workers (and their restarts) train into the folder picked here
     run = ["--set", f"name={cfg.name}"] + (["--set", f"log_dir={cfg.log_dir}"] if cfg.log_dir else [])
@@ -260,8 +258,3 @@ def _check_machine(cfg: TrainConfig) -> None:
     device = select_device(0, cfg.parallel.accelerator)
     select_backend(device, None if cfg.parallel.backend == "auto" else cfg.parallel.backend)
 
-
-def _check_dataset_fits(cfg: TrainConfig, world: int) -> None:
-    """Fail before starting workers when the training set cannot fill one global batch."""
-    check_dataset_fits(len(cfg.dataset(train=True)), cfg.parallel.global_batch,  # type: ignore[arg-type]
-                       f" over {world} process(es)")

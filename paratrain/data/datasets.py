@@ -24,6 +24,7 @@ __all__ = [
     "CIFAR10_STD",
     "DATASET_NAMES",
     "build_dataset",
+    "dataset_size",
     "cifar10",
     "dataset_info",
     "digits",
@@ -65,8 +66,21 @@ _CIFAR_LAYOUT = (
 
 # --------------------------------------------------------------------------- digits
 
+_DIGITS_FILE = os.path.join(os.path.dirname(__file__), "files", "digits.npz")
+_DIGITS_TEST_FRACTION = 0.2
 
-def digits(train: bool, test_fraction: float = 0.2, split_seed: int = 0) -> TensorDataset:
+
+def _digits_test_size(n: int, test_fraction: float) -> int:
+    """Images of the test split of ``n``: ``round(n * test_fraction)``, neither split empty."""
+    if not 0.0 < test_fraction < 1.0:
+        raise ValueError(f"test_fraction={test_fraction!r} must be strictly between 0 and 1")
+    n_test = int(round(n * test_fraction))
+    if not 0 < n_test < n:
+        raise ValueError(f"test_fraction={test_fraction!r} leaves an empty split of {n} images")
+    return n_test
+
+
+def digits(train: bool, test_fraction: float = _DIGITS_TEST_FRACTION, split_seed: int = 0) -> TensorDataset:
     """The 8×8 handwritten digits that scikit-learn bundles (1797 real images, 10 classes), shipped
     inside paratrain (``data/files/digits.npz``; see ``DIGITS_NOTICE.txt``): no download, no scikit-learn.
 
@@ -75,16 +89,12 @@ def digits(train: bool, test_fraction: float = 0.2, split_seed: int = 0) -> Tens
     a ``torch.Generator`` seeded with ``split_seed``: the first ``round(1797 * test_fraction)``
     indices are the test split, the rest the train split, so it is the same on every process.
     """
-    if not 0.0 < test_fraction < 1.0:
-        raise ValueError(f"test_fraction={test_fraction!r} must be strictly between 0 and 1")
-    with np.load(os.path.join(os.path.dirname(__file__), "files", "digits.npz")) as f:
+    with np.load(_DIGITS_FILE) as f:
         images, labels = f["images"], f["labels"]
     x = torch.from_numpy(images.astype(np.float32)).reshape(-1, 1, 8, 8) / 16.0
     y = torch.from_numpy(labels.astype(np.int64))
     n = len(y)
-    n_test = int(round(n * test_fraction))
-    if not 0 < n_test < n:
-        raise ValueError(f"test_fraction={test_fraction!r} leaves an empty split of {n} images")
+    n_test = _digits_test_size(n, test_fraction)
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(int(split_seed)))
     test_idx, train_idx = perm[:n_test], perm[n_test:]
     x_train = x[train_idx]
@@ -290,16 +300,36 @@ def build_dataset(
             )
         return cifar10(data_dir, train=train)
     if name == "synthetic":
-        size = _DEFAULT_SYNTHETIC_SIZE if synthetic_size is None else int(synthetic_size)
-        if size < 1:
-            raise ValueError(f"synthetic_size={synthetic_size} must be >= 1")
-        n = size if train else max(1, size // 5)
         info = _INFO["synthetic"]
-        return synthetic(n, info["input_shape"], info["num_classes"], seed=seed, train=train)
+        return synthetic(_synthetic_split(synthetic_size, train), info["input_shape"], info["num_classes"], seed=seed,
+                         train=train)
     raise ValueError(
         f"unknown dataset {name!r}: choose one of {', '.join(DATASET_NAMES)} "
         "or 'torchvision:<ClassName>'"
     )
+
+
+def _synthetic_split(synthetic_size: int | None, train: bool) -> int:
+    """Samples of the synthetic set's split: ``synthetic_size`` for train, a fifth of it for test."""
+    size = _DEFAULT_SYNTHETIC_SIZE if synthetic_size is None else int(synthetic_size)
+    if size < 1:
+        raise ValueError(f"synthetic_size={synthetic_size} must be >= 1")
+    return size if train else max(1, size // 5)
+
+
+def dataset_size(name: str, train: bool = True, data_dir: str | None = None,
+                 synthetic_size: int | None = None) -> int | None:
+    """How many samples :func:`build_dataset` would return, known without building the data set:
+    digits (its file's labels) and synthetic; ``None`` for the others, whose files say it only once
+    read (build them and count)."""
+    if name == "digits":
+        with np.load(_DIGITS_FILE) as f:
+            n = len(f["labels"])
+        n_test = _digits_test_size(n, _DIGITS_TEST_FRACTION)
+        return n_test if not train else n - n_test
+    if name == "synthetic":
+        return _synthetic_split(synthetic_size, train)
+    return None
 
 
 def _input_and_label(sample: Any, name: str) -> tuple[Any, Any]:

@@ -26,7 +26,8 @@ from torch.utils.data import Sampler
 
 from ..env.process import mix_seed
 
-__all__ = ["BatchPlan", "GlobalBatchSampler", "ShardedEvalSampler", "epoch_permutation", "check_dataset_fits"]
+__all__ = ["BatchPlan", "GlobalBatchSampler", "ShardedEvalSampler", "epoch_permutation", "check_dataset_fits",
+           "full_batches"]
 
 
 def check_dataset_fits(dataset_size: int, global_batch: int, where: str = "") -> None:
@@ -40,6 +41,12 @@ def check_dataset_fits(dataset_size: int, global_batch: int, where: str = "") ->
     if dataset_size < global_batch:
         raise ValueError(f"the dataset has {dataset_size} samples, fewer than one global batch of {global_batch}"
                          f"{where}: lower the global batch or use more data")
+
+
+def full_batches(dataset_size: int, global_batch: int) -> int:
+    """Global batches that ``dataset_size`` samples fill: the optimizer steps of one epoch (the tail
+    is dropped). :meth:`BatchPlan.steps_per_epoch` is this after :func:`check_dataset_fits`."""
+    return dataset_size // global_batch
 
 
 @dataclass(frozen=True)
@@ -93,7 +100,7 @@ class BatchPlan:
         """Optimizer steps in one epoch of ``dataset_size`` samples (the tail that does not fill a
         global batch is dropped); a data set that cannot fill one is refused (:func:`check_dataset_fits`)."""
         check_dataset_fits(dataset_size, self.global_batch, where)
-        return dataset_size // self.global_batch
+        return full_batches(dataset_size, self.global_batch)
 
     def __str__(self) -> str:
         return (f"{self.global_batch} = {self.micro_batch} per worker x {self.world_size} data-parallel workers "

@@ -15,6 +15,7 @@ from torch.distributed import DistError
 from ..checkpoint import CheckpointError, list_checkpoints, load_latest
 from ..config import TrainConfig, to_toml
 from ..data.augment import augment_for, eval_augment_for
+from ..data.sampler import BatchPlan
 from ..env.failures import explain_failure
 from ..env.provenance import provenance
 from ..parallel import Parallel
@@ -44,15 +45,17 @@ def setup_task(pt: Parallel, cfg: TrainConfig, total_steps: int) -> tuple[Any, A
     return model, optimizer, scheduler
 
 
-def run_training(cfg: TrainConfig) -> dict[str, Any]:
-    """Train the configured built-in task on this process's share of the job; returns the summary."""
-    pt = Parallel(cfg.parallel, log_to=cfg.log_to if cfg.log_dir else None, log_dir=cfg.log_dir)
+def run_training(cfg: TrainConfig, plan: BatchPlan | None = None) -> dict[str, Any]:
+    """Train the configured built-in task on this process's share of the job; returns the summary.
+    ``plan``: the batch plan the caller already made for this process's world (else derived here)."""
+    pt = Parallel(cfg.parallel, log_to=cfg.log_to if cfg.log_dir else None, log_dir=cfg.log_dir, plan=plan)
     try:
         d = cfg.data
         train_set, test_set = cfg.dataset(train=True), cfg.dataset(train=False)
-        model, optimizer, scheduler = setup_task(pt, cfg, planned_steps(pt, train_set, cfg.epochs, cfg.max_steps))
+        total = planned_steps(pt, train_set, cfg.epochs, cfg.max_steps)
+        model, optimizer, scheduler = setup_task(pt, cfg, total)
         resumed, extra = _maybe_resume(pt, cfg, model, optimizer, scheduler)
-        if resumed is not None and resumed >= planned_steps(pt, train_set, cfg.epochs, cfg.max_steps):
+        if resumed is not None and resumed >= total:
             kept = _finished_result(cfg.log_dir, resumed) if pt.is_main_process else None
             if _rank0_says(pt, kept is not None):  # nothing to train and the result is there: leave every file as it is
                 pt.print(f"paratrain: this run already finished at step {resumed}; "

@@ -178,3 +178,20 @@ def test_srun_tasks_are_workers_unless_one_per_node_starts_its_own(monkeypatch):
     # the sbatch script itself (no step id) starts the job: not a worker
     batch = {k: v for k, v in two_tasks.items() if k != "SLURM_STEP_ID"}
     assert _role_under(monkeypatch, batch, LaunchConfig(nproc_per_node=2)) == (False, LaunchConfig(nproc_per_node=2), False)
+
+
+def test_the_batch_plan_is_made_once_and_the_launcher_counts_digits_without_building_them(monkeypatch, tmp_path):
+    """Issue 25: ``paratrain train`` in one process derives the batch plan once (the launcher's check
+    hands it to the job) and checks that the data fills a global batch without building the data;
+    the job builds its training and test sets once each."""
+    import paratrain.config
+    from paratrain.cli.main import main
+    from paratrain.data.sampler import BatchPlan
+
+    derived, built = [], []
+    derive = BatchPlan.derive.__func__
+    monkeypatch.setattr(BatchPlan, "derive", classmethod(lambda cls, *a, **k: derived.append(a) or derive(cls, *a, **k)))
+    build = paratrain.config.build_dataset
+    monkeypatch.setattr(paratrain.config, "build_dataset", lambda name, train, *a: built.append(train) or build(name, train, *a))
+    assert main(["train", "--max-steps", "2", "--no-progress", "--log-dir", str(tmp_path / "run")]) == 0
+    assert len(derived) == 1 and built == [True, False]

@@ -207,3 +207,18 @@ def test_cifar10_reads_numpy1_style_globals(tmp_path):
     (folder / "test_batch").write_bytes(blob)
     x, y = cifar10(tmp_path, train=False).tensors
     assert y.tolist() == [9] and torch.equal(x, torch.ones(1, 3, 32, 32))
+
+
+def test_dataset_size_is_the_built_sets_length_without_building_it(monkeypatch):
+    """Issue 25: ``paratrain train`` counts the training set before it starts workers; digits and the
+    synthetic set say their length without being built (the others are built and counted)."""
+    from paratrain.data import datasets
+
+    sizes = {(name, train, n): datasets.dataset_size(name, train, None, n)
+             for name, n in (("digits", None), ("synthetic", None), ("synthetic", 100), ("synthetic", 3))
+             for train in (True, False)}
+    for (name, train, n), size in sizes.items():
+        assert size == len(build_dataset(name, train=train, synthetic_size=n)), (name, train, n)
+    assert datasets.dataset_size("cifar10", True, "/nowhere") is None  # its files say it once read
+    monkeypatch.setattr(datasets, "digits", lambda *a, **k: pytest.fail("digits built to be counted"))
+    assert datasets.dataset_size("digits") == 1438
