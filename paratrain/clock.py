@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-__all__ = ["StepClock", "GradientWatch"]
+__all__ = ["StepClock", "GradientWatch", "ClockCount"]
 
 # How a step is applied: (the real optimizer, whether this step ends the global batch) -> weights changed.
 # False for an optimizer that steps after the one that ended the global batch, on the same gradients.
@@ -61,6 +61,23 @@ class GradientWatch:
             f"(accumulation {accumulation}): a clip_grad_norm_ or zero_grad in the loop body acted on partial "
             "gradients, so the result depends on the accumulation and world size; clip with "
             "Parallel(clip_grad_norm=...), or only when pt.micro_step == pt.accumulation", stacklevel=stacklevel)
+
+
+class ClockCount:
+    """A count the owner's ``_clock`` keeps (``Parallel.global_step``, ``micro_step``), read and set
+    through the owner: the clock is its one owner."""
+
+    def __init__(self, doc: str) -> None:
+        self.__doc__ = doc
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: Any, owner: type | None = None) -> int:
+        return self if obj is None else getattr(obj._clock, self.name)  # type: ignore[return-value]
+
+    def __set__(self, obj: Any, value: int) -> None:
+        setattr(obj._clock, self.name, value)
 
 
 class StepClock:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_gather", "reduce", "is_classification", "predictions", "model_loss", "batch_targets"]
+__all__ = ["all_gather", "reduce", "is_classification", "predictions", "model_loss", "batch_targets", "mapping_loss"]
 
 _OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
         "product": dist.ReduceOp.PRODUCT}
@@ -129,6 +129,14 @@ def batch_targets(batch: Any) -> torch.Tensor | None:
         if isinstance(value, torch.Tensor):
             return value
     return None
+
+
+def mapping_loss(model: Any, batch: Mapping[str, Any], loss_fn: Any) -> torch.Tensor:
+    """The loss of a dict batch: ``model(**batch)``'s own (HuggingFace's, when the batch has
+    ``labels``), else ``loss_fn(logits, batch["labels"])``."""
+    out = model(**batch)
+    loss = model_loss(out)
+    return loss if loss is not None else loss_fn(predictions(out), batch_targets(batch))
 
 
 def is_classification(preds: torch.Tensor | None, targets: torch.Tensor | None) -> bool:

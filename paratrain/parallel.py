@@ -14,9 +14,7 @@ A hand-written DDP loop converts by changing a few lines::
 
 With accumulation, ``backward`` divides the loss by the number of micro-steps and gradient
 all-reduce is switched off on all but the last one; ``optimizer.step()``/``zero_grad()`` only act
-at the step boundary, so the loop body stays the same. The step rules live in
-:class:`~paratrain.clock.StepClock`, the wrappers in :mod:`paratrain.wrappers`, loader preparation
-in :mod:`paratrain.data.prepare`; this class joins them to the process, strategy and precision.
+at the step boundary, so the loop body stays the same (the rules: :mod:`paratrain.clock`).
 """
 
 from __future__ import annotations
@@ -36,7 +34,7 @@ from . import metrics as metrics_lib
 from . import precision as precision_lib
 from . import strategies
 from . import tracking
-from .clock import StepClock
+from .clock import ClockCount, StepClock
 from .config import ParallelConfig
 from .data import prepare
 from .data.loaders import EvalLoader, GlobalBatchLoader
@@ -44,15 +42,16 @@ from .data.stream import StreamLoader
 from .data.sampler import BatchPlan
 from .env import failures, process
 from .env.provenance import provenance
-from .metrics import batch_targets, model_loss, predictions
+from .metrics import mapping_loss
 from .nn.deferred import Deferred
 from .wrappers import (ParallelModule, ParallelOptimizer, ParallelScheduler, attach_scheduler, check_setup_arguments,
-                       checkpointed, compiled_like, is_compiled, registered_optimizer, strategy_module, uncompiled)
+                       checkpointed, compiled_like, is_compiled, registered_optimizer, strategy_module, uncompiled,
+                       unwrapped)
 
 __all__ = ["Parallel", "ParallelModule", "ParallelOptimizer", "ParallelScheduler"]
 
 
-class Parallel:
+class Parallel(process.OnProcess):
     """Process setup + strategy + precision + global-batch data, for a loop the user writes.
 
     Pass a :class:`~paratrain.config.ParallelConfig`, or its fields as keyword arguments.
@@ -81,23 +80,7 @@ class Parallel:
         self.trackers = tracking.Trackers(log_to, log_dir, loggers, enabled=self.is_main_process, config=self._run_config)
         self._deferred = Deferred(self.strategy.sharded_state and self.world_size > 1, self.device)
 
-    # --- who am I --------------------------------------------------------------------------
-    @property
-    def rank(self) -> int:
-        return self.dist.rank
-
-    @property
-    def world_size(self) -> int:
-        return self.dist.world_size
-
-    @property
-    def is_main_process(self) -> bool:
-        return self.dist.is_main_process
-
-    @property
-    def device(self) -> torch.device:
-        return self.dist.device
-
+    # --- who am I (rank, world_size, is_main_process, device, print: env.process.OnProcess) --------
     @property
     def data_parallel_leader(self) -> bool:
         """Is this the lowest rank of those that read the same data shard (one per shard)?"""
@@ -112,28 +95,8 @@ class Parallel:
         """Samples per optimizer step over all ranks."""
         return self.plan.global_batch
 
-    @property
-    def global_step(self) -> int:
-        """Optimizer steps taken (the data position)."""
-        return self._clock.global_step
-
-    @global_step.setter
-    def global_step(self, value: int) -> None:
-        self._clock.global_step = value
-
-    @property
-    def micro_step(self) -> int:
-        """Backward calls since the last optimizer step (0 at a global batch's start)."""
-        return self._clock.micro_step
-
-    @micro_step.setter
-    def micro_step(self, value: int) -> None:
-        self._clock.micro_step = value
-
-    def print(self, *args: Any, **kwargs: Any) -> None:
-        """``print`` on the main process only."""
-        if self.is_main_process:
-            print(*args, **kwargs)
+    global_step = ClockCount("Optimizer steps taken (the data position).")
+    micro_step = ClockCount("Backward calls since the last optimizer step (0 at a global batch's start).")
 
     def describe(self) -> dict[str, Any]:
         """Where this job runs: world and data-parallel size, strategy, backend, device (a run's provenance)."""
@@ -255,10 +218,7 @@ class Parallel:
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The user's module without paratrain/DDP/DataParallel wrappers (for saving or evaluation)."""
-        model = uncompiled(model)
-        if isinstance(model, ParallelModule):
-            return model.original
-        return uncompiled(self.strategy.unwrap(model))
+        return unwrapped(model, self.strategy.unwrap)
 
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """The whole model's state (unsharded, every pipeline stage) as CPU tensors. Collective."""
@@ -273,8 +233,7 @@ class Parallel:
                                        self.is_main_process, **kwargs)
 
     def hidden_comm_bytes_per_step(self, model: nn.Module) -> int:
-        """Bytes communicated per optimizer step outside ``torch.distributed``'s Python functions
-        (DDP's C++ reducer, a parameter server's RPC)."""
+        """Bytes sent per optimizer step outside ``torch.distributed``'s Python calls (ps's RPC...)."""
         return self.strategy.hidden_comm_bytes_per_step(model)
 
     # --- the step (the rules: paratrain.clock) --------------------------------------------
@@ -296,10 +255,7 @@ class Parallel:
         A dict batch runs ``model(**batch)`` and uses the model's own loss (HuggingFace's, when the
         batch has ``labels``), else ``loss_fn(logits, batch["labels"])``."""
         if isinstance(batch, Mapping):
-            out = model(**batch)
-            loss = model_loss(out)
-            if loss is None:
-                loss = loss_fn(predictions(out), batch_targets(batch))
+            loss = mapping_loss(model, batch, loss_fn)
             self.backward(loss)
             return loss
         return self.strategy.training_step(model, batch, loss_fn, self.backward)
@@ -338,7 +294,7 @@ class Parallel:
         dataset, a stream (``IterableDataset``) or your own ``DataLoader`` (its sampler and batch size
         replaced, its other settings kept): see :func:`paratrain.data.prepare.train_loader`."""
         return prepare.train_loader(dataset, self.plan, self.strategy.data_parallel_rank, self.device, self.config.seed,
-                                    position=lambda: self.global_step, min_all=self._min_all,
+                                    position=lambda: self.global_step, reduce_max=self.strategy.all_reduce_max,
                                     where=f" over {self.world_size} processes", transform=transform, shuffle=shuffle,
                                     **dataloader_kwargs)
 
@@ -350,11 +306,6 @@ class Parallel:
         """Whether ``flag`` is true on any rank (a collective over every rank)."""
         t = torch.as_tensor(flag, dtype=torch.float32).reshape(1).to(self.device, copy=True)
         return bool(self.strategy.all_reduce_max(t).item())
-
-    def _min_all(self, n: int) -> int:
-        """The smallest ``n`` over all ranks (a collective)."""
-        t = torch.tensor([-n], dtype=torch.int64, device=self.device)
-        return -int(self.strategy.all_reduce_max(t).item())
 
     def eval_loader(self, dataset: Dataset | DataLoader, batch_size: int | None = None,
                     transform: Callable[[torch.Tensor], torch.Tensor] | None = None, **dataloader_kwargs: Any) -> EvalLoader:
@@ -408,6 +359,7 @@ class Parallel:
         checkpoint_lib.check_continues(state, self.plan.global_batch, self.config.seed)
         self.precision.load_state_dict(state["precision"])
         self._clock.restore(int(state["global_step"]))
+        self.trackers.resume_at(self.global_step)  # a run continued: its logs go on from this step
 
     def save_checkpoint(self, directory: str, model: nn.Module, optimizer: Any, scheduler: Any = None,
                         extra: dict[str, Any] | None = None, keep: int = 3) -> Any:
@@ -423,12 +375,16 @@ class Parallel:
     def load_checkpoint(self, source: str, model: nn.Module, optimizer: Any = None, scheduler: Any = None) -> Any:
         """Restore a run from a checkpoint file or the newest loadable one in a directory; the
         next ``train_loader`` iteration continues mid-epoch. Returns ``extra`` (``None`` if none found)."""
-        extra = checkpoint_lib.load_checkpoint(source, self, *checkpointed(model, optimizer, self.unwrap), self.strategy,
-                                               self._clock.checkpointed(scheduler))
-        self.precision.checkpoint_loaded()  # the model holds the checkpoint's weights now
-        if extra is not None:  # a run continued: its logs go on from this step
-            self.trackers.resume_at(self.global_step)
-        return extra
+        return checkpoint_lib.load_checkpoint(source, self, *checkpointed(model, optimizer, self.unwrap), self.strategy,
+                                              self._clock.checkpointed(scheduler))
+
+    def resume(self, directory: str | None, model: nn.Module, optimizer: Any = None, scheduler: Any = None, *,
+               asked: bool = True, restarted: bool = False, refuse: Callable[[dict[str, Any]], str | None] | None = None
+               ) -> dict[str, Any] | None:
+        """What ``paratrain train`` does to continue a run (:func:`paratrain.checkpoint.resume`): returns
+        the checkpoint's ``extra``, None when the run starts at step 0."""
+        return checkpoint_lib.resume(directory, self, *checkpointed(model, optimizer, self.unwrap), self.strategy,
+                                     self._clock.checkpointed(scheduler), asked=asked, restarted=restarted, refuse=refuse)
 
     def close(self, wait_for_peers: bool = True) -> None:
         """Finish the trackers and leave the process group; by default after a barrier (pass

@@ -24,7 +24,8 @@ from .evaluation import to_float32
 from .precision import Precision
 
 __all__ = ["ParallelModule", "ParallelOptimizer", "ParallelScheduler", "check_setup_arguments", "attach_scheduler",
-           "registered_optimizer", "strategy_module", "checkpointed", "compiled_like", "is_compiled", "uncompiled"]
+           "registered_optimizer", "strategy_module", "checkpointed", "compiled_like", "is_compiled", "uncompiled",
+           "unwrapped"]
 
 
 def check_setup_arguments(model: Any, optimizer: Any, scheduler: Any) -> None:
@@ -86,6 +87,15 @@ def compiled_like(compiled: Any, wrapped: nn.Module, compile: bool, backend: str
     if compiled is not None:
         return type(compiled)(wrapped, compiled.dynamo_ctx)
     return torch.compile(wrapped, backend=backend) if compile else wrapped  # type: ignore[return-value]
+
+
+def unwrapped(model: nn.Module, strategy_unwrap: Callable[[nn.Module], nn.Module]) -> nn.Module:
+    """The user's module inside ``model``: what ``setup`` returned, the strategy's wrapper (taken off
+    by ``strategy_unwrap``), or either compiled."""
+    model = uncompiled(model)
+    if isinstance(model, ParallelModule):
+        return model.original
+    return uncompiled(strategy_unwrap(model))
 
 
 def is_compiled(model: Any) -> bool:

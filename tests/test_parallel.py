@@ -899,3 +899,21 @@ def test_a_batch_plan_made_earlier_in_the_process_is_handed_down():
     pt.close()
     with pytest.raises(ValueError, match=r"the batch plan \(16 = .*\) is not this config's over 1 process"):
         paratrain.Parallel(cfg, plan=BatchPlan.derive(16, 1))
+
+
+def test_parallel_stays_a_thin_facade():
+    """Issue 25: ``Parallel`` joins the process, strategy, precision, step clock and trackers; the step
+    rules (``clock.py``), the wrappers (``wrappers.py``), loader preparation (``data/prepare.py``) and
+    resuming (``checkpoint/resume.py``) each have their own module. Keep it that way: at most 400
+    lines, at most 10 attributes set in ``__init__``."""
+    import ast
+    import pathlib
+
+    path = pathlib.Path(paratrain.parallel.__file__)
+    source = path.read_text()
+    assert len(source.splitlines()) <= 400
+    init = next(n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.FunctionDef) and n.name == "__init__")
+    assigned = {t.attr for n in ast.walk(init) if isinstance(n, (ast.Assign, ast.AnnAssign))
+                for target in (n.targets if isinstance(n, ast.Assign) else [n.target]) for t in ast.walk(target)
+                if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"}
+    assert len(assigned) <= 10, sorted(assigned)

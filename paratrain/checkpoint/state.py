@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import torch.distributed as dist
 from torch import nn
@@ -99,23 +99,26 @@ def save_checkpoint(directory: str | os.PathLike, run: Run, module: nn.Module, o
     return write_checkpoint(directory, step, state, keep=keep, digests=digests)
 
 
-def _pick(source: str | os.PathLike) -> str | None:
-    """The checkpoint file to load: ``source`` itself once verified, or a directory's newest good one."""
+def _pick(source: str | os.PathLike) -> tuple[str | None, Any]:
+    """The checkpoint file to load: ``source`` itself once verified, or a directory's newest good
+    one, with its state when finding it meant reading it (None: not read yet)."""
     src = Path(source)
     if src.is_dir():
         found = load_latest(src)
-        return str(found[0]) if found else None
+        return (str(found[0]), found[1]) if found else (None, None)
     verify_checkpoint(src)
-    return str(src)
+    return str(src), None
 
 
-def _choose(run: Run, source: str | os.PathLike) -> str | None:
-    """Rank 0 picks and verifies the checkpoint file; all ranks agree, on an error too."""
+def _choose(run: Run, source: str | os.PathLike) -> tuple[str | None, Any]:
+    """Rank 0 picks and verifies the checkpoint file; all ranks agree, on an error too. Rank 0 also
+    gets the state it read while choosing (so it reads the file once)."""
     choice: list[Any] = [None]
-    failure = None
+    failure, state = None, None
     if run.rank == 0:
         try:
-            choice[0] = ("ok", _pick(source))
+            path, state = _pick(source)
+            choice[0] = ("ok", path)
         except Exception as e:  # the other ranks wait in the broadcast: tell them before raising
             failure, choice[0] = e, ("error", str(e) if isinstance(e, CheckpointError) else
                                      f"rank 0 could not choose a checkpoint in {str(source)!r}: {type(e).__name__}")
@@ -126,22 +129,24 @@ def _choose(run: Run, source: str | os.PathLike) -> str | None:
     kind, value = choice[0]
     if kind == "error":
         raise CheckpointError(value)
-    return value
+    return value, state
 
 
 def load_checkpoint(source: str | os.PathLike, run: Run, module: nn.Module, optimizer: Any,
-                    how: ModuleCheckpointing, scheduler: Any = None) -> dict[str, Any] | None:
+                    how: ModuleCheckpointing, scheduler: Any = None,
+                    refuse: Callable[[dict[str, Any]], str | None] | None = None) -> dict[str, Any] | None:
     """Restore everything from ``source`` (a checkpoint file, or a directory: its newest good
     checkpoint). Returns the checkpoint's ``extra``, or ``None`` when a directory holds none.
     Raises :class:`CheckpointError` when ``source`` fails verification, or none of a directory's
-    checkpoints is good."""
-    path = _choose(run, source)
+    checkpoints is good, or ``refuse(extra)`` says why the checkpoint is another run's (asked
+    before anything is restored). Every rank reads the file, rank 0 once."""
+    path, state = _choose(run, source)
     if path is None:
         return None
-    state: Any = None
     failure: BaseException | None = None
     try:  # rank 0 verified the file; every rank reads it (a node that cannot see it fails here)
-        state = load_file(path)
+        if state is None:
+            state = load_file(path)
         if not isinstance(state, dict) or "format" not in state:
             failure = CheckpointError(
                 f"{path!r} is not a paratrain checkpoint ({type(state).__name__} without a 'format' key): load a "
@@ -153,6 +158,9 @@ def load_checkpoint(source: str | os.PathLike, run: Run, module: nn.Module, opti
         failure = e
     _agree(run, path, failure)  # no rank goes on to the collectives below while another has failed
     assert state is not None
+    why = None if refuse is None else refuse(state.get("extra") or {})
+    if why is not None:  # the same answer on every rank: each read the same file
+        raise CheckpointError(why)
     try:
         run.load_state_dict({k: state.get(k) for k in ("global_step", "global_batch", "seed", "world_size",
                                                        "precision")})

@@ -39,7 +39,7 @@ def loader_settings(loader: DataLoader) -> dict[str, Any]:
 
 
 def train_loader(dataset: Dataset | DataLoader, plan: BatchPlan, rank: int, device: torch.device, seed: int, *,
-                 position: Callable[[], int], min_all: Callable[[int], int], where: str = "",
+                 position: Callable[[], int], reduce_max: Callable[[torch.Tensor], torch.Tensor], where: str = "",
                  transform: Callable[..., torch.Tensor] | None = None, shuffle: bool | None = None,
                  **dataloader_kwargs: Any) -> GlobalBatchLoader | StreamLoader:
     """Data-parallel rank ``rank``'s micro-batches under ``plan``, from the global step ``position()``
@@ -58,8 +58,8 @@ def train_loader(dataset: Dataset | DataLoader, plan: BatchPlan, rank: int, devi
     An :class:`~torch.utils.data.IterableDataset` (a stream of unknown length, or a
     :class:`~paratrain.data.stream.ShardedStream` of files) gives the same global batches at
     any world size and the same number of steps on every rank (see :mod:`paratrain.data.stream`).
-    ``min_all(n)`` is the smallest ``n`` over the ranks (a collective: streams agree on their
-    steps with it); ``where`` follows the global batch in the one-line error of a dataset that
+    ``reduce_max`` is the strategy's all-reduce of the maximum over every rank (a collective: streams
+    agree on their steps with it); ``where`` follows the global batch in the one-line error of a dataset that
     cannot fill one.
     """
     for k in ("batch_size", "sampler", "batch_sampler", "drop_last"):
@@ -73,6 +73,9 @@ def train_loader(dataset: Dataset | DataLoader, plan: BatchPlan, rank: int, devi
         if transform is not None or shuffle:
             raise ValueError("a stream (IterableDataset) is read in order, without transform: shuffle or "
                              "augment inside the dataset")
+        def min_all(n: int) -> int:  # the smallest n over every rank
+            return -int(reduce_max(torch.tensor([-n], dtype=torch.int64, device=device)).item())
+
         return StreamLoader(data, plan, rank, device, min_all, position=position, **dataloader_kwargs)
     return GlobalBatchLoader(data, plan, rank, device, seed, position=position, transform=transform,
                              shuffle=True if shuffle is None else shuffle, where=where, **dataloader_kwargs)

@@ -32,7 +32,7 @@ from .detect import detect_process
 from .network import free_port, gloo_interface, interface_towards, is_loopback, loopback_store, store_init_method
 
 __all__ = [
-    "Dist", "UnavailableError", "free_port", "CollectiveTimeoutError", "PeerLostError", "explain_timeout", "explain_peer_loss", "explain_failure",
+    "Dist", "OnProcess", "UnavailableError", "free_port", "CollectiveTimeoutError", "PeerLostError", "explain_timeout", "explain_peer_loss", "explain_failure",
     "explain_uncaught", "collective_of", "mix_seed", "init", "interface_towards", "is_loopback", "loopback_store", "store_init_method", "die_with_launcher", "destroy", "preload_dynamo", "available_accelerator", "select_device", "select_backend", "rank", "world_size",
     "local_rank", "is_main_process", "barrier", "print_once", "save_on_main",
     "main_process_first", "seed_everything",
@@ -64,6 +64,35 @@ class Dist:
     @property
     def is_main_process(self) -> bool:
         return self.info.rank == 0
+
+
+class OnProcess:
+    """What an object holding its process's :class:`Dist` (``self.dist``) says of the process:
+    ``rank``, ``world_size``, ``is_main_process``, ``device``, and ``print`` on the main process
+    only. :class:`paratrain.Parallel` is one."""
+
+    dist: Dist
+
+    @property
+    def rank(self) -> int:
+        return self.dist.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.dist.world_size
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.dist.is_main_process
+
+    @property
+    def device(self) -> torch.device:
+        return self.dist.device
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """``print`` on the main process only."""
+        if self.is_main_process:
+            print(*args, **kwargs)
 
 
 def available_accelerator() -> tuple[str, int] | None:

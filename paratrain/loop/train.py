@@ -10,9 +10,7 @@ import time
 from typing import Any
 
 import torch
-from torch.distributed import DistError
 
-from ..checkpoint import CheckpointError, list_checkpoints, load_latest
 from ..config import TrainConfig, to_toml
 from ..data.augment import augment_for, eval_augment_for
 from ..data.sampler import BatchPlan
@@ -54,7 +52,10 @@ def run_training(cfg: TrainConfig, plan: BatchPlan | None = None) -> dict[str, A
         train_set, test_set = cfg.dataset(train=True), cfg.dataset(train=False)
         total = planned_steps(pt, train_set, cfg.epochs, cfg.max_steps)
         model, optimizer, scheduler = setup_task(pt, cfg, total)
-        resumed, extra = _maybe_resume(pt, cfg, model, optimizer, scheduler)
+        restarted = cfg.checkpoint_dir is not None and (_restarts() > 0 or _same_elastic_job(pt, cfg.checkpoint_dir))
+        extra = pt.resume(cfg.checkpoint_dir, model, optimizer, scheduler, asked=cfg.resume, restarted=restarted,
+                          refuse=lambda saved: _other_run(cfg, saved))  # the one call: checkpoint.resume
+        resumed = None if extra is None else pt.global_step
         if resumed is not None and resumed >= total:
             kept = _finished_result(cfg.log_dir, resumed) if pt.is_main_process else None
             if _rank0_says(pt, kept is not None):  # nothing to train and the result is there: leave every file as it is
@@ -133,49 +134,6 @@ def _finished_result(log_dir: str | None, step: int) -> dict[str, Any] | None:
         return None
     complete = isinstance(result, dict) and result.get("steps") == step and result.get("test_accuracy") is not None
     return result if complete else None
-
-
-def _maybe_resume(pt: Parallel, cfg: TrainConfig, model: Any, optimizer: Any,
-                  scheduler: Any) -> tuple[int | None, dict[str, Any] | None]:
-    """Load the newest good checkpoint when asked to, or automatically after torchrun restarted us;
-    returns the step resumed from (None: starting at step 0) and the checkpoint's ``extra``.
-
-    Checkpoints that are all bad are an error (CheckpointError), never a silent start from
-    scratch. No checkpoint at all is an error for ``--resume``; after a restart it means the
-    group failed before its first checkpoint, and training starts over from step 0."""
-    if cfg.checkpoint_dir is None:
-        return None, None
-    restarted = _restarts() > 0 or _same_elastic_job(pt, cfg.checkpoint_dir)
-    if not (cfg.resume or restarted):
-        held = list_checkpoints(cfg.checkpoint_dir) if pt.is_main_process else []
-        if _rank0_says(pt, bool(held)):  # a restart would later resume them as this run's, and pruning keeps them
-            raise CheckpointError(f"checkpoint_dir {cfg.checkpoint_dir!r} already holds another run's checkpoints "
-                                  f"({held[-1].name if held else 'rank 0 sees them'}): continue that run with --resume, "
-                                  "or choose another --checkpoint-dir")
-        return None, None
-    try:
-        extra = pt.load_checkpoint(cfg.checkpoint_dir, model, optimizer, scheduler) if os.path.isdir(cfg.checkpoint_dir) else None
-    except DistError:
-        raise
-    except (RuntimeError, KeyError, TypeError, IndexError, ValueError) as e:  # state that does not fit this model
-        if isinstance(e, CheckpointError):
-            raise
-        found = load_latest(cfg.checkpoint_dir)
-        why = _other_run(cfg, found[1].get("extra") if found else None)
-        if why is None and isinstance(e, ValueError):
-            raise  # already says what differs (the global batch)
-        raise CheckpointError(why or f"--resume: the checkpoint in {cfg.checkpoint_dir!r} does not fit this run's model "
-                                     f"or optimizer ({' '.join(str(e).split())[:300]})") from e
-    why = _other_run(cfg, extra)
-    if why is not None:
-        raise CheckpointError(why)
-    if extra is None:
-        if not restarted:
-            raise CheckpointError(f"--resume: no checkpoint in {cfg.checkpoint_dir!r}; run without --resume to "
-                                  "start from step 0")
-        pt.print(f"paratrain: no checkpoint in {cfg.checkpoint_dir} yet, starting from step 0")
-        return None, None
-    return pt.global_step, extra
 
 
 def _other_run(cfg: TrainConfig, extra: dict[str, Any] | None) -> str | None:

@@ -233,10 +233,12 @@ class Strategy:
 
     def load_checkpoint_state(self, module: nn.Module, optimizer: Any, model_state: dict[str, Any],
                               optim_state: dict[str, Any] | None) -> None:
-        """Restore what :meth:`checkpoint_state` returned (called on every rank)."""
+        """Restore what :meth:`checkpoint_state` returned (called on every rank); the precision then
+        sees the loaded weights (fp32 masters from them when the checkpoint had none)."""
         module.load_state_dict(model_state)
         if optimizer is not None and optim_state is not None:
             optimizer.load_state_dict(optim_state)
+        self.precision.checkpoint_loaded()
 
     def sync_from_model(self, module: nn.Module) -> None:
         """The user loaded new weights into the set-up model: refresh copies kept elsewhere (ps)."""

@@ -285,3 +285,24 @@ def test_a_resume_with_another_seed_is_refused(tmp_path):
     with pytest.raises(ValueError, match="was written with seed 1, this run uses 2: resume with the same seed"):
         pt.load_checkpoint(str(tmp_path), model, opt)
     pt.close()
+
+
+def test_rank0_reads_the_checkpoint_it_resumes_from_once(tmp_path, monkeypatch):
+    """Issue 25: choosing the newest good checkpoint reads it; loading it read it again, and a
+    checkpoint of another model a third time (to say why). One read per resume, also on that path."""
+    from paratrain.checkpoint import CheckpointError
+    from paratrain.config import TrainConfig
+    from paratrain.loop.train import run_training
+
+    cfg = TrainConfig.load(None, {"model": "mlp", "max_steps": 2, "checkpoint_every": 1,
+                                  "checkpoint_dir": str(tmp_path / "ck"), "log_dir": None, "progress": False})
+    run_training(cfg)
+    reads: list[str] = []
+    load = torch.load
+    monkeypatch.setattr(torch, "load", lambda f, *a, **k: reads.append(str(f)) or load(f, *a, **k))
+    assert run_training(cfg.with_overrides({"resume": True, "max_steps": 3}))["resumed_from_step"] == 2
+    assert reads == [str(tmp_path / "ck" / "step-00000002.pt")]
+    reads.clear()
+    with pytest.raises(CheckpointError, match="were written with --model mlp, this run has --model cnn"):
+        run_training(cfg.with_overrides({"resume": True, "model": "cnn"}))
+    assert reads == [str(tmp_path / "ck" / "step-00000003.pt")]
