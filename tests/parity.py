@@ -23,7 +23,9 @@ another sample order, or with BatchNorm statistics of half a batch (no SyncBatch
 weights by more than 1e-3 (shown by ``tests/test_invariance.py``).
 
 The reference takes its sample order from paratrain's public ``epoch_permutation`` (the one
-documented contract between the two); everything else is plain ``torch``.
+documented contract between the two); everything else is plain ``torch``. The paratrain half is
+:func:`run_paratrain` (one process) and :func:`run_workers` (N processes over gloo): a strategy's
+test compares what they return with ``problem.reference()``.
 """
 
 from __future__ import annotations
@@ -36,7 +38,9 @@ from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
+from torch.utils.data import TensorDataset
 
+import paratrain
 from paratrain.data.sampler import epoch_permutation
 
 # float64 rounding after a few dozen steps of these problems is <= 1e-14 (paratrain vs reference and
@@ -254,3 +258,60 @@ def num_threads(n: int) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
+
+
+# --- the paratrain half ---------------------------------------------------------------------------
+def run_paratrain(problem: Problem, strategy: str = "single", *, before: Callable[..., Any] | None = None,
+                  after: Callable[..., dict[str, Any]] | None = None, loader_options: dict[str, Any] | None = None,
+                  loss_fn: Callable[..., torch.Tensor] = nn.functional.cross_entropy, **parallel: Any) -> dict[str, Any]:
+    """The paratrain half of a parity run, in this process: what a user's loop does with
+    ``Parallel(strategy=..., global_batch, seed, accumulation and clip of the problem, **parallel)``
+    (``parallel`` wins: ``micro_batch=8`` instead of the accumulation, more accumulation than the
+    reference's where the sum is the same).
+
+    The problem's model and optimizer are set up (its scheduler registered: stepped after every
+    optimizer step, as the reference steps it), ``before(pt, model, optimizer)`` runs (assertions about
+    the wrapping), then ``problem.steps`` optimizer steps over ``pt.train_loader`` of the problem's data
+    with ``pt.training_step`` (forward, loss and backward as the strategy runs them). Returns the whole
+    trained state (``pt.full_state_dict``: unsharded, every pipeline stage, CPU tensors, the user's
+    keys), the loss of each step (the mean over its micro-batches, as :func:`reference` reports it),
+    this rank's first micro-batch of inputs, and what ``after(pt, model, optimizer)`` adds. The process
+    group stays: a worker may train several runs, then ``paratrain.destroy()``.
+    """
+    parallel = {"accumulation": problem.accumulation if problem.accumulation > 1 else None,
+                "clip_grad_norm": problem.clip, **parallel}
+    pt = paratrain.Parallel(strategy=strategy, global_batch=problem.global_batch, seed=problem.seed, **parallel)
+    model = problem.model()
+    model, optimizer = pt.setup(model, problem.optimizer(model.parameters()))
+    if problem.scheduler is not None:
+        pt.register_scheduler(problem.scheduler(optimizer))
+    if before is not None:
+        before(pt, model, optimizer)
+    loader = pt.train_loader(TensorDataset(*problem.data()), **(loader_options or {}))  # DataLoader settings
+    losses, step_loss, first = [], 0.0, None
+    while pt.global_step < problem.steps:
+        for batch in loader:
+            first = batch[0].clone() if first is None else first
+            optimizer.zero_grad()
+            step_loss += pt.training_step(model, batch, loss_fn).item() / pt.accumulation
+            optimizer.step()
+            if pt.micro_step == 0:  # a global batch ended
+                losses.append(step_loss)
+                step_loss = 0.0
+                if pt.global_step == problem.steps:
+                    break
+    out = {"state": pt.full_state_dict(model), "losses": losses, "first_inputs": first}
+    return {**out, **(after(pt, model, optimizer) if after is not None else {})}
+
+
+def run_workers(world: int, *runs: tuple[Any, ...], timeout: float = 90) -> list[list[dict[str, Any]]]:
+    """Each of ``runs`` (``(problem, strategy)`` or ``(problem, strategy, {Parallel options, before=, after=})``)
+    by :func:`run_paratrain`, one after the other in one launch of ``world`` processes over gloo
+    (starting processes is the slow part); returns every rank's list of results."""
+    return paratrain.launch(_paratrain_worker, nprocs=world, args=(runs,), timeout=timeout)
+
+
+def _paratrain_worker(local_rank: int, runs: tuple[tuple[Any, ...], ...]) -> list[dict[str, Any]]:
+    out = [run_paratrain(problem, strategy, **(options[0] if options else {})) for problem, strategy, *options in runs]
+    paratrain.destroy(wait_for_peers=True)  # as pt.close(): collectives done
+    return out

@@ -8,12 +8,10 @@ import functools
 
 import pytest
 import torch
-from torch import nn
-from torch.utils.data import TensorDataset
 
 import paratrain
 from paratrain.data.sampler import epoch_permutation
-from parity import FLOAT64_RTOL, Problem, assert_same_state, cnn, mlp, state_error, teacher_data
+from parity import FLOAT64_RTOL, Problem, assert_same_state, cnn, mlp, run_paratrain, state_error, teacher_data
 
 F64 = torch.float64
 data = functools.partial(teacher_data, 128, (1, 6, 6), seed=123)
@@ -28,30 +26,11 @@ PROBLEMS = {
 }
 
 
-def train_ddp(problem, loader_options=None, **parallel):
-    """The user's loop under paratrain ddp; returns (Parallel, set-up model)."""
-    pt = paratrain.Parallel(strategy="ddp", global_batch=problem.global_batch, seed=problem.seed, **parallel)
-    model = problem.model()
-    opt = problem.optimizer(model.parameters())
-    model, opt = pt.setup(model, opt)
-    loader = pt.train_loader(TensorDataset(*problem.data()), **(loader_options or {}))
-    while pt.global_step < problem.steps:
-        for xb, yb in loader:
-            opt.zero_grad()
-            pt.backward(nn.functional.cross_entropy(model(xb), yb))
-            opt.step()
-    assert pt.global_step == problem.steps  # whole epochs: the loop ends on an epoch boundary
-    return pt, model
-
-
 def ddp_worker(local_rank, kind, runs):
     """Train ``PROBLEMS[kind]`` once per ``(dtype, Parallel options)`` in ``runs``, in one process
     group (starting processes is the slow part); returns each run's final state."""
-    states = []
-    for dtype, options in runs:
-        pt, model = train_ddp(PROBLEMS[kind].replace(dtype=dtype), **options)
-        states.append({k: v.detach().clone() for k, v in pt.unwrap(model).state_dict().items()})
-    pt.close()
+    states = [run_paratrain(PROBLEMS[kind].replace(dtype=dtype), "ddp", **options)["state"] for dtype, options in runs]
+    paratrain.destroy(wait_for_peers=True)  # as pt.close(): collectives done
     return states
 
 
@@ -84,11 +63,10 @@ def test_accumulation_8x4_equals_batch_32():
 
 
 def hooks_worker(local_rank, hook, options):
-    pt, model = train_ddp(PROBLEMS["mlp"], {"num_workers": 1, "persistent_workers": True},
-                          ddp={"comm_hook": hook, **options})
-    state = pt.full_state_dict(model)
-    pt.close()
-    return state
+    run = run_paratrain(PROBLEMS["mlp"], "ddp", loader_options={"num_workers": 1, "persistent_workers": True},
+                        ddp={"comm_hook": hook, **options})
+    paratrain.destroy(wait_for_peers=True)  # as pt.close(): collectives done
+    return run["state"]
 
 
 @pytest.mark.parametrize("hook, options, rtol, differs", [
@@ -112,10 +90,9 @@ def test_ddp_options_and_comm_hooks(hook, options, rtol, differs):
 
 
 def static_graph_worker(local_rank):
-    pt, model = train_ddp(PROBLEMS["mlp"], accumulation=2, ddp={"static_graph": True})
-    state = pt.full_state_dict(model)
-    pt.close()
-    return state
+    run = run_paratrain(PROBLEMS["mlp"], "ddp", accumulation=2, ddp={"static_graph": True})
+    paratrain.destroy(wait_for_peers=True)  # as pt.close(): collectives done
+    return run["state"]
 
 
 def test_ddp_static_graph_with_accumulation():

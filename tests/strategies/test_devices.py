@@ -5,15 +5,13 @@ import functools
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import TensorDataset
 
-import paratrain
 from paratrain.config import ParallelConfig
 from paratrain.env.base import ProcessInfo
 from paratrain.env.process import Dist
 from paratrain.models import MLP
 from paratrain.strategies.devices import DevicesStrategy, DeviceSplit, DevicesOptions, default_devices
-from parity import Problem, assert_same_state, mlp, teacher_data
+from parity import Problem, assert_same_state, mlp, run_workers, teacher_data
 
 make_model = functools.partial(mlp, 12, 16, 16, 4)
 # 6 optimizer steps. The devices run the plain model's own operations in one process, so they
@@ -24,29 +22,18 @@ PROBLEM = Problem(make_model, functools.partial(teacher_data, 96, (12,), seed=32
 PROBLEMS = {"mlp": PROBLEM}
 
 
-def devices_worker(local_rank):
-    p = PROBLEM
-    pt = paratrain.Parallel(strategy="devices", global_batch=p.global_batch, seed=p.seed,
-                            devices={"devices": ["cpu", "cpu", "cpu"], "split_points": ["2", "4"]})
-    model = p.model()
-    opt = p.optimizer(model.parameters())
-    model, opt = pt.setup(model, opt)
+def split_in_three(pt, model, opt):
     split = model._forward_module
     assert model.module is pt.unwrap(model)  # .module is the user's model, as at world size 1
     assert isinstance(split, DeviceSplit) and len(split.parts) == 3
     assert [list(part._modules) for part in split.parts] == [["0", "1"], ["2", "3"], ["4"]]
-    for xb, yb in pt.train_loader(TensorDataset(*p.data())):  # one epoch = p.steps
-        opt.zero_grad()
-        loss = pt.training_step(model, (xb, yb), nn.functional.cross_entropy)
-        opt.step()
-    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    pt.close()
-    return state, loss.item()
 
 
 def test_devices_matches_single_process_reference():
     ref = PROBLEM.reference()
-    ((state, loss),) = paratrain.launch(devices_worker, nprocs=1, timeout=60)
+    options = {"devices": {"devices": ["cpu", "cpu", "cpu"], "split_points": ["2", "4"]}, "before": split_in_three}
+    ((run,),) = run_workers(1, (PROBLEM, "devices", options), timeout=60)
+    state = run["state"]
     assert_same_state(state, ref.state, PROBLEM.rtol)  # the user's own keys, the reference's values
 
 

@@ -9,7 +9,7 @@ from torch.utils.data import TensorDataset
 
 import paratrain
 from paratrain.strategies.fsdp import FSDPOptions
-from parity import FLOAT64_RTOL, Problem, assert_same_state, mlp, teacher_data
+from parity import FLOAT64_RTOL, Problem, assert_same_state, mlp, run_paratrain, teacher_data
 
 F64 = torch.float64
 # 3 blocks with parameters (sharded one by one) + parameter-free activations.
@@ -40,19 +40,17 @@ def full_state(model):
     return {k: v.detach().clone() for k, v in full_state_dict(model).items()}
 
 
-def fsdp_run(options, problem):
-    pt = paratrain.Parallel(strategy="fsdp", global_batch=problem.global_batch, seed=problem.seed,
-                            accumulation=problem.accumulation, clip_grad_norm=problem.clip, fsdp=options)
-    model = problem.model()
-    opt = problem.optimizer(model.parameters())
-    model, opt = pt.setup(model, opt)
+def sharded(pt, model, opt):
     from torch.distributed.tensor import DTensor
 
     assert all(isinstance(p, DTensor) for p in model.parameters())
     # the optimizer built before setup was rebuilt over the sharded parameters
     assert [id(p) for g in opt.param_groups for p in g["params"]] == [id(p) for p in model.parameters()]
-    train(pt, model, opt, problem.steps, problem)
-    return {"state": full_state(model), "bytes": pt.strategy.parameter_bytes(pt.unwrap(model))}
+
+
+def fsdp_run(options, problem):
+    return run_paratrain(problem, "fsdp", fsdp=options, before=sharded,
+                         after=lambda pt, model, opt: {"bytes": pt.strategy.parameter_bytes(pt.unwrap(model))})
 
 
 def scheduler_not_given_to_setup():

@@ -14,7 +14,7 @@ from paratrain.loop.fit import fit
 from paratrain.models import build_model
 from paratrain.strategies._split import balanced_cuts, check_sequential, split_model
 from paratrain.strategies.pipeline import PipelineOptions
-from parity import Problem, assert_same_state, mlp, teacher_data
+from parity import Problem, assert_same_state, mlp, run_workers, teacher_data
 
 N = 96  # GLOBAL_BATCH 16: one epoch = 6 optimizer steps
 N_EVAL = 37  # eval batches of 16, 16, 5: a shape the training stages never saw
@@ -36,29 +36,19 @@ MLP_ACCUMULATED = MLP.replace(accumulation=2, clip=0.05)  # clip 0.05: below the
 PROBLEMS = {"mlp": MLP, "transformer": TRANSFORMER, "mlp, accumulation 2, clip": MLP_ACCUMULATED}
 
 
-def pipeline_worker(local_rank, schedule, problem):
-    pt = paratrain.Parallel(strategy="pipeline", global_batch=problem.global_batch, seed=problem.seed,
-                            accumulation=problem.accumulation, clip_grad_norm=problem.clip,
-                            pipeline={"schedule": schedule, "n_microbatches": 4})
-    assert pt.strategy.data_parallel_size == 1 and pt.plan.micro_batch == problem.global_batch // problem.accumulation
-    model = problem.model()
-    opt = problem.optimizer(model.parameters())
-    model, opt = pt.setup(model, opt)
-    loader = pt.train_loader(TensorDataset(*problem.data()))
-    losses, step_loss = [], 0.0
-    for xb, yb in loader:
-        opt.zero_grad()
-        loss = pt.training_step(model, (xb, yb), nn.functional.cross_entropy)
-        step_loss += loss.item() / pt.accumulation
-        opt.step()
-        if pt.micro_step == 0:
-            losses.append(step_loss)
-            step_loss = 0.0
-    assert pt.global_step == problem.steps
-    stage_keys = sorted(pt.strategy.unwrap(model).state_dict())
-    state = pt.strategy.full_state_dict(model)
-    pt.close()
-    return state, losses, stage_keys
+def one_replica(pt, model, opt):
+    assert pt.strategy.data_parallel_size == 1 and pt.plan.micro_batch == pt.global_batch // pt.accumulation
+
+
+def stage_keys(pt, model, opt):
+    return {"stage_keys": sorted(pt.strategy.unwrap(model).state_dict())}
+
+
+def pipeline_runs(schedule, problem, world):
+    """Every rank's (state, losses, its stage's keys) after training ``problem`` on ``world`` stages."""
+    options = {"pipeline": {"schedule": schedule, "n_microbatches": 4}, "before": one_replica, "after": stage_keys}
+    return [(run["state"], run["losses"], run["stage_keys"])
+            for (run,) in run_workers(world, (problem, "pipeline", options))]
 
 
 def assert_same_pipeline_state(got, ref, rtol):
@@ -69,7 +59,7 @@ def assert_same_pipeline_state(got, ref, rtol):
 @pytest.mark.parametrize("schedule,world", [("gpipe", 2), ("1f1b", 2), ("gpipe", 1)])
 def test_pipeline_matches_single_process_reference(schedule, world):
     ref = MLP.reference()
-    results = paratrain.launch(pipeline_worker, nprocs=world, args=(schedule, MLP), timeout=90)
+    results = pipeline_runs(schedule, MLP, world)
     for state, losses, _ in results:  # every rank gathers the whole trained model and the same losses
         assert_same_pipeline_state(state, ref.state, MLP.rtol)
         assert losses == pytest.approx(ref.losses, rel=MLP.rtol)  # functions of the weights: their rtol (measured 9e-8)
@@ -82,7 +72,7 @@ def test_pipeline_accumulation_and_clipping():
     # Clipping uses the norm of the whole model's gradient, summed over the stages.
     p = MLP_ACCUMULATED
     ref = p.reference()
-    results = paratrain.launch(pipeline_worker, nprocs=2, args=("1f1b", p), timeout=90)
+    results = pipeline_runs("1f1b", p, 2)
     for state, losses, _ in results:
         assert_same_pipeline_state(state, ref.state, p.rtol)
         assert losses == pytest.approx(ref.losses, rel=p.rtol)

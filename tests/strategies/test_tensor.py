@@ -9,7 +9,7 @@ from torch.utils.data import TensorDataset
 
 import paratrain
 from paratrain.strategies.tensor import TensorOptions, auto_plan
-from parity import Problem, Stack, assert_same_state, mlp, teacher_data
+from parity import Problem, Stack, assert_same_state, mlp, run_paratrain, teacher_data
 
 N = 64
 # 5 steps (crossing into epoch 2). Measured on the float32 reference (tests/test_parity_conditioning.py):
@@ -32,30 +32,16 @@ def reference(problem):
 
 
 def tp_run(problem, tp_size=None):
-    from paratrain.checkpoint.sharded import full_state_dict
+    def after(pt, model, opt):
+        dataset = TensorDataset(*problem.data())
+        xb = dataset.tensors[0][:5]
+        out = model(xb)
+        assert type(out) is torch.Tensor and out.shape == (len(xb), 4)  # full, replicated logits
+        return {"eval": pt.evaluate(model, pt.eval_loader(dataset, batch_size=8)),
+                "dp": (pt.strategy.data_parallel_size, pt.strategy.data_parallel_rank, pt.plan.world_size)}
 
-    pt = paratrain.Parallel(strategy="tensor", global_batch=problem.global_batch, seed=problem.seed,
-                            accumulation=problem.accumulation, clip_grad_norm=problem.clip, tensor={"tp_size": tp_size})
-    model = problem.model()
-    opt = problem.optimizer(model.parameters())
-    model, opt = pt.setup(model, opt)
-    dataset = TensorDataset(*problem.data())
-    loader = pt.train_loader(dataset)
-    first_batch = None
-    while pt.global_step < problem.steps:
-        for xb, yb in loader:
-            first_batch = xb.clone() if first_batch is None else first_batch
-            opt.zero_grad()
-            out = model(xb)
-            assert type(out) is torch.Tensor and out.shape == (len(xb), 4)  # full, replicated logits
-            pt.backward(nn.functional.cross_entropy(out, yb))
-            opt.step()
-            if pt.global_step == problem.steps:
-                break
-    metrics = pt.evaluate(model, pt.eval_loader(dataset, batch_size=8))
-    state = {k: v.detach().clone() for k, v in full_state_dict(model).items()}
-    return {"state": state, "eval": metrics, "first_batch": first_batch,
-            "dp": (pt.strategy.data_parallel_size, pt.strategy.data_parallel_rank, pt.plan.world_size)}
+    run = run_paratrain(problem, "tensor", tensor={"tp_size": tp_size}, after=after)
+    return {**run, "first_batch": run["first_inputs"]}
 
 
 def error_of(fn):
