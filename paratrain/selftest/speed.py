@@ -14,7 +14,7 @@ import importlib.util
 import io
 import statistics
 import warnings
-from typing import Any, Generator
+from typing import Any, Callable, Generator
 
 import torch
 import torch.distributed as dist
@@ -43,15 +43,7 @@ def accelerate_steps(net: nn.Module, trainset: Any, batch_size: int, device: tor
     optimizer = torch.optim.SGD(net.parameters(), lr=lr, momentum=momentum)
     loader = DataLoader(trainset, batch_size=batch_size, shuffle=True, drop_last=True)
     net, optimizer, loader = accelerator.prepare(net, optimizer, loader)
-    criterion = nn.CrossEntropyLoss()
-    yield net
-    while True:
-        for images, labels in loader:
-            optimizer.zero_grad()
-            loss = criterion(net(images), labels)
-            accelerator.backward(loss)
-            optimizer.step()
-            yield loss.detach()
+    return _steps(net, optimizer, loader, accelerator.backward)
 
 
 def fabric_steps(net: nn.Module, trainset: Any, batch_size: int, device: torch.device, world: int,
@@ -64,13 +56,20 @@ def fabric_steps(net: nn.Module, trainset: Any, batch_size: int, device: torch.d
     optimizer = torch.optim.SGD(net.parameters(), lr=lr, momentum=momentum)
     net, optimizer = fabric.setup(net, optimizer)
     loader = fabric.setup_dataloaders(DataLoader(trainset, batch_size=batch_size, shuffle=True, drop_last=True))
+    return _steps(net, optimizer, loader, fabric.backward)
+
+
+def _steps(net: nn.Module, optimizer: Any, loader: Any, backward: Callable[[torch.Tensor], None]
+           ) -> Generator[Any, None, None]:
+    """The framework's set-up loop as a generator: the first ``next()`` yields the model, each later
+    one runs one step (``backward`` is the framework's) and yields its loss."""
     criterion = nn.CrossEntropyLoss()
     yield net
     while True:
         for images, labels in loader:
             optimizer.zero_grad()
             loss = criterion(net(images), labels)
-            fabric.backward(loss)
+            backward(loss)
             optimizer.step()
             yield loss.detach()
 
