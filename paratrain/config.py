@@ -11,13 +11,16 @@ never the dict it came from.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import inspect
 import math
 import numbers
 import operator
 import os
 import re
 import sys
+import textwrap
 import types
 import typing
 from dataclasses import dataclass, field
@@ -140,6 +143,24 @@ class ParallelConfig:
         self.strategy_class.validate(self)
 
     @classmethod
+    def option_names(cls) -> list[str]:
+        """The fields, in order: ``Parallel``'s keyword options (a test holds its signature to them)."""
+        return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def options_help(cls) -> str:
+        """Napoleon ``Args:`` entries (indented for a class docstring) for every field, from the
+        docstring under it here, or for a strategy's section from its options class: how
+        :class:`paratrain.Parallel` documents its keyword options without a second copy."""
+        docs = _field_docs(cls)
+        for name, strategy in _strategies.STRATEGIES.items():
+            if strategy.options_class is not None:
+                first = (strategy.options_class.__doc__ or "").strip().split("\n\n")[0]
+                docs[name] = (f"The ``[parallel.{name}]`` section: a :class:`~{strategy.options_class.__module__}."
+                              f"{strategy.options_class.__qualname__}` or a dict of its fields. {' '.join(first.split())}")
+        return "".join(f"        {name}: {docs.get(name, 'See ParallelConfig.')}\n" for name in cls.option_names())
+
+    @classmethod
     def of(cls, config: ParallelConfig | None, options: Mapping[str, Any]) -> ParallelConfig:
         """``config``, or one of the keyword ``options`` (``Parallel(strategy="ddp")``); not both, and
         an unknown option is a one-line error naming the known ones."""
@@ -174,6 +195,17 @@ class ParallelConfig:
                 raise ValueError(f"the batch plan ({given}) is not this config's over {world} process(es)")
             return given
         return BatchPlan.derive(self.global_batch, shards, self.accumulation, self.micro_batch)
+
+
+def _field_docs(cls: type) -> dict[str, str]:
+    """``{field: its docstring on one line}`` from ``cls``'s source (empty where the source is not shipped)."""
+    try:
+        body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body  # type: ignore[attr-defined]
+    except (OSError, TypeError):
+        return {}
+    return {node.target.id: " ".join(after.value.value.split()) for node, after in zip(body, body[1:])
+            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)}
 
 
 @dataclass(kw_only=True)

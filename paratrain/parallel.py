@@ -44,6 +44,8 @@ from .env import failures, process
 from .env.provenance import provenance
 from .metrics import mapping_loss
 from .nn.deferred import Deferred
+from .precision import PrecisionName
+from .strategies import DDPOptions, DevicesOptions, FSDPOptions, PipelineOptions, PSOptions, StrategyName, TensorOptions
 from .wrappers import (ParallelModule, ParallelOptimizer, ParallelScheduler, attach_scheduler, check_setup_arguments,
                        checkpointed, compiled_like, is_compiled, registered_optimizer, strategy_module, uncompiled,
                        unwrapped)
@@ -51,21 +53,37 @@ from .wrappers import (ParallelModule, ParallelOptimizer, ParallelScheduler, att
 __all__ = ["Parallel", "ParallelModule", "ParallelOptimizer", "ParallelScheduler"]
 
 
-class Parallel(process.OnProcess):
+class Parallel(process.OnProcess, tracking.TrackedRun):
     """Process setup + strategy + precision + global-batch data, for a loop the user writes.
 
-    Pass a :class:`~paratrain.config.ParallelConfig`, or its fields as keyword arguments.
-    ``log_to`` (``["csv", "tensorboard", "wandb", "mlflow", "comet"]``, or ``"csv,wandb"``, and
-    :class:`~paratrain.tracking.Tracker` instances among the names) and ``loggers`` (more instances)
-    are where :meth:`log` writes, into ``log_dir`` (default: a new ``runs/<start time>``), on the
-    main process only.
+    Pass a :class:`~paratrain.config.ParallelConfig`, or its fields as keyword arguments (each
+    one left out, or ``None``, keeps its default, or the launch-time default of ``paratrain run``).
+    Metrics go where :meth:`log` writes, on the main process only.
+
+    Args:
+        config: All the options below at once (then pass none of them).
+        log_to: Trackers: ``["csv", "tensorboard", "wandb", "mlflow", "comet"]`` or ``"csv,wandb"``,
+            and :class:`~paratrain.tracking.Tracker` instances among the names.
+        log_dir: Where the trackers write (default: a new ``runs/<start time>``).
+        loggers: More :class:`~paratrain.tracking.Tracker` instances.
+        plan: A :class:`~paratrain.data.sampler.BatchPlan` made earlier in this process for this world.
     """
 
-    def __init__(self, config: ParallelConfig | None = None, *,
-                 log_to: str | Iterable[str | tracking.Tracker] | None = None,
-                 log_dir: str | None = None, loggers: Iterable[tracking.Tracker] = (), plan: BatchPlan | None = None,
-                 **kwargs: Any) -> None:
-        self.config = cfg = ParallelConfig.of(config, kwargs)
+    def __init__(self, config: ParallelConfig | None = None, *, strategy: StrategyName | str | None = None,
+                 precision: PrecisionName | str | None = None, global_batch: int | None = None,
+                 accumulation: int | None = None, micro_batch: int | None = None, sync_batchnorm: bool | None = None,
+                 clip_grad_norm: float | None = None, loss_scale: float | None = None, seed: int | None = None,
+                 backend: str | None = None, accelerator: str | None = None, timeout_s: float | None = None,
+                 compile: bool | None = None, compile_backend: str | None = None, activation_checkpointing: Any = None,
+                 ddp: DDPOptions | Mapping[str, Any] | None = None, fsdp: FSDPOptions | Mapping[str, Any] | None = None,
+                 tensor: TensorOptions | Mapping[str, Any] | None = None,
+                 pipeline: PipelineOptions | Mapping[str, Any] | None = None,
+                 devices: DevicesOptions | Mapping[str, Any] | None = None, ps: PSOptions | Mapping[str, Any] | None = None,
+                 log_to: str | Iterable[str | tracking.Tracker] | None = None, log_dir: str | None = None,
+                 loggers: Iterable[tracking.Tracker] = (), plan: BatchPlan | None = None) -> None:
+        given = locals()  # the options given (not None): ParallelConfig's fields, named one by one above
+        options = {name: given[name] for name in ParallelConfig.option_names() if given[name] is not None}
+        self.config = cfg = ParallelConfig.of(config, options)
         self.dist = process.init(None if cfg.backend == "auto" else cfg.backend, cfg.timeout_s, cfg.accelerator)
         if self.dist.backend is not None:
             failures.explain_uncaught()  # a failed collective in this loop ends with its one-line cause
@@ -106,44 +124,6 @@ class Parallel(process.OnProcess):
     def report(self) -> dict[str, Any]:
         """Strategy-specific numbers for a run's summary (e.g. the parameter server's updates)."""
         return self.strategy.report()
-
-    # --- tracking --------------------------------------------------------------------------
-    def log(self, metrics: Mapping[str, Any], step: int | None = None, kind: str = "train") -> None:
-        """Record ``metrics`` (numbers or one-element tensors) at ``step`` (default: the optimizer
-        steps taken, ``global_step``) with every tracker of ``log_to``/``loggers``, as
-        ``<kind>/<name>`` (CSV: a row of ``<log_dir>/<kind>.csv``). Main process only: elsewhere,
-        and without trackers, nothing happens. The first call starts the backends' runs, with
-        this job's parallel config and provenance as their config."""
-        self.trackers.log(metrics, self.global_step if step is None else int(step), kind)
-
-    def log_image(self, name: str, image: Any, step: int | None = None, kind: str = "train") -> None:
-        """Record ``image`` as ``<kind>/<name>`` at ``step`` (default: ``global_step``): a tensor
-        ``C x H x W`` or ``H x W``, a NumPy array ``H x W x C`` or ``H x W``, or a PIL image, with 1,
-        3 or 4 channels; floats are taken as 0 to 1, integers as 0 to 255. Main process only, like
-        :meth:`log`; a backend without images says so once (csv writes a PNG, see the docs)."""
-        self.trackers.log_image(name, image, self.global_step if step is None else int(step), kind)
-
-    def log_histogram(self, name: str, values: Any, step: int | None = None, kind: str = "train") -> None:
-        """Record the distribution of ``values`` (a tensor of any shape, an array, numbers) as
-        ``<kind>/<name>`` at ``step`` (default: ``global_step``). Main process only, like :meth:`log`."""
-        self.trackers.log_histogram(name, values, self.global_step if step is None else int(step), kind)
-
-    def log_table(self, name: str, columns: Any = None, data: Any = None, *, dataframe: Any = None,
-                  step: int | None = None, kind: str = "train") -> None:
-        """Record a table as ``<kind>/<name>`` at ``step`` (default: ``global_step``): ``columns`` and
-        ``data`` (a list of rows, or a mapping of columns), or a pandas ``dataframe``, as in
-        Accelerate's and Lightning's ``log_table``. Main process only, like :meth:`log`."""
-        self.trackers.log_table(name, columns, data, self.global_step if step is None else int(step), kind, dataframe)
-
-    def tracker(self, name: str, unwrap: bool = False) -> Any:
-        """The tracker ``name`` of ``log_to``/``loggers`` (a :class:`~paratrain.tracking.Tracker`,
-        its run started), or with ``unwrap=True`` the backend's own object, as Accelerate's
-        ``get_tracker(name, unwrap=True)``: the wandb run, TensorBoard's ``SummaryWriter``, the
-        ``MlflowClient`` (the run: ``pt.tracker("mlflow").run_id``), the Comet experiment. On other
-        ranks than the main process, where nothing is opened, a :class:`~paratrain.tracking.NoTracker`:
-        whatever is done with it does nothing, and it is falsy. A name the run does not log to is a
-        one-line ``ValueError`` on every rank."""
-        return self.trackers.get(name, unwrap)
 
     def _run_config(self) -> dict[str, Any]:
         return {"parallel": asdict(self.config), "provenance": provenance(self.describe())}
@@ -396,3 +376,6 @@ class Parallel(process.OnProcess):
                 self.strategy.close(wait_for_peers)
         finally:
             process.destroy(wait_for_peers)
+
+
+Parallel.__doc__ = (Parallel.__doc__ or "").rstrip() + "\n" + ParallelConfig.options_help()  # each option's text: the config's own

@@ -917,3 +917,42 @@ def test_parallel_stays_a_thin_facade():
                 for target in (n.targets if isinstance(n, ast.Assign) else [n.target]) for t in ast.walk(target)
                 if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"}
     assert len(assigned) <= 10, sorted(assigned)
+
+
+def test_every_option_is_a_named_typed_documented_parameter():
+    """Issue 24: ``Parallel(strategy=..., precision=...)`` completes in an editor and type-checks:
+    each ParallelConfig field is a keyword of ``__init__`` (a strategy's section typed with its options
+    class), the strategy and precision names are Literal types equal to the registries, and ``help``
+    documents every keyword."""
+    import inspect
+    import typing
+
+    from paratrain import precision, strategies
+    from paratrain.config import ParallelConfig
+
+    params = inspect.signature(paratrain.Parallel).parameters
+    own = ["config", "log_to", "log_dir", "loggers", "plan"]
+    assert sorted(params) == sorted(ParallelConfig.option_names() + own)
+    assert all(params[name].kind is inspect.Parameter.KEYWORD_ONLY for name in ParallelConfig.option_names())
+    hints = typing.get_type_hints(paratrain.Parallel.__init__)
+    for name, cls in strategies.STRATEGIES.items():
+        if cls.options_class is not None:
+            assert cls.options_class in typing.get_args(hints[name]), name
+    assert typing.get_args(strategies.StrategyName) == tuple(strategies.STRATEGIES)
+    assert set(typing.get_args(precision.PrecisionName)) == set(precision.PRECISIONS) | set(precision.ALIASES)
+    doc = inspect.getdoc(paratrain.Parallel)
+    for name in params:
+        line = next((line for line in doc.splitlines() if line.strip().startswith(f"{name}: ")), "")
+        assert len(line.split(": ", 1)[-1]) > 10 and "See ParallelConfig" not in line, name
+
+
+def test_options_left_out_or_none_keep_their_defaults_and_a_config_excludes_them():
+    from paratrain.config import ParallelConfig
+
+    pt = paratrain.Parallel(seed=None, global_batch=8, ddp={"bucket_cap_mb": 5})
+    assert (pt.config.seed, pt.config.global_batch, pt.config.ddp.bucket_cap_mb) == (0, 8, 5)
+    pt.close()
+    with pytest.raises(ValueError, match="either a ParallelConfig or keyword arguments"):
+        paratrain.Parallel(ParallelConfig(), seed=1)
+    with pytest.raises(TypeError, match="strategi"):
+        paratrain.Parallel(strategie="ddp")  # type: ignore[call-arg]

@@ -24,6 +24,8 @@ with bf16) or ``32``. ``skipped_steps`` tells how often fp16 overflowed.
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 
 from .amp import BF16Mixed, FP16Mixed
@@ -31,7 +33,7 @@ from .base import FP32, TF32, Precision
 from .half import BF16True, FP16True
 
 __all__ = ["Precision", "FP32", "TF32", "FP16Mixed", "BF16Mixed", "BF16True", "FP16True", "PRECISIONS", "ALIASES",
-           "MASTER_WEIGHTS", "resolve", "lookup", "reference", "bench_defaults", "build"]
+           "MASTER_WEIGHTS", "resolve", "lookup", "reference", "bench_defaults", "build", "PrecisionName"]
 
 PRECISIONS: dict[str, type[Precision]] = {
     "32": FP32,
@@ -43,6 +45,10 @@ PRECISIONS: dict[str, type[Precision]] = {
 }
 ALIASES = {"O0": "32", "O1": "fp16-mixed", "O2": "fp16-true", "O3": "fp16-true", "16-mixed": "fp16-mixed",
            "fp32": "32", "bf16": "bf16-mixed", "fp16": "fp16-mixed", "16-true": "fp16-true"}
+# The names and aliases above as a type, for editors' completion of ``Parallel(precision=...)`` (a test
+# keeps it equal).
+PrecisionName = Literal["32", "tf32", "fp16-mixed", "bf16-mixed", "bf16-true", "fp16-true", "O0", "O1", "O2", "O3",
+                        "16-mixed", "fp32", "bf16", "fp16", "16-true"]
 # low-precision weights + fp32 masters: plain-tensor strategies only
 MASTER_WEIGHTS = tuple(name for name, cls in PRECISIONS.items() if cls.master_weights)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from ..env.process import Dist
 from ..precision import Precision, build as build_precision
@@ -18,7 +18,7 @@ from .tensor import TensorOptions, TensorParallelStrategy
 
 __all__ = ["Strategy", "STRATEGIES", "DDPOptions", "FSDPOptions", "TensorOptions", "PipelineOptions",
            "DevicesOptions", "PSOptions", "build", "resolve", "reference", "data_parallel_reference",
-           "bench_defaults"]
+           "bench_defaults", "StrategyName"]
 
 STRATEGIES: dict[str, type[Strategy]] = {
     "single": SingleDeviceStrategy,
@@ -30,6 +30,9 @@ STRATEGIES: dict[str, type[Strategy]] = {
     "devices": DevicesStrategy,
     "ps": ParameterServerStrategy,
 }
+
+# The names above as a type, for editors' completion of ``Parallel(strategy=...)`` (a test keeps it equal).
+StrategyName = Literal["single", "dp", "ddp", "fsdp", "tensor", "pipeline", "devices", "ps"]
 
 
 def _declaring(fact: str) -> str:

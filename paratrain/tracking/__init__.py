@@ -18,13 +18,14 @@ from typing import Any, Callable
 from . import media
 from .base import NoTracker, Tracker
 from .comet import CometTracker
+from .face import TrackedRun
 from .files import CSVTracker
 from .mlflow import MLflowTracker
 from .runs import latest_run, link_latest, new_run_dir
 from .tensorboard import TensorBoardTracker
 from .wandb import WandbTracker
 
-__all__ = ["Tracker", "NoTracker", "Trackers", "TRACKERS", "parse_log_to", "CSVTracker", "TensorBoardTracker",
+__all__ = ["Tracker", "NoTracker", "Trackers", "TrackedRun", "TRACKERS", "parse_log_to", "CSVTracker", "TensorBoardTracker",
            "WandbTracker", "MLflowTracker", "CometTracker", "new_run_dir", "link_latest", "latest_run"]
 
 TRACKERS: dict[str, type[Tracker]] = {
