@@ -1,6 +1,8 @@
 """Check that the built site covers what it must: every name of ``paratrain.__all__`` in the API
-reference, every ``paratrain`` subcommand in the command-line reference, and every extra of
-``pyproject.toml`` in the install instructions.
+reference, every ``paratrain`` subcommand in the command-line reference, every extra of
+``pyproject.toml`` in the install instructions, and, where Chromium is installed (Debian's
+``chromium``), that the front page renders in a headless browser with its navigation: every page of
+the table of contents linked from the sidebar of the rendered DOM.
 
     python docs/_tools/check_site.py build/docs
 """
@@ -8,6 +10,8 @@ reference, every ``paratrain`` subcommand in the command-line reference, and eve
 from __future__ import annotations
 
 import argparse
+import shutil
+import subprocess
 import sys
 import tomllib
 import zlib
@@ -38,12 +42,35 @@ def main() -> int:
         text = page.read_text()
         problems += [f"{page.relative_to(ROOT)} does not name the extra [{extra}] of pyproject.toml"
                      for extra in extras if f"`{extra}`" not in text and f"[{extra}]" not in text]
+    problems += _rendered_front_page(site)
     for problem in problems:
         print(f"docs: {problem}", file=sys.stderr)
     if not problems:
         print(f"docs: the API reference covers paratrain.__all__ ({len(paratrain.__all__)} names), the CLI "
               f"reference every subcommand ({len(sub.choices)}), the install sections every extra ({len(extras)})")
     return 1 if problems else 0
+
+
+def _rendered_front_page(site: Path) -> list[str]:
+    """The front page as a headless Chromium renders it: its sidebar links every built page."""
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    if browser is None:
+        print("docs: no chromium here (apt-get install chromium): the rendered front page is not checked")
+        return []
+    cmd = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--dump-dom", (site / "index.html").resolve().as_uri()]
+    try:
+        dom = subprocess.run(cmd, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL).stdout
+    except subprocess.TimeoutExpired:
+        return ["chromium did not render the front page within 120 s"]
+    nav = dom.partition('class="sidebar-tree"')[2]
+    pages = sorted(str(p.relative_to(site)) for p in site.rglob("*.html")
+                   if p.parent.name not in ("_modules", "_sources") and p.name not in ("genindex.html", "search.html",
+                                                                                         "py-modindex.html", "index.html"))
+    missing = [page for page in pages if f'href="{page}"' not in nav]
+    if not nav or missing:
+        return [f"the rendered front page has no navigation to {', '.join(missing) or 'any page'}"]
+    print(f"docs: the front page renders in headless Chromium with its navigation ({len(pages)} pages)")
+    return []
 
 
 if __name__ == "__main__":
