@@ -312,6 +312,9 @@ class TrainConfig:
     """Where checkpoints go; defaults to <log_dir>/checkpoints when checkpoint_every > 0 or resume is set."""
     keep_checkpoints: int = 3
     """How many of the newest checkpoints to keep."""
+    checkpoint_async: bool = False
+    """Write checkpoints in the background (DCP's async save for sharded models): the state is copied
+    at the step and training goes on while it is written; the next checkpoint waits for it."""
     max_nonfinite_steps: int = 3
     """Stop the run with an error when the loss is NaN or inf for this many consecutive optimizer
     steps (checked at every log and checkpoint step; no checkpoint is written after a NaN)."""
@@ -338,6 +341,8 @@ class TrainConfig:
             raise ValueError(f"max_nonfinite_steps {self.max_nonfinite_steps} must be at least 1")
         if self.keep_checkpoints < 1:
             raise ValueError(f"keep_checkpoints {self.keep_checkpoints} must be at least 1")
+        if not isinstance(self.checkpoint_async, bool):
+            raise ValueError(f"checkpoint_async={self.checkpoint_async!r} must be true or false")
         self.log_to = parse_log_to(self.log_to)  # unknown or not installed: the one-line error, before any process starts
         if self.tensorboard and "tensorboard" not in self.log_to:
             self.log_to.append("tensorboard")

@@ -342,15 +342,17 @@ class Parallel(process.OnProcess, tracking.TrackedRun):
         self.trackers.resume_at(self.global_step)  # a run continued: its logs go on from this step
 
     def save_checkpoint(self, directory: str, model: nn.Module, optimizer: Any, scheduler: Any = None,
-                        extra: dict[str, Any] | None = None, keep: int = 3) -> Any:
+                        extra: dict[str, Any] | None = None, keep: int = 3, asynchronous: bool = False) -> Any:
         """Atomically write model, optimizer, scaler, scheduler, step (= data position) and every
         rank's RNG state to ``directory/step-XXXXXXXX.pt``; keep the newest ``keep``. Call on all ranks.
-        ``scheduler`` defaults to the one given to :meth:`setup` or :meth:`register_scheduler`."""
+        ``scheduler`` defaults to the one given to :meth:`setup` or :meth:`register_scheduler`.
+        ``asynchronous``: copy the state now, write it while training goes on (the next save and
+        :meth:`close` wait for it); returns a future (:mod:`paratrain.checkpoint.asynchronous`)."""
         if self.micro_step:
             raise RuntimeError(f"checkpoint asked for in the middle of an accumulation (micro-step {self.micro_step}): "
                                "save after optimizer.step()")
         return checkpoint_lib.save_checkpoint(directory, self, *checkpointed(model, optimizer, self.unwrap), self.strategy,
-                                              self._clock.checkpointed(scheduler), extra, keep)
+                                              self._clock.checkpointed(scheduler), extra, keep, asynchronous)
 
     def load_checkpoint(self, source: str, model: nn.Module, optimizer: Any = None, scheduler: Any = None) -> Any:
         """Restore a run from a checkpoint file or the newest loadable one in a directory; the
@@ -370,12 +372,15 @@ class Parallel(process.OnProcess, tracking.TrackedRun):
         """Finish the trackers and leave the process group; by default after a barrier (pass
         ``False`` after an error: the trackers' runs are marked failed)."""
         try:
-            try:
-                self.trackers.close(ok=wait_for_peers)
-            finally:
-                self.strategy.close(wait_for_peers)
+            checkpoint_lib.finish_checkpoints(wait_for_peers)  # a checkpoint still written in the background
         finally:
-            process.destroy(wait_for_peers)
+            try:
+                try:
+                    self.trackers.close(ok=wait_for_peers)
+                finally:
+                    self.strategy.close(wait_for_peers)
+            finally:
+                process.destroy(wait_for_peers)
 
 
 Parallel.__doc__ = (Parallel.__doc__ or "").rstrip() + "\n" + ParallelConfig.options_help()  # each option's text: the config's own

@@ -31,7 +31,7 @@ from torch import nn
 from .errors import CheckpointError
 from .manifest import file_digest, fsync_dir
 
-__all__ = ["save_sharded", "load_sharded", "full_state_dict"]
+__all__ = ["save_sharded", "start_sharded", "commit_sharded", "folder_digests", "load_sharded", "full_state_dict"]
 
 EXTRA = "extra.json"
 
@@ -92,11 +92,15 @@ def _state(model: nn.Module, optimizer: Any) -> dict[str, Any]:
     return {"model": model_state, "optim": optim_state}
 
 
+def _files(path: str | os.PathLike) -> list[str]:
+    path = os.fspath(path)
+    return sorted(os.path.relpath(os.path.join(root, name), path) for root, _, names in os.walk(path) for name in names)
+
+
 def _digests(path: str) -> dict[str, str]:
     """SHA-256 of every file under ``path``, hashed by all ranks in parallel (each a share of the
     files); the whole map on rank 0, ``{}`` elsewhere."""
-    files = sorted(os.path.relpath(os.path.join(root, name), path)
-                   for root, _, names in os.walk(path) for name in names)
+    files = _files(path)
     rank, world = (dist.get_rank(), dist.get_world_size()) if _distributed() else (0, 1)
     mine = {f: file_digest(os.path.join(path, f)) for f in files[rank::world]}
     if world == 1:
@@ -104,6 +108,33 @@ def _digests(path: str) -> dict[str, str]:
     parts: list[Any] = [None] * world if rank == 0 else []
     dist.gather_object(mine, parts if rank == 0 else None, dst=0)
     return {f: d for part in parts for f, d in part.items()} if rank == 0 else {}
+
+
+def _begin(path: str) -> str:
+    """Clear a crashed save's ``path.tmp`` (rank 0), with every rank waiting for it; the folder to write."""
+    tmp = f"{path}.tmp"
+    if not _distributed() or dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # left over from a crashed save
+    if _distributed():
+        dist.barrier()
+    return tmp
+
+
+def commit_sharded(path: str | os.PathLike, extra: dict[str, Any] | None = None) -> None:
+    """Rank 0, once every rank's shards are in ``path.tmp``: add ``extra.json`` and rename it to ``path``."""
+    path = os.fspath(path)
+    tmp = f"{path}.tmp"
+    with open(os.path.join(tmp, EXTRA), "w") as f:
+        json.dump(extra or {}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    fsync_dir(tmp)  # DCP's writer syncs its files; their names and extra.json's are the folder's
+    old = f"{path}.old"
+    if os.path.exists(path):
+        os.replace(path, old)
+    os.replace(tmp, path)
+    fsync_dir(os.path.dirname(os.path.abspath(path)))  # the rename is on disk before a manifest names it
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def save_sharded(path: str | os.PathLike, model: nn.Module, optimizer: Any = None,
@@ -119,29 +150,32 @@ def save_sharded(path: str | os.PathLike, model: nn.Module, optimizer: Any = Non
 
     path = os.fspath(path)
     model, optimizer = _plain(model, optimizer)
-    tmp = f"{path}.tmp"
-    main = not _distributed() or dist.get_rank() == 0
     json.dumps(extra or {})  # on every rank: fail before any collective if extra is not plain data
-    if main:
-        shutil.rmtree(tmp, ignore_errors=True)  # left over from a crashed save
-    if _distributed():
-        dist.barrier()
-    dcp.save(_state(model, _nonempty_groups(optimizer)), checkpoint_id=tmp)
-    if main:
-        with open(os.path.join(tmp, EXTRA), "w") as f:
-            json.dump(extra or {}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        fsync_dir(tmp)  # DCP's writer syncs its files; their names and extra.json's are the folder's
-        old = f"{path}.old"
-        if os.path.exists(path):
-            os.replace(path, old)
-        os.replace(tmp, path)
-        fsync_dir(os.path.dirname(os.path.abspath(path)))  # the rename is on disk before a manifest names it
-        shutil.rmtree(old, ignore_errors=True)
+    dcp.save(_state(model, _nonempty_groups(optimizer)), checkpoint_id=_begin(path))
+    if not _distributed() or dist.get_rank() == 0:
+        commit_sharded(path, extra)
     if _distributed():
         dist.barrier()  # nobody reads path before it is complete
     return _digests(path)
+
+
+def start_sharded(path: str | os.PathLike, model: nn.Module, optimizer: Any, group: Any) -> Any:
+    """:func:`save_sharded`'s writing in the background: DCP's ``async_save`` copies this rank's
+    shards to CPU memory now and writes them into ``path.tmp`` in a thread, coordinating over
+    ``group`` (a gloo group of its own, so that it never interleaves with training's
+    collectives). Returns its future: on rank 0 it is done once every rank's shards and DCP's
+    ``.metadata`` are written; then :func:`commit_sharded` makes ``path``. Call on all ranks."""
+    import torch.distributed.checkpoint as dcp
+
+    model, optimizer = _plain(model, optimizer)
+    return dcp.async_save(_state(model, _nonempty_groups(optimizer)), checkpoint_id=_begin(os.fspath(path)),
+                          process_group=group)
+
+
+def folder_digests(path: str | os.PathLike) -> dict[str, str]:
+    """The SHA-256 digest of every file of a written DCP folder, read by this one process (rank 0
+    of an asynchronous save: the folder is on a filesystem every rank sees)."""
+    return {f: file_digest(os.path.join(path, f)) for f in _files(path)}
 
 
 def load_sharded(path: str | os.PathLike, model: nn.Module, optimizer: Any = None) -> dict[str, Any]:

@@ -10,6 +10,7 @@ a checkpoint written at world size 4 resumes at 1 or 2 with the same global batc
 from __future__ import annotations
 
 import os
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
@@ -19,6 +20,7 @@ from torch import nn
 from .io import CheckpointError, list_checkpoints, load_file, load_latest, verify_checkpoint, write_checkpoint
 from ..env.process import mix_seed, seed_everything
 from .rng import rng_state, same_rng_state, set_rng_state
+from .asynchronous import save_async, wait_for_checkpoint
 from .sharded import load_sharded, save_sharded
 
 __all__ = ["Run", "ModuleCheckpointing", "save_checkpoint", "load_checkpoint", "uncompiled_keys"]
@@ -71,22 +73,19 @@ def _gather_rng(run: Run) -> list[Any]:
 
 def save_checkpoint(directory: str | os.PathLike, run: Run, module: nn.Module, optimizer: Any,
                     how: ModuleCheckpointing, scheduler: Any = None, extra: dict[str, Any] | None = None,
-                    keep: int = 3) -> Path | None:
+                    keep: int = 3, asynchronous: bool = False) -> Path | Future | None:
     """Write a checkpoint of ``run``'s current step (collective: call it on every rank).
 
     ``module`` and ``optimizer`` are the plain ones this rank holds (a pipeline stage, an
-    fsdp-sharded module, the user's module), checkpointed the way ``how`` says."""
+    fsdp-sharded module, the user's module), checkpointed the way ``how`` says. Returns the
+    ``.pt`` file's path on rank 0 (None elsewhere); ``asynchronous``: a future of it, the state
+    copied now and written in the background (:mod:`.asynchronous`)."""
+    wait_for_checkpoint()  # the previous background save is complete (or its failure raised on every rank)
     step = run.state_dict()["global_step"]
     rngs = _gather_rng(run)  # every rank takes part
-    sharded, digests = None, {}
-    if how.sharded_state:  # every rank writes its own shards; the .pt file (then the manifest) points at them
-        sharded = f"step-{step:08d}.dcp"
-        digests = {f"{sharded}/{name}": d for name, d in save_sharded(Path(directory) / sharded, module,
-                                                                      optimizer).items()}
-    if run.rank != 0:
-        return None
-    model_state, optim_state = (None, None) if sharded else how.checkpoint_state(module, optimizer)
-    state = {
+    sharded = f"step-{step:08d}.dcp" if how.sharded_state else None
+    model_state, optim_state = (None, None) if sharded or run.rank != 0 else how.checkpoint_state(module, optimizer)
+    state = None if run.rank != 0 else {
         "format": FORMAT,
         **run.state_dict(),
         "sharded": sharded,
@@ -96,6 +95,14 @@ def save_checkpoint(directory: str | os.PathLike, run: Run, module: nn.Module, o
         "rng": rngs,
         "extra": extra or {},
     }
+    if asynchronous:
+        return save_async(directory, step, state or {}, run.rank, module, optimizer, sharded, keep)
+    digests = {}
+    if sharded:  # every rank writes its own shards; the .pt file (then the manifest) points at them
+        digests = {f"{sharded}/{name}": d for name, d in save_sharded(Path(directory) / sharded, module,
+                                                                      optimizer).items()}
+    if state is None:
+        return None
     return write_checkpoint(directory, step, state, keep=keep, digests=digests)
 
 

@@ -72,6 +72,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     for flag, (key, tp, help_) in _FLAGS.items():
         # default=None: a flag not given leaves the config file's value; the help shows the built-in default.
         p.add_argument(flag, dest=key, type=tp, default=None, help=f"{help_} [{key}; default {_default(defaults, key)}]")
+    p.add_argument("--checkpoint-async", dest="checkpoint_async", action="store_const", const=True, default=None,
+                   help="write checkpoints in the background while training goes on [checkpoint_async]")
     p.add_argument("--sync-bn", dest="parallel.sync_batchnorm", action="store_const", const=True, default=None,
                    help="synchronise BatchNorm statistics across workers")
     p.add_argument("--name", dest="name", default=None,

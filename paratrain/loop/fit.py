@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset, IterableDataset
 
+from ..checkpoint import wait_for_checkpoint
 from ..data.stream import StreamLoader
 from ..parallel import Parallel
 from .guard import LossWindow
@@ -49,6 +50,7 @@ def fit(
     checkpoint_every: int = 0,
     checkpoint_extra: dict[str, Any] | None = None,
     keep_checkpoints: int = 3,
+    checkpoint_async: bool = False,
     on_step: Callable[[Parallel], None] | None = None,
     max_nonfinite_steps: int = 3,
 ) -> FitResult:
@@ -59,7 +61,8 @@ def fit(
     stream again from its start as often as that takes; ``epochs`` does not apply. Evaluates after
     every epoch or pass over the stream (once, if there is nothing left to train); logs loss, lr and throughput every
     ``log_every`` steps on the main process; checkpoints to ``checkpoint_dir`` every
-    ``checkpoint_every`` steps and at the end, with the last logged loss (``extra["train_loss"]``).
+    ``checkpoint_every`` steps and at the end, with the last logged loss (``extra["train_loss"]``),
+    in the background with ``checkpoint_async`` (the last one is complete when ``fit`` returns).
     A loss that is NaN/inf for ``max_nonfinite_steps`` steps in a row raises
     :class:`~paratrain.loop.guard.NonFiniteLossError`, and no checkpoint is written after a NaN.
     """
@@ -75,7 +78,8 @@ def fit(
     def save() -> None:
         if window.safe_to_save(model):
             extra = {**(checkpoint_extra or {}), "train_loss": result.train_loss}
-            pt.save_checkpoint(checkpoint_dir, model, optimizer, scheduler, extra, keep_checkpoints)  # type: ignore[arg-type]
+            pt.save_checkpoint(checkpoint_dir, model, optimizer, scheduler, extra, keep_checkpoints,  # type: ignore[arg-type]
+                               asynchronous=checkpoint_async)
 
     try:
         while pt.global_step < total:
@@ -117,6 +121,7 @@ def fit(
             logger.log({"step": pt.global_step, **result.eval}, kind="eval")
         if checkpoint_dir and done and not (checkpoint_every and pt.global_step % checkpoint_every == 0):
             save()
+        wait_for_checkpoint()  # one written in the background is complete (or its failure raised) when fit returns
     finally:
         bar.close()
     result.steps, result.skipped_steps = pt.global_step, pt.skipped_steps

@@ -82,7 +82,7 @@ def run_training(cfg: TrainConfig, plan: BatchPlan | None = None) -> dict[str, A
                      eval_transform=_eval_transform(d.dataset), logger=logger, log_every=cfg.log_every,
                      progress_bar=cfg.progress, loader_kwargs=loader_kwargs, checkpoint_dir=cfg.checkpoint_dir,
                      checkpoint_every=cfg.checkpoint_every, checkpoint_extra={"config": dataclasses.asdict(cfg)},
-                     keep_checkpoints=cfg.keep_checkpoints,
+                     keep_checkpoints=cfg.keep_checkpoints, checkpoint_async=cfg.checkpoint_async,
                      max_nonfinite_steps=cfg.max_nonfinite_steps)
         train_loss = result.train_loss
         if result.steps == resumed:  # restarted after the last checkpoint: its logged loss is the run's
