@@ -16,7 +16,8 @@ from torch import nn
 
 from .base import NotApplicable
 
-__all__ = ["split_model", "balanced_cuts", "check_sequential", "is_plain_sequential", "parse_split_points"]
+__all__ = ["split_model", "balanced_cuts", "check_sequential", "is_plain_sequential", "parse_split_points",
+           "output_tensor"]
 
 
 def parse_split_points(value: Any, owner: str) -> list[str]:
@@ -47,6 +48,14 @@ def _children(model: nn.Module, owner: str) -> list[tuple[str, nn.Module]]:
             "move them into a child module so that one part owns them"
         )
     return list(model.named_children())
+
+
+def output_tensor(out: Any) -> Any:
+    """A model output's main tensor: HuggingFace's ``logits`` (or ``last_hidden_state``), a tuple's first."""
+    for name in ("logits", "last_hidden_state"):
+        if not isinstance(out, torch.Tensor) and getattr(out, name, None) is not None:
+            return getattr(out, name)
+    return out[0] if isinstance(out, (tuple, list)) else out
 
 
 def _names(children: Sequence[tuple[str, nn.Module]]) -> str:
@@ -136,7 +145,7 @@ def check_sequential(model: nn.Module, parts: Sequence[nn.Module], x: torch.Tens
     modes = [(m, m.training) for m in model.modules()]
     model.eval()
     try:
-        expected = model(x)
+        expected = output_tensor(model(x))
         got = x
         for part in parts:
             got = part(got)

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence, cast
 
 import torch
 import torch.distributed as dist
@@ -42,6 +42,7 @@ from torch import nn
 
 from ..env.process import Dist
 from ._split import check_sequential, parse_split_points, split_model
+from ._stack import split_stack
 from .base import NotApplicable, Strategy
 
 __all__ = ["PipelineOptions", "PipelineStrategy", "PipelineModule"]
@@ -162,8 +163,11 @@ class PipelineModule(nn.Module):
             # first step of a schedule also calls loss_fn once to infer gradient shapes.
             self._loss = loss
             schedule = self._schedule(x.shape, n, training=True)
+            shared: list[Any] = getattr(self.module, "shared_grads", list)()  # a tied weight's gradient before this backward
             schedule.step(*((x,) if self.is_first else ()), target=y if self.is_last else None,
                           losses=losses if self.is_last else None, return_outputs=False)
+            if shared:
+                cast(Any, self.module).sync_shared(shared)  # summed with the other stage holding it (GPT-2's tied embedding)
         return [t.detach() for t in losses]
 
     def eval_step(self, x: torch.Tensor) -> torch.Tensor | None:
@@ -227,8 +231,16 @@ class PipelineStrategy(Strategy):
 
     def wrap(self, model: nn.Module) -> nn.Module:
         o: PipelineOptions = self.options
-        parts = split_model(model, self.proc.world_size, o.split_points, "pipeline")
-        parts[self.proc.rank].to(self.device)  # only this stage lives on this rank's device
+        distributed = self.proc.backend is not None and self.proc.world_size > 1
+        try:
+            parts: Sequence[nn.Module] = split_model(model, self.proc.world_size, o.split_points, "pipeline")
+            parts[self.proc.rank].to(self.device)  # only this stage lives on this rank's device
+        except NotApplicable:  # no sequence of children: a stack of blocks (a GPT, Llama), cut between blocks
+            stacked = split_stack(model, self.proc.world_size, self.proc.rank, o.split_points, distributed)
+            if stacked is None:
+                raise
+            stacked[self.proc.rank].place(self.device)
+            parts = stacked
         pipe = PipelineModule(parts, self.proc.rank, model, self.device, o, self.proc.backend is not None)
         self._pipes[id(model)] = pipe
         return pipe

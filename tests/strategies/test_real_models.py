@@ -1,8 +1,8 @@
 """tensor and pipeline on models as users build them (issue 28, item 0): a HuggingFace Llama through its own
 plan (``base_model_tp_plan``), nanoGPT's GPT with its fused ``c_attn`` through the automatic plan,
 and a user's plan with ``*`` patterns, each at world size 2 in float64 against plain PyTorch in one
-process; a HuggingFace model without a plan is refused in one line, and pipeline refuses a decoder it
-cannot cut in one line that says what the cut needs."""
+process; a HuggingFace model without a plan is refused in one line, and the cut at top-level children
+refuses a decoder in one line (pipeline then cuts it between its blocks: test_pipeline_models.py)."""
 
 from __future__ import annotations
 
