@@ -212,6 +212,12 @@ class Parallel(process.OnProcess, tracking.TrackedRun):
         checkpoint_lib.save_pretrained(self.unwrap(model), lambda: self.full_state_dict(model), directory,
                                        self.is_main_process, **kwargs)
 
+    def load_weights(self, model: nn.Module, path: str | os.PathLike[str], strict: bool = True) -> None:
+        """Load exported safetensors weights (``paratrain export``, ``save_pretrained``, HuggingFace's
+        numbered files) into the set-up ``model``, one tensor at a time: each rank keeps only its shards,
+        also of a model built under :meth:`init_module` (:func:`paratrain.checkpoint.load_weights`)."""
+        checkpoint_lib.load_weights(self.unwrap(model), path, strict)
+
     def hidden_comm_bytes_per_step(self, model: nn.Module) -> int:
         """Bytes sent per optimizer step outside ``torch.distributed``'s Python calls (ps's RPC...)."""
         return self.strategy.hidden_comm_bytes_per_step(model)

@@ -31,7 +31,7 @@ from .io import load_file, load_latest, verify_checkpoint
 from .manifest import fsync_dir
 from .state import uncompiled_keys
 
-__all__ = ["save_model", "load_model", "export_checkpoint", "save_pretrained", "parse_size", "WEIGHTS", "INDEX",
+__all__ = ["save_model", "load_model", "load_weights", "export_checkpoint", "save_pretrained", "parse_size", "WEIGHTS", "INDEX",
            "INFO", "MAX_SHARD_SIZE"]
 
 WEIGHTS = "model.safetensors"
@@ -140,20 +140,62 @@ def save_model(state_dict: dict[str, torch.Tensor], directory: str | os.PathLike
 def load_model(path: str | os.PathLike, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
     """The state dict of an exported model (``path``: the folder or its ``model.safetensors``);
     ``model.load_state_dict(load_model(path))`` restores it into the user's plain module."""
-    p = Path(path)
-    if p.is_dir():
-        p = p / INDEX if (p / INDEX).is_file() else p / WEIGHTS
-    if not p.is_file():
-        raise FileNotFoundError(f"no exported model at {str(path)!r}: expected a folder holding {WEIGHTS} or {INDEX}")
-    if p.name == INDEX:
-        files = dict.fromkeys(json.loads(p.read_text())["weight_map"].values())
-        return {k: v for name in files for k, v in load_model(p.parent / name, device).items()}
+    files = _weight_files(path)
+    if len(files) > 1:
+        return {k: v for file in files for k, v in load_model(file, device).items()}
+    p = files[0]
     try:
         return _safetensors().load_file(str(p), device=str(device))
     except ValueError:
         raise
     except Exception as e:  # safetensors' own error types for a damaged file
         raise CheckpointError(f"{str(p)!r} is not a readable safetensors file: {type(e).__name__}: {e}") from None
+
+
+def _weight_files(path: str | os.PathLike) -> list[Path]:
+    """The safetensors files of an export (its folder, index or single file), in order."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / INDEX if (p / INDEX).is_file() else p / WEIGHTS
+    if not p.is_file():
+        raise FileNotFoundError(f"no exported model at {str(path)!r}: expected a folder holding {WEIGHTS} or {INDEX}")
+    if p.name != INDEX:
+        return [p]
+    return [p.parent / name for name in dict.fromkeys(json.loads(p.read_text())["weight_map"].values())]
+
+
+@torch.no_grad()
+def load_weights(module: nn.Module, path: str | os.PathLike, strict: bool = True) -> None:
+    """Copy the weights of an export (``model.safetensors``, HuggingFace's numbered files, or a
+    ``save_pretrained`` folder's) into ``module`` in place, one tensor at a time: a sharded
+    parameter (a DTensor: fsdp, tensor) takes only this rank's part of each tensor read, so no rank
+    ever holds the whole model, also a module built on the meta device and materialised by
+    ``pt.setup``. ``strict``: every entry of the module's ``state_dict`` must be in the files (a
+    pipeline stage's are its own); entries of the files the module does not have are skipped."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    targets = module.state_dict(keep_vars=True)
+    found: set[str] = set()
+    for file in _weight_files(path):
+        with _safetensors().safe_open(str(file), framework="pt") as f:
+            for key in f.keys():
+                target = targets.get(key)
+                if target is None:
+                    continue
+                value = f.get_tensor(key)
+                if tuple(value.shape) != tuple(target.shape):
+                    raise ValueError(f"{key}: {str(file)!r} holds a tensor of shape {tuple(value.shape)}, the model "
+                                     f"one of {tuple(target.shape)}: export the same model's weights")
+                if isinstance(target, DTensor):  # this rank's part, cut from the tensor read: no communication
+                    value = distribute_tensor(value, target.device_mesh, target.placements, src_data_rank=None).to_local()
+                    target = target.to_local()
+                target.copy_(value)
+                found.add(key)
+    loaded = {id(targets[k]) for k in found}  # a tied weight is loaded under any of its names (save_pretrained keeps one)
+    missing = [k for k in targets if k not in found and id(targets[k]) not in loaded]
+    if strict and missing:
+        raise ValueError(f"{len(missing)} of the model's entries are not in {str(path)!r} (first: {missing[0]!r}): "
+                         "give the weights of this model, or strict=False")
 
 
 def _sharded_model(folder: Path) -> tuple[dict[str, int], Callable[[list[str]], dict[str, torch.Tensor]]]:

@@ -102,3 +102,46 @@ def test_the_cli_exports_in_files_and_a_new_export_replaces_the_old_files(traine
                                         ("123", 123), (4096, 4096), ("2 kb", 2000)])
 def test_sizes_read_as_transformers_reads_them(text, size) -> None:
     assert parse_size(text) == size
+
+
+def _load_worker(rank: int, folder: str) -> dict[str, object]:
+    """A tiny GPT-2 built on the meta device under fsdp, its weights loaded from an export."""
+    pt = paratrain.Parallel(strategy="fsdp", seed=9)
+    with pt.init_module():
+        model = zoo.hf_model("gpt2")
+    model = pt.setup(model)
+    pt.load_weights(model, folder)
+    local = sum(p.to_local().numel() for p in pt.unwrap(model).parameters())
+    state = pt.full_state_dict(model)
+    pt.close()
+    return {"state": state, "local": local}
+
+
+def test_exported_weights_load_into_a_sharded_meta_built_model(trained, tmp_path: Path) -> None:
+    """Issue 28, item 1: each rank reads only its shards of each tensor into a model that was never whole."""
+    from paratrain.checkpoint import save_model
+
+    _, state = trained
+    save_model(state, tmp_path / "w", max_shard_size=LIMIT)
+    ranks = paratrain.launch(_load_worker, nprocs=2, args=(str(tmp_path / "w"),), timeout=240)
+    total = sum(p.numel() for p in zoo.hf_model("gpt2").parameters())
+    for r in ranks:
+        assert all(torch.equal(r["state"][k], v) for k, v in state.items())
+        assert r["local"] < 0.6 * total
+
+
+def test_save_pretrained_weights_load_in_one_process_and_a_wrong_model_is_one_line(trained, tmp_path: Path) -> None:
+    _, state = trained
+    hf = zoo.hf_model("gpt2")
+    hf.load_state_dict(state)
+    hf.save_pretrained(tmp_path / "hf")  # one name of the tied weight only
+    pt = paratrain.Parallel(seed=1)
+    model = pt.setup(zoo.hf_model("gpt2"))
+    pt.load_weights(model, tmp_path / "hf")
+    assert all(torch.equal(v, state[k]) for k, v in pt.unwrap(model).state_dict().items())
+    with pytest.raises(ValueError, match="of the model's entries are not in"):
+        pt.load_weights(pt.setup(zoo.hf_model("llama")), tmp_path / "hf")
+    wider = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=zoo.VOCAB))
+    with pytest.raises(ValueError, match="holds a tensor of shape"):
+        pt.load_weights(pt.setup(wider), tmp_path / "hf", strict=False)
+    pt.close()
