@@ -82,7 +82,8 @@ class Step:
 
 STEPS: tuple[Step, ...] = (
     Step("nccl", "nccl at world size 1: collectives, all_gather/reduce, DDP = plain loop", 45, 20, 30, 10, True),
-    Step("fsdp_bf16", "fsdp + bf16-mixed = single + bf16-mixed (paratrain train)", 75, 30, 60, 15, True),
+    Step("fsdp_bf16", "fsdp + bf16-mixed = single + bf16-mixed, and with cpu_offload (paratrain train)",
+         90, 30, 60, 15, True),
     Step("fp16_scaler", "fp16-mixed with torch.amp's CUDA GradScaler: follows fp32, skips an inf step",
          40, 15, 30, 10, True),
     Step("syncbn", "nn.SyncBatchNorm (sync_batchnorm=True), ddp x2 = BatchNorm over the whole batch",
