@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import abc
 import json
 import os
 import warnings
@@ -11,7 +12,7 @@ from typing import Any
 __all__ = ["Tracker", "NoTracker", "numeric", "flatten"]
 
 
-class Tracker:
+class Tracker(abc.ABC):
     """One backend. Paratrain calls it on the main process only, so a backend's run (a wandb or
     MLflow run, an event file) is created lazily, on the first call: an instance made on every
     rank (``Parallel(log_to=[MyTracker()])``) opens nothing on the others.
@@ -66,10 +67,12 @@ class Tracker:
 
     def log_config(self, config: Mapping[str, Any]) -> None:
         """Record the run's config and provenance where the backend has such a concept (once, before metrics)."""
+        return None  # optional: a backend without a config concept records nothing
 
+    @abc.abstractmethod
     def log_metrics(self, metrics: Mapping[str, Any], step: int, kind: str) -> None:
-        """Record ``metrics`` at optimizer step ``step``; ``kind`` groups them (``train``, ``eval``)."""
-        raise NotImplementedError
+        """Record ``metrics`` at optimizer step ``step``; ``kind`` groups them (``train``, ``eval``).
+        Every backend has it: a subclass without it cannot be instantiated."""
 
     def log_image(self, name: str, image: Any, step: int, kind: str) -> None:
         """Record ``image``, an ``H x W x C`` ``uint8`` NumPy array (C: 1, 3 or 4), as ``<kind>/<name>``."""
@@ -91,6 +94,7 @@ class Tracker:
 
     def close(self, ok: bool = True) -> None:
         """Flush and finish the run (``ok=False``: the job failed)."""
+        return None  # optional: a backend with nothing open has nothing to finish
 
     def _cannot(self, what: str, method: str) -> None:
         warned = self.__dict__.setdefault("_cannot_warned", set())

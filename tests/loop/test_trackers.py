@@ -260,3 +260,13 @@ def test_a_key_that_first_appears_later_is_reported_once(tmp_path):
         tracker.log_metrics({"loss": 1.0, "grad_norm": 2.0}, 2, "train")
     tracker.log_metrics({"loss": 1.0, "grad_norm": 2.0}, 3, "train")  # once
     assert (tmp_path / "train.jsonl").read_text().count("grad_norm") == 2
+
+
+def test_a_tracker_without_log_metrics_cannot_be_made():
+    from paratrain.tracking import Tracker
+
+    class Half(Tracker):
+        name = "half"
+
+    with pytest.raises(TypeError, match="log_metrics"):
+        Half()
