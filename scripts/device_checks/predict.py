@@ -1,0 +1,76 @@
+"""The device check: bench --predict's model against measured ddp."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from .base import CHECKS, CheckFailed, Result
+
+
+def _bench_step_time(cfg: Any, strategy: str, world: int, epochs: int, timeout: float) -> float:
+    import dataclasses
+
+    from paratrain.bench import quick_spec, run_bench
+
+    spec = dataclasses.replace(quick_spec(), strategies=[strategy], world_sizes=[world], precisions=["32"],
+                               comm_hooks=["none"], epochs=epochs, baseline=False, trap=False, nccl_cells=False,
+                               cell_timeout=timeout)
+    res = run_bench(spec, cfg, progress=False)
+    ok = [r for r in res.results if r.status == "ok" and r.cell.world_size == world and r.step_time_s]
+    if not ok:
+        raise CheckFailed(f"{strategy} x{world} did not run: {[r.reason for r in res.results]}")
+    return float(ok[0].step_time_s or 0.0)
+
+
+def predict_check(mode: str, budget: float) -> Result:
+    """The predictor of ``paratrain bench --predict`` against ddp measured over loopback gloo on the
+    CPU (weak scaling: each worker keeps the per-worker batch): world sizes 4 and 8 on a GPU
+    machine's cores (``--mode cpu``: 2, what 2 cores hold). Compute is ``single`` at the per-worker
+    batch; the link is fitted to gloo all-reduces between 2 local processes, as bench does. It records
+    the error of the prediction with all communication exposed and with none; it fails only when
+    something does not run."""
+    from paratrain.bench.predict import Workload, predict
+    from paratrain.bench.scaling import measured_link
+    from paratrain.config import TrainConfig
+
+    cores = os.cpu_count() or 1
+    if mode == "gpu":
+        sizes, model, batch, size, epochs = [4, 8], "resnet8", 32, 4096, 1
+        sizes = [n for n in sizes if n <= cores] or [2]
+    else:
+        sizes, model, batch, size, epochs = [2], "mlp", 16, 1024, 1
+    base = {"model": model, "data.dataset": "synthetic", "data.synthetic_size": size, "parallel.accelerator": "cpu"}
+    t0 = time.monotonic()
+    link = measured_link()
+    cell_timeout = max(30.0, budget / (2 + len(sizes)))
+    compute = _bench_step_time(TrainConfig.load(None, {**base, "parallel.global_batch": batch}), "single", 1, epochs,
+                               cell_timeout)
+    cfg = TrainConfig.load(None, base)
+    shapes = tuple(tuple(p.shape) for p in cfg.build_model().parameters() if p.requires_grad)
+    print(f"{model} on synthetic ({size} samples), {batch} per worker, {cores} cores; link {link.describe()}; "
+          f"single {compute * 1e3:.1f} ms a step ({time.monotonic() - t0:.0f} s so far)", flush=True)
+    rows = []
+    for n in sizes:
+        measured = _bench_step_time(TrainConfig.load(None, {**base, "parallel.global_batch": n * batch}), "ddp", n,
+                                    epochs, cell_timeout)
+        row: dict[str, Any] = {"workers": n, "measured_ms": measured * 1e3}
+        for exposed in (1.0, 0.0):
+            (p,) = predict(Workload(compute, batch, shapes, exposed), link, ["all-reduce (ddp)"], [n])
+            row[f"predicted_ms_exposed_{exposed:.0f}"] = p.step_s * 1e3
+            row[f"error_pct_exposed_{exposed:.0f}"] = 100 * (p.step_s - measured) / measured
+        rows.append(row)
+        print(f"ddp x{n}: measured {measured * 1e3:.1f} ms; predicted {row['predicted_ms_exposed_1']:.1f} ms "
+              f"({row['error_pct_exposed_1']:+.0f}%) all exposed, {row['predicted_ms_exposed_0']:.1f} ms "
+              f"({row['error_pct_exposed_0']:+.0f}%) none", flush=True)
+    summary = "; ".join(f"x{r['workers']}: measured {r['measured_ms']:.0f} ms, predicted "
+                        f"{r['predicted_ms_exposed_1']:.0f} ms ({r['error_pct_exposed_1']:+.0f}%, exposed 1) / "
+                        f"{r['predicted_ms_exposed_0']:.0f} ms ({r['error_pct_exposed_0']:+.0f}%, exposed 0)"
+                        for r in rows)
+    return Result(f"{model}, {batch}/worker, gloo loopback: {summary}",
+                  {"model": model, "batch_per_worker": batch, "cores": cores, "link": link.describe(),
+                   "single_ms": compute * 1e3, "rows": rows})
+
+
+CHECKS["predict"] = predict_check
