@@ -12,6 +12,7 @@ never the dict it came from.
 from __future__ import annotations
 
 import ast
+import copy
 import dataclasses
 import inspect
 import math
@@ -33,11 +34,13 @@ from . import precision as _precision
 from . import strategies as _strategies
 from .data.datasets import build_dataset, dataset_info, dataset_size
 from .data.sampler import BatchPlan
+from .env import defaults as launch_defaults
+from .env.detect import detect_process
 from .tracking import parse_log_to
 from .tracking.runs import LATEST
 
 __all__ = ["ParallelConfig", "DataConfig", "OptimConfig", "TrainConfig", "load_config", "apply_overrides", "from_dict",
-           "parse_set"]
+           "parse_set", "parallel_defaults"]
 
 
 BACKENDS = ("auto", "gloo", "nccl", "mpi", "xccl", "hccl")
@@ -163,14 +166,18 @@ class ParallelConfig:
     @classmethod
     def of(cls, config: ParallelConfig | None, options: Mapping[str, Any]) -> ParallelConfig:
         """``config``, or one of the keyword ``options`` (``Parallel(strategy="ddp")``); not both, and
-        an unknown option is a one-line error naming the known ones."""
+        an unknown option is a one-line error naming the known ones.
+
+        Keyword options apply over the defaults chosen at launch (``paratrain run --strategy ddp``, a
+        project's ``paratrain.toml``: :mod:`paratrain.env.defaults`): the code wins, and where the two
+        disagree one line on the main process names both. A ``ParallelConfig`` is taken as it is."""
         if config is not None and options:
             raise ValueError("pass either a ParallelConfig or keyword arguments, not both")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(options) - known)
         if unknown:
             raise ValueError(f"unknown Parallel option {unknown[0]!r}: known options are {', '.join(sorted(known))}")
-        return config or cls(**options)
+        return config or cls(**_over_launch_defaults(options))
 
     @property
     def strategy_class(self) -> type[_strategies.Strategy]:
@@ -424,6 +431,83 @@ class TrainConfig:
     def to_dict(self) -> dict[str, Any]:
         """This config as nested plain dicts (a deep copy), as :func:`load_config` reads a file."""
         return dataclasses.asdict(self)
+
+
+# --- the defaults of Parallel() chosen at launch ---------------------------------------------
+
+_NOTICED: set[str] = set()  # notices printed by this process (a loop building Parallel() again says nothing new)
+
+
+def parallel_defaults(path: str | os.PathLike | None = None, overrides: Mapping[str, Any] | None = None,
+                      cwd: str | os.PathLike = ".", labels: Mapping[str, str] | None = None
+                      ) -> tuple[dict[str, Any], dict[str, str]]:
+    """The defaults of ``Parallel()`` that ``paratrain run`` hands to its workers: the ``[parallel]``
+    table of the config file ``path`` (None: ``paratrain.toml`` in ``cwd``, if there is one) with the
+    dotted ``overrides`` (``{"parallel.strategy": "ddp"}``: the command line's) over it, and where
+    each dotted key came from (``labels[key]`` for an override, else "the command line"). The file
+    and the overrides are validated as ``paratrain train --config`` validates them: a bad name or
+    value is its one-line ``ValueError``."""
+    label = "--config " + os.fspath(path) if path is not None else ""
+    if path is None and os.path.isfile(project := os.path.join(cwd, launch_defaults.PROJECT_FILE)):
+        path, label = project, os.path.join(os.path.abspath(cwd), launch_defaults.PROJECT_FILE)
+    data = load_config(path)
+    for key in overrides or {}:
+        if not key.startswith("parallel."):
+            raise ValueError(f"--set {key}: paratrain run sets the defaults of Parallel() only: use "
+                             "--set parallel.<key>=<value>, e.g. --set parallel.seed=3")
+    from_dict(TrainConfig, apply_overrides(copy.deepcopy(data), dict(overrides or {})))  # the one validation
+    table = dict(data.get("parallel") or {})
+    sources = dict.fromkeys(launch_defaults.dotted(table), label)
+    for key, value in (overrides or {}).items():
+        apply_overrides(table, {key.removeprefix("parallel."): value})
+        sources[key.removeprefix("parallel.")] = (labels or {}).get(key, "the command line")
+    return table, sources
+
+
+def _over_launch_defaults(options: Mapping[str, Any]) -> dict[str, Any]:
+    """``Parallel``'s keyword ``options`` over the defaults set at launch (the code wins); where the
+    two disagree, one line on the main process names both values and where the default came from."""
+    table, sources = launch_defaults.read()
+    if not table:
+        return dict(options)
+    try:
+        chosen = from_dict(ParallelConfig, table, "parallel")
+    except ValueError as e:
+        origin = sorted(set(sources.values()) - {launch_defaults.VARIABLE})
+        raise ValueError(f"{e} (in the defaults set at launch, {launch_defaults.VARIABLE}"
+                         + (f": from {', '.join(origin)})" if origin else ")")) from None
+    defaults = {key: ({k: getattr(getattr(chosen, key), k) for k in value} if isinstance(value, Mapping)
+                      else getattr(chosen, key)) for key, value in table.items()}
+    merged, differ = dict(defaults), []
+    for key, value in options.items():
+        default = defaults.get(key)
+        if isinstance(default, dict):  # a section: the code's keys over the launch's
+            given = dataclasses.asdict(value) if dataclasses.is_dataclass(value) and not isinstance(value, type) else value
+            merged[key] = {**default, **value} if isinstance(value, Mapping) else value
+            if isinstance(given, Mapping):
+                differ += [(f"{key}.{k}", given[k], v) for k, v in default.items() if k in given and given[k] != v]
+            continue
+        merged[key] = value
+        if key in defaults and not _same(key, value, default):
+            differ.append((key, value, default))
+    if differ and detect_process().rank == 0:
+        line = (f"paratrain: Parallel({', '.join(f'{k}={v!r}' for k, v, _ in differ)}) in the code wins over the "
+                f"default{'s' if len(differ) > 1 else ''} set at launch: "
+                + ", ".join(f"{k}={d!r} ({sources.get(k, launch_defaults.VARIABLE)})" for k, _, d in differ))
+        if line not in _NOTICED:
+            _NOTICED.add(line)
+            print(line, file=sys.stderr, flush=True)
+    return merged
+
+
+def _same(key: str, given: Any, default: Any) -> bool:
+    """Whether the code's ``given`` value of ``key`` is the launch's ``default`` (a precision's alias too)."""
+    if key == "precision":
+        try:
+            return _precision.resolve(given) == default
+        except ValueError:
+            return False
+    return bool(given == default)
 
 
 # --- building from dicts, files and overrides ----------------------------------------------

@@ -2,13 +2,16 @@
 
 Versions (paratrain, torch and its CUDA/NCCL, python), the devices and what paratrain would pick
 on them, the distributed backends torch was built with, the launcher variables that are set
-(torchrun, Slurm, MPI) and the default ``paratrain train`` config.
+(torchrun, Slurm, MPI), the defaults of ``Parallel()`` in force (set by ``paratrain run
+--strategy/--precision/--set``, or a ``paratrain.toml`` here) and where each came from, and the
+default ``paratrain train`` config.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import os
 import platform
 from typing import Any
@@ -23,11 +26,30 @@ OPTIONAL = ("torchvision", "tensorboard", "yaml", "transformers", "datasets", "t
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser("env", help="print versions, devices and launcher variables for a bug report",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default=None, metavar="FILE",
+                   help="show the Parallel() defaults of this file's [parallel] table (default: those set at launch, "
+                        "else ./paratrain.toml's)")
     p.set_defaults(func=main)
     return p
 
 
-def report() -> str:
+def parallel_defaults_lines(config: str | None = None) -> list[str]:
+    """The defaults of ``Parallel()`` in force, one line each with where it came from: ``config``'s
+    (a file), else those set at launch (``paratrain run``), else ``./paratrain.toml``'s."""
+    from ..config import parallel_defaults
+    from ..env import defaults as launch_defaults
+
+    table, sources = launch_defaults.read() if config is None else ({}, {})
+    if not table:
+        table, sources = parallel_defaults(config)
+    head = "Parallel() defaults (the script's own arguments win over these; the rest are built-in):"
+    if not table:
+        return [head, f"  (none set: paratrain run --strategy/--precision/--set, or ./{launch_defaults.PROJECT_FILE})"]
+    return [head, *(f"  {key} = {json.dumps(value, default=str)}  ({sources.get(key, launch_defaults.VARIABLE)})"
+                    for key, value in launch_defaults.dotted(table).items())]
+
+
+def report(config: str | None = None) -> str:
     """The report as text."""
     import torch
     import torch.distributed as dist
@@ -65,10 +87,11 @@ def report() -> str:
     ]
     env = sorted((k, v) for k, v in os.environ.items() if k.startswith(ENV_PREFIXES))
     lines += [f"  {k}={v}" for k, v in env] or ["  (none set)"]
+    lines += parallel_defaults_lines(config)
     lines += ["default config (paratrain train --print-config):", *("  " + ln for ln in to_toml(TrainConfig()).splitlines())]
     return "\n".join(lines)
 
 
 def main(args: argparse.Namespace) -> int:
-    print(report())
+    print(report(args.config))
     return 0

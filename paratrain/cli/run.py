@@ -4,6 +4,12 @@ Flags are spelled like ``torchrun``'s (``--nproc-per-node``, also ``--nproc_per_
 ``paratrain run --nproc-per-node 4 train.py --lr 0.1``. Several nodes: the same command on every
 node with ``--nnodes N --node-rank K --master-addr A --master-port P`` (static rendezvous) or with
 ``--nnodes MIN:MAX --rdzv-endpoint HOST:PORT`` (c10d rendezvous).
+
+``--strategy``, ``--precision`` and ``--set parallel.KEY=VALUE`` set the defaults of every
+``Parallel()`` the script builds (``paratrain run --strategy ddp --precision bf16-mixed train.py``);
+so does the ``[parallel]`` table of a ``paratrain.toml`` in the working directory (or of
+``--config FILE``). The arguments the script passes to ``Parallel(...)`` win over them, then the
+command line, then the file, then the built-in defaults. ``paratrain env`` shows those in force.
 """
 
 from __future__ import annotations
@@ -14,6 +20,9 @@ import os
 import shutil
 from typing import Any
 
+from .. import precision, strategies
+from ..config import parallel_defaults, parse_set
+from ..env import defaults as launch_defaults
 from ..launch.torchrun import PASSTHROUGH, LaunchConfig, nproc_per_node, torchrun
 
 
@@ -124,6 +133,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_launch_arguments(p, program=True)
+    add_default_arguments(p)
     p.add_argument("--log-dir", "--log_dir", default=None, metavar="DIR", help="torchrun log directory")
     p.add_argument("-m", "--module", action="store_true", help="run the program as a module, like python -m")
     p.add_argument("script", help="the training script (or module with -m)")
@@ -131,6 +141,31 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="arguments for the script, passed to it untouched (also ones named like paratrain's flags)")
     p.set_defaults(func=main, split_program=split_program)
     return p
+
+
+def add_default_arguments(p: argparse.ArgumentParser) -> None:
+    """``--strategy``, ``--precision``, ``--set`` and ``--config``: the defaults of the script's ``Parallel()``."""
+    g = p.add_argument_group("defaults of Parallel() in the script (its own arguments win)")
+    g.add_argument("--strategy", default=None, metavar="S", help=f"{', '.join(strategies.STRATEGIES)}")
+    g.add_argument("--precision", default=None, metavar="P", help=f"{', '.join(precision.PRECISIONS)}")
+    g.add_argument("--set", dest="overrides", action="append", default=[], metavar="parallel.KEY=VALUE",
+                   help="any other field of Parallel's config, e.g. --set parallel.seed=3 --set parallel.ddp.comm_hook=fp16")
+    g.add_argument("--config", default=None, metavar="FILE",
+                   help=f"TOML or YAML file whose [parallel] table sets them (default: ./{launch_defaults.PROJECT_FILE} "
+                        "if there is one; the format of paratrain train --config)")
+
+
+def defaults_environment(args: argparse.Namespace) -> dict[str, str]:
+    """The environment that hands the script's ``Parallel()`` its defaults (:mod:`paratrain.env.defaults`),
+    validated here, before any worker starts; empty when nothing sets one."""
+    overrides = parse_set(args.overrides)
+    labels = {key: f"paratrain run --set {key}" for key in overrides}
+    for flag in ("strategy", "precision"):
+        if getattr(args, flag) is not None:
+            overrides[f"parallel.{flag}"] = getattr(args, flag)
+            labels[f"parallel.{flag}"] = f"paratrain run --{flag}"
+    table, sources = parallel_defaults(args.config, overrides, labels=labels)
+    return launch_defaults.encode(table, sources) if table else {}
 
 
 def split_program(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[list[str], list[str]]:
@@ -168,4 +203,5 @@ def main(args: argparse.Namespace) -> int:
             raise FileNotFoundError(f"program {args.script!r} is neither a file nor on PATH: give a path or a command")
     elif not args.module and not os.path.isfile(args.script):
         raise FileNotFoundError(f"script {args.script!r} does not exist: give the path to a Python file (or use -m)")
+    os.environ.update(defaults_environment(args))  # torchrun hands this process's environment to the workers
     return torchrun(cfg, [args.script, *args.script_args], module=args.module)
