@@ -224,6 +224,11 @@ class StepClock:
         self._followed[id(wrapper)] = self.global_step
         self.schedulers.append(wrapper)
 
+    def unfollow(self, wrapper: Any) -> None:
+        """``wrapper`` no longer follows the optimizer steps by itself (it was set up or is driven)."""
+        self._followed.pop(id(wrapper), None)
+        self.schedulers = [s for s in self.schedulers if s is not wrapper]
+
     def due(self, wrapper: Any) -> bool:
         """Whether the optimizers stepped since ``wrapper`` last acted; if so it acts now."""
         last = self._followed.setdefault(id(wrapper), self.global_step)

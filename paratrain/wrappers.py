@@ -5,8 +5,9 @@ scheduler wrappers, in one file (as Lightning Fabric's ``wrappers.py``).
 ``state_dict`` keys; ``ParallelOptimizer`` is a real :class:`torch.optim.Optimizer` (schedulers
 accept it) whose ``step`` acts once per global batch; ``ParallelScheduler`` steps once per
 optimizer step, so a loop that steps both per micro-batch keeps the schedule it has without
-accumulation. The optimizer and scheduler ask the run's :class:`~paratrain.clock.StepClock`
-where the global batch stands.
+accumulation; so does a torch LR scheduler built on the returned optimizer without being given to
+``setup`` (:func:`follow_steps`). The optimizer and scheduler ask the run's
+:class:`~paratrain.clock.StepClock` where the global batch stands.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from .evaluation import to_float32
 from .precision import Precision
 
 __all__ = ["ParallelModule", "ParallelOptimizer", "ParallelScheduler", "check_setup_arguments", "attach_scheduler",
+           "follow_steps",
            "registered_optimizer", "strategy_module", "checkpointed", "compiled_like", "is_compiled", "uncompiled",
            "unwrapped"]
 
@@ -43,11 +45,54 @@ def check_setup_arguments(model: Any, optimizer: Any, scheduler: Any) -> None:
 
 
 def attach_scheduler(scheduler: Any, optimizer: ParallelOptimizer) -> Any:
-    """Point ``scheduler`` (and those a SequentialLR/ChainedScheduler holds) at ``optimizer``."""
+    """Point ``scheduler`` (and those a SequentialLR/ChainedScheduler holds) at ``optimizer``; one
+    built on it, which followed its steps by itself (:func:`follow_steps`), is now set up or driven."""
     for s in (scheduler, *getattr(scheduler, "_schedulers", ())):
+        _unfollow(s, optimizer._clock)
         if hasattr(s, "optimizer"):
             s.optimizer = optimizer
     return scheduler
+
+
+class _FollowsSteps:
+    """What a torch LR scheduler built on a :class:`ParallelOptimizer` (not given to ``setup``)
+    becomes: its ``step()`` acts once per optimizer step, as a scheduler passed to ``setup`` does,
+    instead of once per micro-batch. The steps of its construction run as they are."""
+
+    _plain: type = object  # the scheduler's own class
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        if "_last_lr" not in self.__dict__ or self.optimizer._clock.due(self):  # type: ignore[attr-defined]
+            super().step(*args, **kwargs)  # type: ignore[misc]
+
+    def __reduce_ex__(self, protocol: Any) -> Any:  # a copy (deepcopy, pickle) is the plain scheduler
+        reduced: Any = super().__reduce_ex__(protocol)
+        return (reduced[0], tuple(self._plain if a is type(self) else a for a in reduced[1]), *reduced[2:])
+
+
+_FOLLOWING: dict[type, type] = {}  # a scheduler class -> its _FollowsSteps subclass
+
+
+def follow_steps(scheduler: Any, optimizer: ParallelOptimizer) -> None:
+    """Make ``scheduler`` (a torch LR scheduler being built on ``optimizer``, not yet given to
+    ``setup`` or ``register_scheduler``) step once per optimizer step (:class:`_FollowsSteps`); the
+    schedulers a SequentialLR or ChainedScheduler holds are then stepped by it."""
+    if isinstance(scheduler, _FollowsSteps) or not isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
+        return
+    plain = type(scheduler)
+    if plain not in _FOLLOWING:
+        _FOLLOWING[plain] = type(plain.__name__, (_FollowsSteps, plain), {"_plain": plain, "__module__": plain.__module__,
+                                                                          "__qualname__": plain.__qualname__})
+    scheduler.__class__ = _FOLLOWING[plain]
+    optimizer._clock.follow(scheduler)
+    for inner in getattr(scheduler, "_schedulers", ()):
+        _unfollow(inner, optimizer._clock)
+
+
+def _unfollow(scheduler: Any, clock: StepClock) -> None:
+    if isinstance(scheduler, _FollowsSteps):
+        scheduler.__class__ = scheduler._plain
+        clock.unfollow(scheduler)
 
 
 def registered_optimizer(scheduler: Any, optimizer: ParallelOptimizer | None) -> ParallelOptimizer:
@@ -204,6 +249,9 @@ class ParallelOptimizer(torch.optim.Optimizer):
 
     @property  # type: ignore[override]
     def param_groups(self) -> list[dict[str, Any]]:
+        caller = sys._getframe(1)
+        if caller.f_code.co_name == "__init__":  # a torch LR scheduler being built on this optimizer reads them
+            follow_steps(caller.f_locals.get("self"), self)
         return self.optimizer.param_groups
 
     @param_groups.setter

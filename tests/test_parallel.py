@@ -267,11 +267,29 @@ def test_scheduler_steps_once_per_optimizer_step(pattern, recwarn):
     assert not [w for w in recwarn if "lr_scheduler" in str(w.message) or "learning rate" in str(w.message)]
 
 
-def test_scheduler_stepped_per_micro_batch_is_reported():
-    """A scheduler paratrain does not know about, stepped after every optimizer.step() under
-    accumulation, moves the lr mid-batch: one warning says how to fix it."""
+def test_scheduler_built_on_the_setup_optimizer_follows_its_steps(recwarn):
+    """A scheduler built on the optimizer setup returns, not given to setup, and stepped after every
+    optimizer.step() under accumulation: it steps once per optimizer step, as plain PyTorch does
+    (issue 27, item 4; more schedulers and world size 2: tests/test_wrappers.py)."""
+    ref, ref_lrs = reference_run(epochs=2)
+    got, lrs, sched = paratrain_run("user", epochs=2)
+    assert lrs == pytest.approx(ref_lrs, rel=1e-12) and sched.last_epoch == 12
+    assert_states_equal(got, ref, 1e-10)
+    assert not [w for w in recwarn if "lr_scheduler" in str(w.message) or "learning rate" in str(w.message)]
+
+
+def test_an_lr_moved_mid_accumulation_is_reported():
+    """An lr the loop moves itself between the micro-steps of a global batch: one warning says how to fix it."""
+    pt = paratrain.Parallel(global_batch=4, accumulation=2)
+    net = nn.Linear(4, 2)
+    model, opt = pt.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
     with pytest.warns(UserWarning, match="changed in the middle of an accumulation"):
-        paratrain_run("user", epochs=1)
+        for _ in range(2):
+            opt.zero_grad()
+            pt.backward(model(torch.ones(2, 4)).sum())
+            opt.step()
+            opt.param_groups[0]["lr"] *= 0.5  # a schedule of the loop's own, per micro-batch
+    pt.close()
 
 
 def _own_scaler_run(use_pt: bool, tmp_path=None):
