@@ -216,6 +216,7 @@ class StepClock:
     # --- schedulers ----------------------------------------------------------------------
     def drive(self, scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
         """Step ``scheduler`` after every step of the real ``optimizer`` (``register_scheduler``)."""
+        self.unfollow(scheduler)  # one built on the optimizer wrapper followed its steps by itself until now
         self._driven.append((scheduler, optimizer))
         self.schedulers.append(scheduler)
 
@@ -228,6 +229,10 @@ class StepClock:
         """``wrapper`` no longer follows the optimizer steps by itself (it was set up or is driven)."""
         self._followed.pop(id(wrapper), None)
         self.schedulers = [s for s in self.schedulers if s is not wrapper]
+
+    def following(self, wrapper: Any) -> bool:
+        """Whether ``wrapper`` steps once per optimizer step by asking :meth:`due`."""
+        return id(wrapper) in self._followed
 
     def due(self, wrapper: Any) -> bool:
         """Whether the optimizers stepped since ``wrapper`` last acted; if so it acts now."""

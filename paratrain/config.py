@@ -482,7 +482,8 @@ def _over_launch_defaults(options: Mapping[str, Any]) -> dict[str, Any]:
     for key, value in options.items():
         default = defaults.get(key)
         if isinstance(default, dict):  # a section: the code's keys over the launch's
-            given = dataclasses.asdict(value) if dataclasses.is_dataclass(value) and not isinstance(value, type) else value
+            whole = dataclasses.is_dataclass(value) and not isinstance(value, type)  # an Options object
+            given = dataclasses.asdict(value) if whole else value  # type: ignore[arg-type]
             merged[key] = {**default, **value} if isinstance(value, Mapping) else value
             if isinstance(given, Mapping):
                 differ += [(f"{key}.{k}", given[k], v) for k, v in default.items() if k in given and given[k] != v]

@@ -46,9 +46,9 @@ from .metrics import mapping_loss
 from .nn.deferred import Deferred
 from .precision import PrecisionName
 from .strategies import DDPOptions, DevicesOptions, FSDPOptions, PipelineOptions, PSOptions, StrategyName, TensorOptions
-from .wrappers import (ParallelModule, ParallelOptimizer, ParallelScheduler, attach_scheduler, check_setup_arguments,
-                       checkpointed, compiled_like, is_compiled, registered_optimizer, strategy_module, uncompiled,
-                       unwrapped)
+from .wrappers import (ParallelModule, ParallelOptimizer, ParallelScheduler, attach_scheduler, check_first_backward,
+                       check_setup_arguments, checkpointed, compiled_like, is_compiled, registered_optimizer,
+                       strategy_module, uncompiled, unwrapped)
 
 __all__ = ["Parallel", "ParallelModule", "ParallelOptimizer", "ParallelScheduler"]
 
@@ -140,7 +140,7 @@ class Parallel(process.OnProcess, tracking.TrackedRun):
         The returned scheduler's ``step()`` acts once per optimizer step whatever the accumulation
         (see :class:`ParallelScheduler`).
         """
-        check_setup_arguments(model, optimizer, scheduler)
+        check_setup_arguments(model, optimizer, scheduler, self._models)
         compiled = model if is_compiled(model) else None
         original = uncompiled(model)  # its keys are the checkpoint's, compiled or not
         values = self._deferred.values(original)  # built under init_module: what each tensor's shard holds
@@ -231,6 +231,7 @@ class Parallel(process.OnProcess, tracking.TrackedRun):
         """
         if callable(loss):
             return self._clock.backward(loss)
+        check_first_backward(loss, self._models, self.global_step + self.micro_step, self.strategy.sharded_state)
         self._clock.backward(lambda n: self.precision.backward(loss / n if n > 1 else loss),
                              lambda: (p for m in self._models for p in m.parameters()))
 
@@ -305,12 +306,13 @@ class Parallel(process.OnProcess, tracking.TrackedRun):
                                    self.strategy.data_parallel_size, self.strategy.data_parallel_rank, self.device,
                                    transform, **dataloader_kwargs)
 
-    def evaluate(self, model: nn.Module, loader: EvalLoader, loss_fn: Callable[..., torch.Tensor] | None = None,
+    def evaluate(self, model: nn.Module, loader: EvalLoader | DataLoader, loss_fn: Callable[..., Any] | None = None,
                  *, step_fn: Callable[[nn.Module, Any], Any] | None = None,
                  metrics: Mapping[str, Any] | None = None) -> dict[str, Any]:
-        """Loss, accuracy (classification only) and your metrics over the whole evaluation set,
-        reduced over ranks; ``count`` is the number of samples. How a batch becomes predictions and
-        targets, which loss applies and how ranks stay in step: :func:`paratrain.evaluation.evaluate`."""
+        """Loss, accuracy (classification only) and your metrics over the whole evaluation set (your own
+        DataLoader is sharded as :meth:`eval_loader` shards it), reduced over ranks; ``count`` is the number
+        of samples. How batches become predictions and targets: :func:`paratrain.evaluation.evaluate`."""
+        loader = self.eval_loader(loader) if isinstance(loader, DataLoader) else loader
         return evaluation.evaluate(self.strategy, self.precision, self.device, self.unwrap(model), loader, loss_fn,
                                    step_fn=step_fn, metrics=metrics)
 

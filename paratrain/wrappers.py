@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
@@ -25,15 +25,31 @@ from .evaluation import to_float32
 from .precision import Precision
 
 __all__ = ["ParallelModule", "ParallelOptimizer", "ParallelScheduler", "check_setup_arguments", "attach_scheduler",
-           "follow_steps",
+           "follow_steps", "check_first_backward",
            "registered_optimizer", "strategy_module", "checkpointed", "compiled_like", "is_compiled", "uncompiled",
            "unwrapped"]
 
 
-def check_setup_arguments(model: Any, optimizer: Any, scheduler: Any) -> None:
-    """setup(model, optimizer, scheduler) in that order and of those kinds, or a one-line error."""
+def check_setup_arguments(model: Any, optimizer: Any, scheduler: Any, models: Sequence[nn.Module] = ()) -> None:
+    """setup(model, optimizer, scheduler) in that order and of those kinds, a model not set up
+    before (one of ``models``, what the strategy made of each) and an optimizer over its parameters;
+    else a one-line error."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"setup: the model is a {type(model).__name__}, not a torch.nn.Module")
+    if isinstance(uncompiled(model), ParallelModule):
+        raise ValueError("setup: this model is what pt.setup returned, already set up: set up each model once "
+                         "(model, optimizer = pt.setup(model, optimizer)) and use what it returned")
+    held = {id(p) for m in models for p in m.parameters()}
+    if any(id(p) in held for p in model.parameters()):
+        raise ValueError(f"setup: this {type(model).__name__} was set up before (its parameters are a set-up "
+                         "model's): set up each model once and use what pt.setup returned")
+    if isinstance(optimizer, torch.optim.Optimizer):
+        own = {id(p) for p in model.parameters()}
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        if params and not any(id(p) in own for p in params):
+            raise ValueError(f"setup: the optimizer holds none of this {type(model).__name__}'s parameters (it was "
+                             f"built on another model, or on a copy): build it on this model's, "
+                             f"{type(optimizer).__name__}(model.parameters(), ...), then pt.setup(model, optimizer)")
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         hint = " (a scheduler? pass pt.setup(model, optimizer, scheduler))" if hasattr(optimizer, "optimizer") else ""
         raise TypeError(f"setup: the optimizer is a {type(optimizer).__name__}, not a torch.optim.Optimizer{hint}")
@@ -42,6 +58,38 @@ def check_setup_arguments(model: Any, optimizer: Any, scheduler: Any) -> None:
                         "optimizer, as torch.optim.lr_scheduler's)")
     if optimizer is None and scheduler is not None:
         raise ValueError("setup got a scheduler but no optimizer: pass both, pt.setup(model, optimizer, scheduler)")
+
+
+def check_first_backward(loss: torch.Tensor, models: list[nn.Module], steps_before: int, sharded: bool) -> None:
+    """At a run's first backward (``steps_before`` 0: no backward or optimizer step before), the
+    loss must come from a model ``setup`` returned (one of ``models``, what the strategy made of
+    each): else its gradients would never be reduced and the replicas would drift apart. A
+    one-line error names the fix. Under a strategy that shards the parameters (``sharded``: its
+    forward runs on gathered copies, which the graph reaches instead) only a run without a model
+    set up is refused."""
+    if steps_before:
+        return
+    fix = "set up the model and its optimizer, model, optimizer = pt.setup(model, optimizer), and compute the loss " \
+          "with the model it returns"
+    if not models:
+        raise ValueError(f"pt.backward: no model was set up, so nothing keeps the processes' replicas equal: {fix}")
+    if not sharded and loss.grad_fn is not None and not _reaches(loss.grad_fn, {id(p) for m in models for p in m.parameters()}):
+        raise ValueError(f"pt.backward: the loss depends on no parameter of a model pt.setup returned (a model "
+                         f"never set up?): {fix}")
+
+
+def _reaches(node: Any, params: set[int]) -> bool:
+    """Whether the autograd graph from ``node`` accumulates a gradient into one of ``params`` (ids)."""
+    seen, todo = set(), [node]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if id(getattr(node, "variable", None)) in params:
+            return True
+        todo.extend(next_node for next_node, _ in node.next_functions)
+    return False
 
 
 def attach_scheduler(scheduler: Any, optimizer: ParallelOptimizer) -> Any:
@@ -62,7 +110,8 @@ class _FollowsSteps:
     _plain: type = object  # the scheduler's own class
 
     def step(self, *args: Any, **kwargs: Any) -> None:
-        if "_last_lr" not in self.__dict__ or self.optimizer._clock.due(self):  # type: ignore[attr-defined]
+        clock = self.optimizer._clock  # type: ignore[attr-defined]
+        if "_last_lr" not in self.__dict__ or not clock.following(self) or clock.due(self):
             super().step(*args, **kwargs)  # type: ignore[misc]
 
     def __reduce_ex__(self, protocol: Any) -> Any:  # a copy (deepcopy, pickle) is the plain scheduler
@@ -81,8 +130,8 @@ def follow_steps(scheduler: Any, optimizer: ParallelOptimizer) -> None:
         return
     plain = type(scheduler)
     if plain not in _FOLLOWING:
-        _FOLLOWING[plain] = type(plain.__name__, (_FollowsSteps, plain), {"_plain": plain, "__module__": plain.__module__,
-                                                                          "__qualname__": plain.__qualname__})
+        names = {"_plain": plain, "__module__": plain.__module__, "__qualname__": plain.__qualname__}
+        _FOLLOWING[plain] = type(plain.__name__, (_FollowsSteps, plain), names)
     scheduler.__class__ = _FOLLOWING[plain]
     optimizer._clock.follow(scheduler)
     for inner in getattr(scheduler, "_schedulers", ()):
@@ -346,6 +395,8 @@ class ParallelScheduler:
     """
 
     def __init__(self, scheduler: Any, clock: StepClock) -> None:
+        for s in (scheduler, *getattr(scheduler, "_schedulers", ())):
+            _unfollow(s, clock)  # this wrapper follows the steps for it
         self.scheduler = scheduler
         self._clock = clock
         clock.follow(self)

@@ -246,7 +246,7 @@ def test_gradients_edited_between_micro_steps_are_reported_once(edit):
 
 def test_scheduler_accepts_setup_optimizer_without_warnings():
     pt = paratrain.Parallel(global_batch=4)
-    model, opt = pt.setup(nn.Linear(4, 2), torch.optim.SGD(nn.Linear(4, 2).parameters(), lr=0.1))
+    model, opt = pt.setup(net := nn.Linear(4, 2), torch.optim.SGD(net.parameters(), lr=0.1))
     assert isinstance(opt, torch.optim.Optimizer)
     for build in (lambda o: torch.optim.lr_scheduler.StepLR(o, 2), lambda o: torch.optim.lr_scheduler.OneCycleLR(o, 1.0, 10),
                   lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, 10), make_scheduler,
@@ -339,7 +339,7 @@ def test_own_grad_scaler_skipping_a_step(tmp_path):
     assert os.listdir(tmp_path)
     pt.close()
     pt = paratrain.Parallel(global_batch=8, accumulation=2)
-    model, opt = pt.setup(nn.Linear(4, 1), torch.optim.SGD(nn.Linear(4, 1).parameters(), lr=0.1))
+    model, opt = pt.setup(net := nn.Linear(4, 1), torch.optim.SGD(net.parameters(), lr=0.1))
     scaler = torch.amp.GradScaler("cpu")
     pt.backward(scaler.scale(model(torch.ones(4, 4)).sum()))
     with pytest.raises(ValueError, match="your own GradScaler with accumulation 2: .*precision='fp16-mixed'"):

@@ -124,3 +124,85 @@ def test_a_scheduler_given_to_register_scheduler_or_setup_is_not_stepped_twice()
     assert (scheduler.last_epoch, opt.param_groups[0]["lr"]) == (2, 0.1 * 0.25)
     assert type(scheduler) is torch.optim.lr_scheduler.StepLR  # a plain scheduler again: paratrain drives it
     pt.close()
+
+
+# --- item 5: the own loop's mistakes, each in one line before anything diverges -------------------
+def _regression(n: int = 64):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 4, generator=g)
+    return torch.utils.data.TensorDataset(x, (x @ torch.randn(4, 3, generator=g)).argmax(1))
+
+
+def _error(fn) -> str:
+    try:
+        fn()
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def mistakes(local_rank: int = 0, strategy: str = "single") -> dict[str, object]:
+    """The mistakes of issue 27 in one run of a user's loop; what each ends in."""
+    out: dict[str, object] = {}
+    pt = paratrain.Parallel(strategy=strategy, global_batch=8, seed=1)
+    torch.manual_seed(0)
+    # a model and optimizer never given to setup, with pt.backward and pt.train_loader
+    net = nn.Linear(4, 3)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    xb, yb = next(iter(pt.train_loader(_regression())))
+    out["never set up"] = _error(lambda: pt.backward(nn.functional.cross_entropy(net(xb), yb)))
+    out["weights"] = net.weight.detach().clone()  # every rank's, to check that nothing diverged
+    # an optimizer over another model's parameters
+    other = nn.Linear(4, 3)
+    out["another model's optimizer"] = _error(lambda: pt.setup(net, torch.optim.SGD(other.parameters(), lr=0.1)))
+    model, opt = pt.setup(net, opt)
+    # setup twice: the same model, or what setup returned
+    out["setup twice"] = _error(lambda: pt.setup(net))
+    out["setup what setup returned"] = _error(lambda: pt.setup(model))
+    # a loss of another model than the one set up
+    out["loss of a model not set up"] = _error(lambda: pt.backward(nn.functional.cross_entropy(other(xb), yb)))
+    pt.backward(nn.functional.cross_entropy(model(xb), yb))  # the loop as it should be
+    opt.step()
+    # the user's own DataLoader given to evaluate: each sample counted once
+    testset = _regression(64)
+    own = pt.evaluate(model, torch.utils.data.DataLoader(testset, batch_size=8))
+    sharded = pt.evaluate(model, pt.eval_loader(testset, batch_size=8))
+    out["evaluate"] = (own["count"], own == sharded)
+    pt.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def mistakes_by_world() -> dict[int, list[dict[str, object]]]:
+    return {1: [mistakes()], 2: paratrain.launch(mistakes, nprocs=2, args=("ddp",), timeout=180)}
+
+
+FIX = "model, optimizer = pt.setup(model, optimizer)"
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_model_never_set_up_is_refused_at_the_first_backward(world, mistakes_by_world) -> None:
+    """On main, at world size 2, the replicas diverged and the run stopped later with 'backward called
+    2 times without an optimizer step'."""
+    for r in mistakes_by_world[world]:
+        assert r["never set up"].startswith("pt.backward: no model was set up") and FIX in r["never set up"]
+        assert r["loss of a model not set up"].startswith("pt.backward: the loss depends on no parameter of a "
+                                                          "model pt.setup returned") and FIX in r["loss of a model not set up"]
+        assert torch.equal(r["weights"], mistakes_by_world[world][0]["weights"])  # nothing diverged
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_setup_twice_and_an_optimizer_of_another_model_are_refused(world, mistakes_by_world) -> None:
+    for r in mistakes_by_world[world]:
+        assert r["setup twice"].startswith("setup: this Linear was set up before")
+        assert r["setup what setup returned"].startswith("setup: this model is what pt.setup returned")
+        assert r["another model's optimizer"].startswith("setup: the optimizer holds none of this Linear's "
+                                                         "parameters")
+        assert all("\n" not in r[k] for k in ("setup twice", "setup what setup returned", "another model's optimizer"))
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_evaluate_shards_the_users_own_dataloader(world, mistakes_by_world) -> None:
+    """On main, at world size 2, every sample counted twice (count 128 for 64 samples)."""
+    for r in mistakes_by_world[world]:
+        assert r["evaluate"] == (64, True)

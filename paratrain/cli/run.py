@@ -149,10 +149,11 @@ def add_default_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--strategy", default=None, metavar="S", help=f"{', '.join(strategies.STRATEGIES)}")
     g.add_argument("--precision", default=None, metavar="P", help=f"{', '.join(precision.PRECISIONS)}")
     g.add_argument("--set", dest="overrides", action="append", default=[], metavar="parallel.KEY=VALUE",
-                   help="any other field of Parallel's config, e.g. --set parallel.seed=3 --set parallel.ddp.comm_hook=fp16")
+                   help="any other field of Parallel's config, e.g. --set parallel.seed=3 "
+                        "--set parallel.ddp.comm_hook=fp16")
     g.add_argument("--config", default=None, metavar="FILE",
-                   help=f"TOML or YAML file whose [parallel] table sets them (default: ./{launch_defaults.PROJECT_FILE} "
-                        "if there is one; the format of paratrain train --config)")
+                   help=f"TOML or YAML file whose [parallel] table sets them (default: "
+                        f"./{launch_defaults.PROJECT_FILE} if there is one; the format of paratrain train --config)")
 
 
 def defaults_environment(args: argparse.Namespace) -> dict[str, str]:

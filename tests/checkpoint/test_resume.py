@@ -218,7 +218,7 @@ def _load_where_rank_1_cannot_read(rank, directory):
     import paratrain.checkpoint.state as state
 
     pt = paratrain.Parallel(strategy="ddp", global_batch=4, timeout_s=60)
-    model, opt = pt.setup(nn.Linear(2, 2), torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1))
+    model, opt = pt.setup(net := nn.Linear(2, 2), torch.optim.SGD(net.parameters(), lr=0.1))
     pt.save_checkpoint(directory, model, opt)
     if pt.rank == 1:  # e.g. a node whose mount of the checkpoint folder is missing
         state.load_file = lambda path: (_ for _ in ()).throw(FileNotFoundError(f"no such file {path}"))
@@ -277,11 +277,11 @@ def test_numpy_numbers_are_logged():
 def test_a_resume_with_another_seed_is_refused(tmp_path):
     """The rest of the epoch would be another permutation: some samples twice, others never."""
     pt = paratrain.Parallel(global_batch=4, seed=1)
-    model, opt = pt.setup(nn.Linear(2, 2), torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1))
+    model, opt = pt.setup(net := nn.Linear(2, 2), torch.optim.SGD(net.parameters(), lr=0.1))
     pt.save_checkpoint(str(tmp_path), model, opt)
     pt.close()
     pt = paratrain.Parallel(global_batch=4, seed=2)
-    model, opt = pt.setup(nn.Linear(2, 2), torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1))
+    model, opt = pt.setup(net := nn.Linear(2, 2), torch.optim.SGD(net.parameters(), lr=0.1))
     with pytest.raises(ValueError, match="was written with seed 1, this run uses 2: resume with the same seed"):
         pt.load_checkpoint(str(tmp_path), model, opt)
     pt.close()

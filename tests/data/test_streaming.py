@@ -62,7 +62,7 @@ def train(pt, data, steps=None, passes=1, **loader_kwargs):
     torch.manual_seed(0)
     if steps is None:
         pt.global_step = 0  # a fresh run on the same Parallel
-    model, opt = pt.setup(nn.Linear(1, 1), torch.optim.SGD(nn.Linear(1, 1).parameters(), lr=0.0))
+    model, opt = pt.setup(net := nn.Linear(1, 1), torch.optim.SGD(net.parameters(), lr=0.0))
     loader = pt.train_loader(data, **loader_kwargs)
     ids, current = [], []
     for _ in range(passes):
@@ -151,12 +151,12 @@ def test_stream_resumes_exactly_also_in_a_later_pass(tmp_path):
     pt.close()
     for stop in (2, 8):
         pt = paratrain.Parallel(global_batch=B, accumulation=2)
-        model, opt = pt.setup(nn.Linear(1, 1), torch.optim.SGD(nn.Linear(1, 1).parameters(), lr=0.0))
+        model, opt = pt.setup(net := nn.Linear(1, 1), torch.optim.SGD(net.parameters(), lr=0.0))
         pt.global_step = stop
         pt.save_checkpoint(str(tmp_path / str(stop)), model, opt)
         pt.close()
         pt = paratrain.Parallel(global_batch=B, accumulation=2)
-        model, opt = pt.setup(nn.Linear(1, 1), torch.optim.SGD(nn.Linear(1, 1).parameters(), lr=0.0))
+        model, opt = pt.setup(net := nn.Linear(1, 1), torch.optim.SGD(net.parameters(), lr=0.0))
         pt.load_checkpoint(str(tmp_path / str(stop)), model, opt)
         resumed, loader = train(pt, data, steps=12, passes=4)
         assert resumed == full[stop:], stop
@@ -172,7 +172,7 @@ def test_the_epoch_loop_over_a_stream_resumes_from_the_loader_epoch(tmp_path):
     def run(stop=None, resume=None):
         pt = paratrain.Parallel(global_batch=B, accumulation=2)
         torch.manual_seed(0)
-        model, opt = pt.setup(nn.Linear(1, 1).double(), torch.optim.SGD(nn.Linear(1, 1).parameters(), lr=0.0))
+        model, opt = pt.setup(net := nn.Linear(1, 1).double(), torch.optim.SGD(net.parameters(), lr=0.0))
         loader = pt.train_loader(data)
         if resume:
             pt.load_checkpoint(resume, model, opt)

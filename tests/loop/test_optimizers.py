@@ -125,7 +125,7 @@ def test_two_optimizers_after_one_backward_under_fp16_are_refused():
 
 def test_reduce_lr_on_plateau_cannot_be_registered():
     pt = paratrain.Parallel(global_batch=B)
-    model, opt = pt.setup(nn.Linear(2, 2), torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1))
+    model, opt = pt.setup(net := nn.Linear(2, 2), torch.optim.SGD(net.parameters(), lr=0.1))
     with pytest.raises(ValueError, match="ReduceLROnPlateau steps on a metric .* call scheduler.step.metric. yourself"):
         pt.register_scheduler(torch.optim.lr_scheduler.ReduceLROnPlateau(opt))
     pt.close()
