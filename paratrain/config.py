@@ -169,7 +169,7 @@ class ParallelConfig:
         an unknown option is a one-line error naming the known ones.
 
         Keyword options apply over the defaults chosen at launch (``paratrain run --strategy ddp``, a
-        project's ``paratrain.toml``: :mod:`paratrain.env.defaults`): the code wins, and where the two
+        project's ``paratrain.toml``, handed over in ``PARATRAIN_PARALLEL``): the code wins, and where the two
         disagree one line on the main process names both. A ``ParallelConfig`` is taken as it is."""
         if config is not None and options:
             raise ValueError("pass either a ParallelConfig or keyword arguments, not both")
