@@ -126,7 +126,8 @@ def follow_steps(scheduler: Any, optimizer: ParallelOptimizer) -> None:
     """Make ``scheduler`` (a torch LR scheduler being built on ``optimizer``, not yet given to
     ``setup`` or ``register_scheduler``) step once per optimizer step (:class:`_FollowsSteps`); the
     schedulers a SequentialLR or ChainedScheduler holds are then stepped by it."""
-    if isinstance(scheduler, _FollowsSteps) or not isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
+    if isinstance(scheduler, _FollowsSteps) or not isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler) \
+            or getattr(scheduler, "optimizer", None) is not optimizer:
         return
     plain = type(scheduler)
     if plain not in _FOLLOWING:
@@ -298,9 +299,12 @@ class ParallelOptimizer(torch.optim.Optimizer):
 
     @property  # type: ignore[override]
     def param_groups(self) -> list[dict[str, Any]]:
-        caller = sys._getframe(1)
-        if caller.f_code.co_name == "__init__":  # a torch LR scheduler being built on this optimizer reads them
-            follow_steps(caller.f_locals.get("self"), self)
+        caller: Any = sys._getframe(1)
+        for _ in range(3):  # a torch LR scheduler being built on this optimizer reads them (or a helper of its)
+            if caller is None or caller.f_code.co_name == "__init__":
+                follow_steps(caller and caller.f_locals.get("self"), self)
+                break
+            caller = caller.f_back
         return self.optimizer.param_groups
 
     @param_groups.setter
