@@ -5,6 +5,7 @@ file, then the built-in defaults; ``paratrain env`` shows them."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -115,3 +116,15 @@ def test_the_code_wins_in_process_with_one_notice_on_the_main_process_only(monke
     monkeypatch.setenv(launch_defaults.VARIABLE, "ddp")
     with pytest.raises(ValueError, match="PARATRAIN_PARALLEL='ddp' is not a JSON table"):
         ParallelConfig.of(None, {})
+
+
+def test_config_file_replaces_the_project_file_and_the_command_line_wins_over_it(tmp_path: Path) -> None:
+    (tmp_path / "paratrain.toml").write_text('[parallel]\nstrategy = "fsdp"\n')
+    (tmp_path / "job.yaml").write_text("parallel:\n  precision: bf16-mixed\n  seed: 4\n  ddp:\n    comm_hook: fp16\n")
+    table, sources = parallel_defaults(tmp_path / "job.yaml", {"parallel.seed": "9"}, cwd=tmp_path,
+                                       labels={"parallel.seed": "paratrain run --set parallel.seed"})
+    assert table == {"precision": "bf16-mixed", "seed": "9", "ddp": {"comm_hook": "fp16"}}
+    assert sources == {"precision": f"--config {tmp_path / 'job.yaml'}", "ddp.comm_hook": f"--config {tmp_path / 'job.yaml'}",
+                       "seed": "paratrain run --set parallel.seed"}
+    table, sources = parallel_defaults(None, {}, cwd=tmp_path)
+    assert table == {"strategy": "fsdp"} and sources == {"strategy": os.path.join(os.path.abspath(tmp_path), "paratrain.toml")}
