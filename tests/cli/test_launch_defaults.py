@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -17,20 +18,19 @@ from paratrain.env import defaults as launch_defaults
 pytestmark = pytest.mark.timeout(150)
 
 REPORTS = """
-import json, sys
+import json, os, sys
 import paratrain
 
 pt = paratrain.Parallel(**json.loads(sys.argv[1]))
-print("REPORT " + json.dumps({"rank": pt.rank, "strategy": pt.describe()["strategy"],
-                              "precision": pt.config.precision, "seed": pt.config.seed,
-                              "comm_hook": pt.config.ddp.comm_hook}), flush=True)
+report = {"rank": pt.rank, "strategy": pt.describe()["strategy"], "precision": pt.config.precision,
+          "seed": pt.config.seed, "comm_hook": pt.config.ddp.comm_hook}
+os.write(1, f"REPORT {json.dumps(report)}\\n".encode())  # one write: the ranks share the launcher's stdout
 pt.close()
 """
 
 
 def reports(stdout: str) -> list[dict]:
-    return sorted((json.loads(line.split("REPORT ", 1)[1]) for line in stdout.splitlines() if "REPORT " in line),
-                  key=lambda r: r["rank"])
+    return sorted((json.loads(found) for found in re.findall(r"REPORT (\{[^}]*\})", stdout)), key=lambda r: r["rank"])
 
 
 def test_the_command_line_sets_every_ranks_defaults(tmp_path: Path) -> None:
