@@ -40,7 +40,7 @@ from .data import prepare
 from .data.loaders import EvalLoader, GlobalBatchLoader
 from .data.stream import StreamLoader
 from .data.sampler import BatchPlan
-from .env import failures, process
+from .env import failures, preemption, process
 from .env.provenance import provenance
 from .metrics import mapping_loss
 from .nn.deferred import Deferred
@@ -97,6 +97,7 @@ class Parallel(process.OnProcess, tracking.TrackedRun):
         # checked on every rank (a bad name fails everywhere alike); opened on the main process only
         self.trackers = tracking.Trackers(log_to, log_dir, loggers, enabled=self.is_main_process, config=self._run_config)
         self._deferred = Deferred(self.strategy.sharded_state and self.world_size > 1, self.device)
+        self._stop = preemption.stop_signal(self.is_main_process)  # SIGTERM/SIGUSR1: stop at a step boundary
 
     # --- who am I (rank, world_size, is_main_process, device, print: env.process.OnProcess) --------
     @property
@@ -104,9 +105,7 @@ class Parallel(process.OnProcess, tracking.TrackedRun):
         """Is this the lowest rank of those that read the same data shard (one per shard)?"""
         return self.strategy.data_parallel_leader
 
-    @property
-    def accumulation(self) -> int:
-        return self.plan.accumulation
+    accumulation = property(lambda self: self.plan.accumulation, doc="Micro-steps per optimizer step.")
 
     @property
     def global_batch(self) -> int:
@@ -224,11 +223,8 @@ class Parallel(process.OnProcess, tracking.TrackedRun):
 
     # --- the step (the rules: paratrain.clock) --------------------------------------------
     def backward(self, loss: torch.Tensor | Callable[[int], None]) -> None:
-        """Backward of one micro-batch's loss (averaged over the accumulation steps).
-
-        A strategy whose schedule runs backward itself (pipeline) passes a callable instead: it is
-        called with the divisor (the accumulation steps) its losses must be divided by.
-        """
+        """Backward of one micro-batch's loss (averaged over the accumulation steps). A strategy whose
+        schedule runs backward itself (pipeline) passes a callable, called with the divisor to use."""
         if callable(loss):
             return self._clock.backward(loss)
         check_first_backward(loss, self._models, self.global_step + self.micro_step, self.strategy.sharded_state)
@@ -237,10 +233,8 @@ class Parallel(process.OnProcess, tracking.TrackedRun):
 
     def training_step(self, model: nn.Module, batch: Any,
                       loss_fn: Callable[..., torch.Tensor] = nn.functional.cross_entropy) -> torch.Tensor:
-        """``loss_fn(model(inputs), targets)`` and :meth:`backward`, the way the strategy runs them.
-
-        A dict batch runs ``model(**batch)`` and uses the model's own loss (HuggingFace's, when the
-        batch has ``labels``), else ``loss_fn(logits, batch["labels"])``."""
+        """``loss_fn(model(inputs), targets)`` and :meth:`backward`, the way the strategy runs them. A dict
+        batch runs ``model(**batch)`` with the model's own loss (HuggingFace's, given ``labels``)."""
         if isinstance(batch, Mapping):
             loss = mapping_loss(model, batch, loss_fn)
             self.backward(loss)
@@ -342,8 +336,7 @@ class Parallel(process.OnProcess, tracking.TrackedRun):
                 "world_size": self.world_size, "precision": self.precision.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from ``state`` (:meth:`state_dict` of a run with the same global batch and seed;
-        the world size may differ)."""
+        """Continue from ``state`` (:meth:`state_dict` of a run of this global batch and seed; any world size)."""
         checkpoint_lib.check_continues(state, self.plan.global_batch, self.config.seed)
         self.precision.load_state_dict(state["precision"])
         self._clock.restore(int(state["global_step"]))
@@ -363,18 +356,31 @@ class Parallel(process.OnProcess, tracking.TrackedRun):
                                               self._clock.checkpointed(scheduler), extra, keep, asynchronous)
 
     def load_checkpoint(self, source: str, model: nn.Module, optimizer: Any = None, scheduler: Any = None) -> Any:
-        """Restore a run from a checkpoint file or the newest loadable one in a directory; the
-        next ``train_loader`` iteration continues mid-epoch. Returns ``extra`` (``None`` if none found)."""
+        """Restore a run from a checkpoint file or the newest good one in a directory (the loader continues
+        mid-epoch). Returns ``extra`` (``None`` if none found)."""
         return checkpoint_lib.load_checkpoint(source, self, *checkpointed(model, optimizer, self.unwrap), self.strategy,
                                               self._clock.checkpointed(scheduler))
 
     def resume(self, directory: str | None, model: nn.Module, optimizer: Any = None, scheduler: Any = None, *,
                asked: bool = True, restarted: bool = False, refuse: Callable[[dict[str, Any]], str | None] | None = None
                ) -> dict[str, Any] | None:
-        """What ``paratrain train`` does to continue a run (:func:`paratrain.checkpoint.resume`): returns
-        the checkpoint's ``extra``, None when the run starts at step 0."""
+        """Continue a run as ``paratrain train`` does (:func:`paratrain.checkpoint.resume`): its ``extra``, or None."""
         return checkpoint_lib.resume(directory, self, *checkpointed(model, optimizer, self.unwrap), self.strategy,
                                      self._clock.checkpointed(scheduler), asked=asked, restarted=restarted, refuse=refuse)
+
+    @property
+    def should_stop(self) -> bool:
+        """True on every rank at the same optimizer step once a stop signal (SIGTERM, SIGUSR1: a
+        preemption) reached any rank; what :meth:`save_on_stop` registered is saved then. Read it after
+        ``optimizer.step()`` on every rank (one all-reduce per step): :mod:`paratrain.env.preemption`."""
+        return self._stop.check(self.global_step, self.micro_step, self.any_rank)
+
+    def save_on_stop(self, directory: str, model: nn.Module, optimizer: Any, scheduler: Any = None,
+                     extra: dict[str, Any] | Callable[[], dict[str, Any]] | None = None, keep: int = 3) -> None:
+        """Register what :attr:`should_stop` saves (:meth:`save_checkpoint`'s arguments; ``extra`` may be
+        a function, called then) when a stop signal ends the run, to continue from with :meth:`resume`."""
+        self._stop.save = lambda: self.save_checkpoint(directory, model, optimizer, scheduler,
+                                                       extra() if callable(extra) else extra, keep)
 
     def close(self, wait_for_peers: bool = True) -> None:
         """Finish the trackers and leave the process group; by default after a barrier (pass

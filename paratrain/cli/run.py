@@ -23,6 +23,7 @@ from typing import Any
 from .. import precision, strategies
 from ..config import parallel_defaults, parse_set
 from ..env import defaults as launch_defaults
+from ..env import preemption
 from ..launch.torchrun import PASSTHROUGH, LaunchConfig, nproc_per_node, torchrun
 
 
@@ -54,6 +55,9 @@ def add_launch_arguments(p: argparse.ArgumentParser, *, program: bool = False) -
     g.add_argument("--monitor-interval", "--monitor_interval", type=float, default=_env("MONITOR_INTERVAL"), metavar="S",
                    help="seconds between worker health checks")
     g.add_argument("--local-addr", "--local_addr", default=_env("LOCAL_ADDR"), metavar="A", help="this node's address")
+    g.add_argument("--preempt-grace-s", type=float, default=None, metavar="S",
+                   help="seconds that a preemption signal (SIGTERM, SIGUSR1) leaves the workers to finish their step "
+                        "and save a checkpoint before they exit with code 75 (default 60; $PARATRAIN_PREEMPT_GRACE_S)")
     _add_torchrun_flags(g, PASSTHROUGH + (("--no-python",) if program else ()))
 
 
@@ -105,7 +109,13 @@ def torchrun_flags(args: argparse.Namespace) -> list[str]:
 
 
 def launch_config(args: argparse.Namespace, *, log_dir: str | None = None) -> LaunchConfig:
-    """The :class:`LaunchConfig` for flags added by :func:`add_launch_arguments` (validated)."""
+    """The :class:`LaunchConfig` for flags added by :func:`add_launch_arguments` (validated).
+    ``--preempt-grace-s`` goes to the workers' environment (:mod:`paratrain.env.preemption`)."""
+    grace = getattr(args, "preempt_grace_s", None)
+    if grace is not None:
+        if not grace > 0:
+            raise ValueError(f"--preempt-grace-s {grace:g} must be a positive number of seconds, e.g. 60")
+        os.environ[preemption.GRACE_ENV] = f"{grace:g}"
     return LaunchConfig(
         nproc_per_node=args.nproc_per_node,
         nnodes=args.nnodes,

@@ -17,6 +17,7 @@ from typing import Any, Iterable
 
 from ..config import TrainConfig, parse_set, to_toml
 from ..data.datasets import DATASET_NAMES
+from ..env import preemption
 from ..env.detect import detect_process
 from ..env.network import is_loopback
 from ..env.process import select_backend, select_device
@@ -128,13 +129,14 @@ def main(args: argparse.Namespace) -> int:
         return 0
     worker, launch, per_node = _role(launch_config(args))
     cfg = _pick_run(cfg, worker or per_node)  # per node: all nodes name the run after the Slurm/MPI job
+    if preemption.slurm_requeued() and not cfg.resume and cfg.log_dir:  # its checkpoints: where --resume reads
+        cfg = cfg.with_overrides({"resume": True})
     if cfg.log_dir and not os.path.isfile(cfg.log_dir):
         os.environ.setdefault("PARATRAIN_ERROR_DIR", cfg.log_dir)  # tracebacks of one-line errors go there
     if worker:
         from ..loop.train import run_training
 
-        run_training(cfg)  # we are one worker of a launched job
-        return 0
+        return _ended(run_training(cfg))  # we are one worker of a launched job
     world = launch.nproc_per_node * launch.min_nodes
     cfg.parallel.strategy_class.check_world(world)
     _check_paths(cfg)
@@ -144,8 +146,7 @@ def main(args: argparse.Namespace) -> int:
     if world == 1 and launch.max_nodes == 1 and launch.max_restarts == 0:
         from ..loop.train import run_training
 
-        run_training(cfg, plan)  # this process trains: the plan is handed down
-        return 0
+        return _ended(run_training(cfg, plan))  # this process trains: the plan is handed down
     # the workers (and their restarts) train into the folder picked here
     run = ["--set", f"name={cfg.name}"] + (["--set", f"log_dir={cfg.log_dir}"] if cfg.log_dir else [])
     # Each worker runs `paratrain train ...` as a function, forked from a server that imported torch
@@ -155,6 +156,11 @@ def main(args: argparse.Namespace) -> int:
     argv = [*args.argv, *run]
     return torchrun(launch, ["paratrain", *argv], module=True, command="train",
                     worker=train_worker, worker_args=(argv,))
+
+
+def _ended(summary: dict[str, Any]) -> int:
+    """The exit code of a process that trained: 0, or 75 after a stop signal (``env.preemption``)."""
+    return preemption.exit_code() if summary.get("preempted") else 0
 
 
 def _role(launch: LaunchConfig) -> tuple[bool, LaunchConfig, bool]:
@@ -195,31 +201,34 @@ def _pick_run(cfg: TrainConfig, worker: bool) -> TrainConfig:
     """Fill ``{name}`` in the log (``runs/{name}``) and checkpoint folders: ``--name``; with
     ``--resume``, the run ``runs/latest`` points at; else a new folder named by the start time,
     which ``runs/latest`` then points at. Workers of an outside launcher (torchrun, srun) agree on
-    the launcher's job id instead (pass ``--name`` where there is none)."""
+    the launcher's job id instead (pass ``--name`` where there is none). A requeued Slurm job
+    (``SLURM_RESTART_COUNT``) continues its run as ``--resume`` would, or starts one if there is none."""
+    resuming = cfg.resume or preemption.slurm_requeued()
     if not any(path and "{name}" in path for path in (cfg.log_dir, cfg.checkpoint_dir)):
-        if cfg.log_dir and not cfg.resume and not worker and _holds_a_run(cfg.log_dir):
+        if cfg.log_dir and not resuming and not worker and _holds_a_run(cfg.log_dir):
             raise ValueError(f"log_dir {cfg.log_dir!r} already holds a run: continue it with --resume {cfg.log_dir}, "
                              "or choose another --log-dir")
         return cfg
     root = (cfg.log_dir or cfg.checkpoint_dir or "").split("{name}")[0].rstrip("/" + os.sep) or "."
     name = cfg.name
-    if name is None and cfg.resume:
+    if name is None and resuming:
         latest = latest_run(root)
-        if latest is None:
+        if latest is None and cfg.resume:
             raise ValueError(f"--resume: there is no run in {root}/ to resume ({os.path.join(root, LATEST)} does not "
                              "exist): give the run's folder, --resume runs/<name>")
-        name = os.path.basename(latest)
+        name = os.path.basename(latest) if latest is not None else None
     if name is None and worker:
         name = _launcher_job_id()
         if name is None and detect_process().world_size > 1:  # each worker would name it by its own clock
             raise ValueError("the workers of this launcher share no job id to name the run folder after (torchrun "
                              "without --rdzv-id, MPICH/Intel MPI's mpiexec): pass --name NAME, or --log-dir")
-    if name is not None and not cfg.resume and not worker and cfg.log_dir and "{name}" in cfg.log_dir:
+    if name is not None and not resuming and not worker and cfg.log_dir and "{name}" in cfg.log_dir:
         taken = cfg.log_dir.replace("{name}", name)
         if _holds_a_run(taken):
             raise ValueError(f"run folder {taken!r} already holds a run: continue it with --resume {taken}, "
                              "or choose another --name")
-    if not cfg.resume and cfg.log_dir and "{name}" in cfg.log_dir and (not worker or detect_process().rank == 0):
+    if (name is None or not resuming) and cfg.log_dir and "{name}" in cfg.log_dir \
+            and (not worker or detect_process().rank == 0):
         name = os.path.basename(new_run_dir(root, name))  # a new run: its folder, and runs/latest points at it
     return cfg.for_run(name or time.strftime("%Y%m%d-%H%M%S"))
 

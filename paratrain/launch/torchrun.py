@@ -33,6 +33,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from ..env import preemption
 from ..env.network import free_port, is_loopback
 
 __all__ = ["LaunchConfig", "PASSTHROUGH", "nproc_per_node", "torchrun"]
@@ -390,6 +391,10 @@ def torchrun(cfg: LaunchConfig, program: list[str], module: bool = False, comman
     # (``--nproc 7``, ``--help``...) are set afterwards, untouched.
     store_dir = tempfile.mkdtemp(prefix="paratrain-rdzv-")  # private (0700): the rendezvous' FileStore
     argv = _torchrun_argv(cfg, program[:1], module, set(parser._option_string_actions), store_dir)
+    # a preemption signal reaches the workers, and the agent waits for their checkpoint (env.preemption)
+    stopped_dir = os.path.join(store_dir, "stopped")
+    flags = preemption.agent_flags(cfg.torchrun_args, stopped_dir)
+    argv[-1:-1] = [f for f in flags if f.split("=")[0] in parser._option_string_actions]
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     _set_threads(cfg.nproc_per_node)
     if not os.environ.get("PARATRAIN_LAUNCH_LOGS"):
@@ -398,6 +403,7 @@ def torchrun(cfg: LaunchConfig, program: list[str], module: bool = False, comman
         logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
         logging.getLogger("torch.distributed.run").setLevel(logging.ERROR)
         logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)  # "Terminating process ..."
+        logging.getLogger("torch.distributed.elastic.agent.server.api").setLevel(logging.ERROR)  # "Received 15 death signal"
     if is_loopback(cfg.rendezvous_host):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     if not any(a.startswith("--rdzv-conf=store_type=file") for a in argv):  # the agent's rendezvous is torch's TCPStore server
@@ -415,6 +421,8 @@ def torchrun(cfg: LaunchConfig, program: list[str], module: bool = False, comman
             else:
                 _run_function(trun, args, worker, worker_args, cfg)
     except ChildFailedError as e:
+        if preemption.read_reports(stopped_dir) is not None:  # a worker got the signal itself: saved, stopped
+            return preemption.PREEMPTED_EXIT_CODE
         line, rc = _failure_line(e, prefix)
         print(line, file=sys.stderr, flush=True)
         return rc
@@ -423,8 +431,11 @@ def torchrun(cfg: LaunchConfig, program: list[str], module: bool = False, comman
               file=sys.stderr, flush=True)
         return 1
     except SignalException as e:
+        if preemption.read_reports(stopped_dir) is not None:  # the workers saved and printed the line
+            return preemption.PREEMPTED_EXIT_CODE
         print(f"{prefix} stopped by {e.sigval.name}; workers were terminated", file=sys.stderr, flush=True)
         return 128 + int(e.sigval)
     finally:
+        stopped = preemption.read_reports(stopped_dir)  # workers that learnt of a signal elsewhere end with 0
         shutil.rmtree(store_dir, ignore_errors=True)
-    return 0
+    return 0 if stopped is None else preemption.PREEMPTED_EXIT_CODE

@@ -27,6 +27,8 @@ class FitResult:
     throughput: dict[str, float] = field(default_factory=dict)
     """samples/s, step time and data-wait share over the whole call (evaluation excluded)."""
     skipped_steps: int = 0
+    preempted: bool = False
+    """A stop signal ended the run early (``pt.should_stop``), its checkpoint saved."""
 
 
 def fit(
@@ -53,6 +55,7 @@ def fit(
     checkpoint_async: bool = False,
     on_step: Callable[[Parallel], None] | None = None,
     max_nonfinite_steps: int = 3,
+    stop_dir: str | None = None,
 ) -> FitResult:
     """Train ``model`` (already ``pt.setup``) for ``epochs`` or ``max_steps`` optimizer steps.
 
@@ -65,6 +68,8 @@ def fit(
     in the background with ``checkpoint_async`` (the last one is complete when ``fit`` returns).
     A loss that is NaN/inf for ``max_nonfinite_steps`` steps in a row raises
     :class:`~paratrain.loop.guard.NonFiniteLossError`, and no checkpoint is written after a NaN.
+    A stop signal (``pt.should_stop``: a preemption) ends it at the next step boundary, with a
+    checkpoint in ``checkpoint_dir`` (else ``stop_dir``) and ``preempted`` set; nothing is evaluated.
     """
     loader = pt.train_loader(train_set, transform=augment, **(loader_kwargs or {}))
     evaluator = pt.eval_loader(eval_set, transform=eval_transform) if eval_set is not None else None
@@ -81,6 +86,9 @@ def fit(
             pt.save_checkpoint(checkpoint_dir, model, optimizer, scheduler, extra, keep_checkpoints,  # type: ignore[arg-type]
                                asynchronous=checkpoint_async)
 
+    if checkpoint_dir or stop_dir:  # what a stop signal saves, at the step every rank stops at
+        pt.save_on_stop(checkpoint_dir or stop_dir, model, optimizer, scheduler,  # type: ignore[arg-type]
+                        lambda: {**(checkpoint_extra or {}), "train_loss": result.train_loss}, keep_checkpoints)
     try:
         while pt.global_step < total:
             model.train()
@@ -107,25 +115,36 @@ def fit(
                     save()
                 if on_step is not None:
                     on_step(pt)
-                if pt.global_step >= total:
+                if pt.global_step >= total or pt.should_stop:  # should_stop: one all-reduce per step
                     break
+            if pt.should_stop:
+                result.preempted = True
+                break
             if evaluator is not None:
                 with meter.paused(), run.paused():
                     result.eval = pt.evaluate(model, evaluator, loss_fn)
                     logger.log({"step": pt.global_step, **result.eval}, kind="eval")
-        window.finish(model)  # the last loss and the weights are finite, or this raises
         done = pt.global_step - first_step  # throughput of this whole call, evaluation excluded
         result.throughput = run.summary(done * pt.global_batch, done)
-        if evaluator is not None and not result.eval:  # resumed at the end: evaluate what is there
-            result.eval = pt.evaluate(model, evaluator, loss_fn)
-            logger.log({"step": pt.global_step, **result.eval}, kind="eval")
-        if checkpoint_dir and done and not (checkpoint_every and pt.global_step % checkpoint_every == 0):
-            save()
+        if not result.preempted:
+            _finish(pt, window, model, evaluator, loss_fn, logger, result, save if checkpoint_dir and done and not (
+                checkpoint_every and pt.global_step % checkpoint_every == 0) else None)
         wait_for_checkpoint()  # one written in the background is complete (or its failure raised) when fit returns
     finally:
         bar.close()
     result.steps, result.skipped_steps = pt.global_step, pt.skipped_steps
     return result
+
+
+def _finish(pt: Parallel, window: LossWindow, model: nn.Module, evaluator: Any, loss_fn: Any, logger: RunLogger,
+            result: FitResult, save: Callable[[], None] | None) -> None:
+    """The end of a run that was not stopped: checks, the last evaluation and checkpoint."""
+    window.finish(model)  # the last loss and the weights are finite, or this raises
+    if evaluator is not None and not result.eval:  # resumed at the end: evaluate what is there
+        result.eval = pt.evaluate(model, evaluator, loss_fn)
+        logger.log({"step": pt.global_step, **result.eval}, kind="eval")
+    if save is not None:
+        save()
 
 
 def _total(steps_per_epoch: int, epochs: int, max_steps: int | None) -> int:

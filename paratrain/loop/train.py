@@ -15,6 +15,7 @@ from ..config import TrainConfig, to_toml
 from ..data.augment import augment_for, eval_augment_for
 from ..data.sampler import BatchPlan
 from ..env.failures import explain_failure
+from ..env.preemption import slurm_requeued
 from ..env.provenance import provenance
 from ..parallel import Parallel
 from .fit import fit, planned_steps
@@ -52,8 +53,11 @@ def run_training(cfg: TrainConfig, plan: BatchPlan | None = None) -> dict[str, A
         train_set, test_set = cfg.dataset(train=True), cfg.dataset(train=False)
         total = planned_steps(pt, train_set, cfg.epochs, cfg.max_steps)
         model, optimizer, scheduler = setup_task(pt, cfg, total)
-        restarted = cfg.checkpoint_dir is not None and (_restarts() > 0 or _same_elastic_job(pt, cfg.checkpoint_dir))
-        extra = pt.resume(cfg.checkpoint_dir, model, optimizer, scheduler, asked=cfg.resume, restarted=restarted,
+        requeued = slurm_requeued()  # a Slurm job requeued after a preemption continues by itself
+        restarted = cfg.checkpoint_dir is not None and (_restarts() > 0 or requeued
+                                                         or _same_elastic_job(pt, cfg.checkpoint_dir))
+        extra = pt.resume(cfg.checkpoint_dir, model, optimizer, scheduler, asked=cfg.resume and not requeued,
+                          restarted=restarted,
                           refuse=lambda saved: _other_run(cfg, saved))  # the one call: checkpoint.resume
         resumed = None if extra is None else pt.global_step
         if resumed is not None and resumed >= total:
@@ -83,7 +87,12 @@ def run_training(cfg: TrainConfig, plan: BatchPlan | None = None) -> dict[str, A
                      progress_bar=cfg.progress, loader_kwargs=loader_kwargs, checkpoint_dir=cfg.checkpoint_dir,
                      checkpoint_every=cfg.checkpoint_every, checkpoint_extra={"config": dataclasses.asdict(cfg)},
                      keep_checkpoints=cfg.keep_checkpoints, checkpoint_async=cfg.checkpoint_async,
-                     max_nonfinite_steps=cfg.max_nonfinite_steps)
+                     max_nonfinite_steps=cfg.max_nonfinite_steps,
+                     stop_dir=os.path.join(cfg.log_dir, "checkpoints") if cfg.log_dir else None)  # what --resume reads
+        if result.preempted:  # stopped by a signal at a step boundary, its checkpoint saved: no result yet
+            logger.close()
+            pt.close()
+            return {"preempted": True, "steps": result.steps}
         train_loss = result.train_loss
         if result.steps == resumed:  # restarted after the last checkpoint: its logged loss is the run's
             logged = (extra or {}).get("train_loss")
