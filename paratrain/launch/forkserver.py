@@ -28,7 +28,7 @@ import multiprocessing.forkserver
 import os
 import signal
 import sys
-import time
+import threading
 from typing import Mapping, Sequence
 
 __all__ = ["PRELOAD", "start_early", "wants_early_start", "ensure_running", "train_worker", "worker_environ"]
@@ -75,6 +75,10 @@ def wants_early_start(argv: Sequence[str], environ: Mapping[str, str]) -> bool:
 
 
 _STOP_REGISTERED = False  # _stop_server is registered to run at exit
+# Signals the server ignores: Slurm signals every process of a job step (SIGTERM, its --signal's
+# USR1/USR2), and a server that died of one would make the agent see every worker as ended (exit
+# 255) while they still save their checkpoint (paratrain.env.preemption). Its workers take them back.
+SERVER_IGNORES = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 
 
 def ensure_running() -> None:
@@ -82,7 +86,13 @@ def ensure_running() -> None:
     imported). It imports in the background: this returns at once. When this process exits,
     the server it started is stopped (see :func:`_stop_server`)."""
     multiprocessing.set_forkserver_preload(PRELOAD)
-    multiprocessing.forkserver.ensure_running()
+    main = threading.current_thread() is threading.main_thread()
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in SERVER_IGNORES} if main else {}
+    try:  # the server inherits SIG_IGN through its exec; this process keeps its own handlers
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     global _STOP_REGISTERED
     if not _STOP_REGISTERED:
         atexit.register(_stop_server)
@@ -90,19 +100,14 @@ def ensure_running() -> None:
 
 
 def _stop_server() -> None:
-    """SIGTERM the forkserver that this process started. It would end by itself once this process
-    and every worker are gone, but only after it finished importing torch: a command that failed
-    at once (a bad value) would keep its output pipes open for seconds. By the time the command
-    exits, torchrun's agent has ended its workers."""
+    """End the forkserver that this process started (SIGKILL: it ignores SIGTERM). It would end by
+    itself once this process and every worker are gone, but only after it finished importing torch:
+    a command that failed at once (a bad value) would keep its output pipes open for seconds. By
+    the time the command exits, torchrun's agent has ended its workers."""
     pid = getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None)
     if not pid:
         return
     with contextlib.suppress(OSError):
-        os.kill(pid, signal.SIGTERM)
-        for _ in range(100):  # 2 s, then SIGKILL: exit never waits on a server that is stuck or stopped
-            if os.waitpid(pid, os.WNOHANG)[0]:
-                return
-            time.sleep(0.02)
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
 
@@ -141,6 +146,8 @@ def train_worker(argv: list[str], environ: dict[str, str]) -> None:
     the one the server started with, under the variables torchrun's agent set for this worker
     (``RANK``, ``TORCHELASTIC_*``...), just as a new interpreter would get ``{**environ, **agent's}``.
     The worker ends when the agent named by ``PARATRAIN_AGENT_PID`` in ``environ`` does."""
+    for sig in SERVER_IGNORES:  # what the server ignores, a worker does not (a stop signal: env.preemption)
+        signal.signal(sig, signal.SIG_DFL)
     merged = worker_environ(environ, dict(os.environ), None if os.getpid() == _IMPORTED_IN else _SERVER_ENV)
     os.environ.clear()
     os.environ.update(merged)  # with AGENT_PID: the worker ends with the agent (env.process.die_with_launcher)

@@ -11,6 +11,14 @@ patches paratrain only when a ``PARATRAIN_TEST_*`` variable asks for a fault:
   second host to join, which restarts it at a bigger world; a restart at world 1 waits again);
 * ``PARATRAIN_TEST_CRASH_AFTER_BYTES=N``: a checkpoint writer dies after N bytes, as a killed
   process would;
+* ``PARATRAIN_TEST_SIGNAL_AT=step:SIGNAME``: after that optimizer step (first attempt), rank 0 sends
+  the signal to its launcher (``PARATRAIN_AGENT_PID``; itself without one), as Slurm or Kubernetes
+  would to the job: a preemption;
+* ``PARATRAIN_TEST_SLOW_SAVE_AFTER=step:seconds``: the checkpoint file of a later step, written to
+  its temporary name, waits that long before it is renamed (a save that outlasts the preemption
+  grace period);
+* ``PARATRAIN_TEST_SLOW_STEPS=seconds``: every optimizer step of a Slurm job's first attempt (not
+  requeued: no ``SLURM_RESTART_COUNT``) sleeps that long, so that Slurm's ``--signal`` finds it training;
 * ``PARATRAIN_TEST_WRONG_STRATEGY=name``: that strategy trains wrongly: on rank 1 the model it
   wraps returns its outputs ×1.5, so that rank's gradients are wrong (a broken all-reduce would do
   the same to the average).
@@ -90,6 +98,64 @@ def _install_wait_alone(step: int) -> None:
     train.fit = waiting_fit
 
 
+def _install_signal_at(spec: str) -> None:
+    import signal
+
+    import paratrain.loop.train as train
+
+    step, name = spec.split(":")
+    fit = train.fit
+
+    def signalling_fit(*args, on_step=None, **kwargs):
+        def hook(pt):
+            if on_step is not None:
+                on_step(pt)
+            first = not int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+            if first and pt.rank == 0 and pt.global_step == int(step):
+                os.kill(int(os.environ.get("PARATRAIN_AGENT_PID") or os.getpid()), getattr(signal, name))
+
+        return fit(*args, on_step=hook, **kwargs)
+
+    train.fit = signalling_fit
+
+
+def _install_slow_save(spec: str) -> None:
+    import re
+    import time
+
+    import paratrain.checkpoint.io as io
+
+    after, seconds = spec.split(":")
+    write_atomic = io._write_atomic
+
+    def slow(path, write):
+        m = re.match(r"step-(\d+)\.pt$", path.name)
+        if not (m and int(m.group(1)) > int(after)):
+            return write_atomic(path, write)
+        return write_atomic(path, lambda f: (write(f), f.flush(), time.sleep(float(seconds))))  # written, not renamed
+
+    io._write_atomic = slow
+
+
+def _install_slow_steps(seconds: float) -> None:
+    import time
+
+    import paratrain.loop.train as train
+
+    fit = train.fit
+
+    def slow_fit(*args, on_step=None, **kwargs):
+        def hook(pt):
+            if on_step is not None:
+                on_step(pt)
+            if os.environ.get("SLURM_RESTART_COUNT", "0") in ("", "0"):
+                time.sleep(seconds)
+
+        return fit(*args, on_step=hook, **kwargs)
+
+    train.fit = slow_fit
+
+
 def _install_wrong_strategy(name: str) -> None:
     import paratrain.strategies as strategies
 
@@ -113,5 +179,11 @@ for _name in _FAULTS:
     if os.environ.get(f"PARATRAIN_TEST_{_name}_AT"):
         _install_step_fault(_name, os.environ[f"PARATRAIN_TEST_{_name}_AT"])
         break
+if os.environ.get("PARATRAIN_TEST_SIGNAL_AT"):
+    _install_signal_at(os.environ["PARATRAIN_TEST_SIGNAL_AT"])
+if os.environ.get("PARATRAIN_TEST_SLOW_SAVE_AFTER"):
+    _install_slow_save(os.environ["PARATRAIN_TEST_SLOW_SAVE_AFTER"])
+if os.environ.get("PARATRAIN_TEST_SLOW_STEPS"):
+    _install_slow_steps(float(os.environ["PARATRAIN_TEST_SLOW_STEPS"]))
 if os.environ.get("PARATRAIN_TEST_CRASH_AFTER_BYTES"):
     _install_write_crash(int(os.environ["PARATRAIN_TEST_CRASH_AFTER_BYTES"]))

@@ -79,3 +79,68 @@ def test_sbatch_script_calling_paratrain_train_is_not_rank_0_of_its_tasks(lab_sl
     assert r.returncode == 0, r.stderr + log[-3000:]
     result = json.loads((tmp_path / "run" / "result.json").read_text())
     assert result["world_size"] == 1, result
+
+
+_PREEMPT_JOB = """#!/bin/bash
+#SBATCH --time=3
+#SBATCH --signal=USR1@100
+#SBATCH --requeue
+set -uo pipefail
+echo "attempt ${SLURM_RESTART_COUNT:-0}"
+srun PYTHON -m paratrain ARGS
+echo "srun exit $?"
+"""
+
+
+@pytest.mark.timeout(600)
+def test_sbatch_signal_usr1_saves_requeues_and_the_requeued_job_resumes_bit_exact(lab_slurm, tmp_path):
+    """Issue 26: ``sbatch --signal=USR1@100 --requeue``. Slurm sends SIGUSR1 100 s before the 3-minute
+    limit (steps slowed by tests/faults while the first attempt trains); paratrain saves at one step,
+    requeues the job itself (``scontrol requeue``) and the requeued job resumes from that checkpoint to
+    the uninterrupted run's weights (its steps are not slowed: it ends before a signal). The test lets
+    the requeued job start at once (Slurm holds a requeued job for 2 minutes)."""
+    import time
+
+    from paratrain.checkpoint import list_checkpoints
+
+    args = ["train", "--strategy", "ddp", "--nproc-per-node", "2", "--max-steps", "400", "--global-batch", "32",
+            "--no-progress", "--checkpoint-every", "100"]
+    ref = subprocess.run([sys.executable, "-m", "paratrain", *args, "--log-dir", str(tmp_path / "ref")],
+                         env=cli_env(), cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    job = tmp_path / "preempt.sbatch"
+    job.write_text(_PREEMPT_JOB.replace("PYTHON", sys.executable).replace("ARGS", " ".join([*args, "--name", "preempted"])))
+    env = {**cli_env(PARATRAIN_TEST_SLOW_STEPS="0.4"), "SLURM_CONF": str(lab_slurm.conf_path())}
+    out = tmp_path / "job.out"
+    r = subprocess.run(["sbatch", "--parsable", f"--chdir={tmp_path}", f"--output={out}", "--open-mode=append",
+                        str(job)], env=env, capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0, r.stderr
+    job_id = r.stdout.strip().split(";")[0]
+
+    def show() -> str:
+        return subprocess.run(["scontrol", "show", "job", job_id], env=env, capture_output=True, text=True).stdout
+
+    try:
+        deadline, released = time.monotonic() + 480, False
+        while time.monotonic() < deadline:
+            state = show()
+            if "JobState=COMPLETED" in state or "JobState=FAILED" in state or "JobState=CANCELLED" in state:
+                break
+            if not released and "Restarts=1" in state and "JobState=PENDING" in state:  # best effort
+                released = subprocess.run(["scontrol", "update", f"JobId={job_id}", "BeginTime=now"], env=env,
+                                          capture_output=True, timeout=30).returncode == 0
+            time.sleep(2)
+        log = out.read_text() if out.exists() else ""
+        assert "JobState=COMPLETED" in show(), show() + log[-4000:]
+    finally:
+        subprocess.run(["scancel", job_id], env=env, timeout=30)
+    line = next((ln for ln in log.splitlines() if ln.startswith("preempted at step")), "")
+    assert line.endswith(f"checkpoint saved; continue with --resume; Slurm job {job_id} requeued: it resumes by "
+                         "itself"), log[-4000:]
+    step = int(line.split()[3].rstrip(":"))
+    assert 0 < step < 400 and "attempt 1" in log and f"resumed from step {step}" in log, log[-4000:]
+    run = tmp_path / "runs" / "preempted"
+    assert json.loads((run / "result.json").read_text())["steps"] == 400
+    got, want = (torch.load(list_checkpoints(d)[-1], weights_only=True)["model"]
+                 for d in (run / "checkpoints", tmp_path / "ref" / "checkpoints"))
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
