@@ -1,8 +1,11 @@
 """SIGKILL trials (issue 14's sweep): kill a worker at a random moment and check that the job is
 restarted and ends with the same weights as an uninterrupted run; kill the torchrun agent and
-check that no worker trains on.
+check that no worker trains on. Preemption trials (issue 26): SIGTERM the launcher at a random
+step, check that it exits 75 with a checkpoint of the step in flight, resume it with --resume, and
+compare the final weights.
 
-    python scripts/kill_trials.py [--workers 6] [--agents 2] [--seed 0]
+    python scripts/kill_trials.py [--workers 6] [--agents 2] [--preempt 0] [--seed 0]
+    python scripts/kill_trials.py --workers 0 --agents 0 --preempt 4     # preemption trials only
 
 Every trial runs ``paratrain train --strategy ddp --nproc-per-node 2`` on the built-in data, in
 its own process group, killed from outside (no hook inside paratrain). Prints one row per trial
@@ -79,6 +82,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workers", type=int, default=6, help="worker-kill trials")
     ap.add_argument("--agents", type=int, default=2, help="agent-kill trials")
+    ap.add_argument("--preempt", type=int, default=0, help="preemption trials: SIGTERM at a random step, then --resume")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     rng = random.Random(args.seed)
@@ -132,7 +136,55 @@ def main() -> int:
         finish(proc, timeout=5)
     print(f"\nworker kills: {args.workers} trials, {same} with weights equal to the uninterrupted run, "
           f"{intact} with result.json intact; agent kills: {args.agents} trials, {orphans} orphaned workers")
+    if args.preempt:
+        preempt_trials(args.preempt, rng, tmp, ref)
     return 0
+
+
+def last_logged_step(run: Path) -> int:
+    """The newest step in train.csv (logged every step, by rank 0 after the step)."""
+    try:
+        header, *rows = (run / "train.csv").read_text().splitlines()
+        col = header.split(",").index("step")
+        return max(int(float(row.split(",")[col])) for row in rows if row.count(",") >= col) if rows else 0
+    except (OSError, ValueError):
+        return 0
+
+
+def preempt_trials(n: int, rng: random.Random, tmp: Path, ref: dict) -> None:
+    """SIGTERM the launcher (as Slurm or Kubernetes do) once a random step was logged: it must exit 75
+    with a checkpoint at the step in flight (0 steps lost beyond it); --resume must finish the run
+    (result.json intact) with the uninterrupted run's weights."""
+    same = intact = lost_total = 0
+    for t in range(n):
+        run = tmp / f"p{t}"
+        proc = start([*COMMON, "--log-dir", str(run), "--set", "log_every=1"])
+        at = rng.randrange(1, STEPS - 5)
+        began = time.monotonic()
+        while time.monotonic() - began < 180 and last_logged_step(run) < at and proc.poll() is None:
+            time.sleep(0.02)
+        time.sleep(rng.uniform(0.0, 0.3))  # a random moment of the steps that follow
+        done = last_logged_step(run)  # steps finished (and logged) before the signal
+        os.kill(proc.pid, signal.SIGTERM)
+        rc, out, err = finish(proc)
+        line = next((ln for ln in out.splitlines() if ln.startswith("preempted at step")), "")
+        said = int(line.split()[3].rstrip(":")) if line else -1
+        newest = sorted((run / "checkpoints").glob("step-*.pt"))
+        kept = int(newest[-1].stem.split("-")[1]) if newest else 0
+        lost = max(0, done - kept) + (kept != said)  # the line names the checkpoint it wrote
+        lost_total += lost
+        rc2, _, err2 = finish(start([*COMMON, "--resume", str(run)]))
+        result = json.loads((run / "result.json").read_text()) if (run / "result.json").exists() else {}
+        ok_result = rc2 == 0 and result.get("steps") == STEPS and result.get("test_accuracy") is not None
+        ok_weights = rc2 == 0 and equal(final_weights(run), ref)
+        same += ok_weights
+        intact += ok_result
+        print(f"preempt trial {t}: SIGTERM after step {done} -> exit {rc}, '{line}', checkpoint {kept}, "
+              f"{lost} steps lost; resumed -> exit {rc2}, weights {'equal' if ok_weights else 'DIFFER'}, "
+              f"result.json {'intact' if ok_result else 'BAD'}" + ("" if rc2 == 0 else f": {err2.strip().splitlines()[-1:]}")
+              + ("" if rc == 75 else f" (launcher: {err.strip().splitlines()[-1:]})"))
+    print(f"preemptions: {n} trials, {same} with weights equal to the uninterrupted run, {intact} with result.json "
+          f"intact, {lost_total} steps lost beyond the one in flight")
 
 
 if __name__ == "__main__":

@@ -143,7 +143,7 @@ class StopSignal:
     def install(self, main: bool) -> None:
         """Handle the stop signals in this process (main thread only; once), and start a new run."""
         self.main, self.polled, self.stopped_at, self._checked = main, False, None, -1
-        self.save = None
+        self.save, self.received, self._saved, self._deadline = None, None, threading.Event(), None
         if threading.current_thread() is not threading.main_thread():
             return
         for sig in stop_signals():

@@ -73,10 +73,16 @@ def _loop(out: Path, ckpt: Path, resume: bool, sig: str = "none", at: int = 0, t
                    timeout=timeout)
 
 
-@pytest.mark.parametrize("sig", ["SIGTERM", "SIGUSR1"])
-def test_own_loop_stops_through_should_stop_and_resumes_bit_exact(tmp_path, sig):
-    ref = _loop(tmp_path / "ref.pt", tmp_path / "ref-ckpt", False)
+@pytest.fixture(scope="module")
+def uninterrupted_loop(tmp_path_factory) -> dict:
+    tmp = tmp_path_factory.mktemp("loop-ref")
+    ref = _loop(tmp / "ref.pt", tmp / "ckpt", False)
     assert ref.returncode == 0, ref.stderr[-3000:]
+    return torch.load(tmp / "ref.pt")
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGUSR1"])
+def test_own_loop_stops_through_should_stop_and_resumes_bit_exact(tmp_path, uninterrupted_loop, sig):
     stopped = _loop(tmp_path / "out.pt", tmp_path / "ckpt", False, sig, 5)
     assert stopped.returncode == preemption.PREEMPTED_EXIT_CODE, stopped.stderr[-3000:]
     step = _stopped_at(stopped.stdout, 5, 60)
@@ -84,7 +90,7 @@ def test_own_loop_stops_through_should_stop_and_resumes_bit_exact(tmp_path, sig)
     assert not (tmp_path / "out.pt").exists()  # the script did not go on as if it had finished
     resumed = _loop(tmp_path / "out.pt", tmp_path / "ckpt", True)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    _assert_equal(torch.load(tmp_path / "out.pt"), torch.load(tmp_path / "ref.pt"))
+    _assert_equal(torch.load(tmp_path / "out.pt"), uninterrupted_loop)
 
 
 def test_a_save_past_the_grace_period_leaves_the_previous_checkpoint_newest(tmp_path):
@@ -131,3 +137,31 @@ def test_the_agent_forwards_the_stop_signals_and_waits_for_the_grace(monkeypatch
     with pytest.raises(ValueError, match="PARATRAIN_PREEMPT_GRACE_S='0' must be a positive number"):
         preemption.grace_s()
     os.environ.pop(preemption.REPORT_ENV, None)
+
+
+def test_the_flag_is_agreed_once_per_step_and_the_save_runs_once(monkeypatch, capsys):
+    """In one process, with the all-reduce played by a function: a signal only flags; the step every
+    rank agrees on saves once and prints one line; a rank that learnt it from a peer exits 0."""
+    monkeypatch.setenv(preemption.GRACE_ENV, "600")
+    monkeypatch.delenv(preemption.SIGNALS_ENV, raising=False)
+    monkeypatch.delenv(preemption.REPORT_ENV, raising=False)
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    stop, calls, saves = preemption.stop_signal(main=True), [], []
+    stop.save = lambda: saves.append(1)
+
+    def any_rank(flag, peer=False):
+        calls.append(flag)
+        return flag or peer
+
+    try:
+        assert not stop.check(1, 0, any_rank) and not stop.check(1, 0, any_rank)  # once per step
+        os.kill(os.getpid(), signal.SIGUSR1)  # polled now: only the flag is set
+        assert not stop.check(2, 1, any_rank)  # mid-accumulation: no collective
+        assert stop.check(2, 0, any_rank) and stop.check(2, 0, any_rank) and stop.check(3, 0, any_rank)
+        assert calls == [False, True, True] and saves == [1] and stop.exit_code == preemption.PREEMPTED_EXIT_CODE
+        assert capsys.readouterr().out == "preempted at step 2: checkpoint saved; continue with --resume\n"
+        stop = preemption.stop_signal(main=False)  # a new run; this rank gets no signal, a peer did
+        assert stop.check(5, 0, lambda flag: any_rank(flag, peer=True)) and stop.exit_code == 0
+        assert capsys.readouterr().out == ""  # only the main process prints
+    finally:
+        preemption.stop_signal(main=True)
