@@ -373,7 +373,7 @@ class Parallel(process.OnProcess, tracking.TrackedRun):
         """True on every rank at the same optimizer step once a stop signal (SIGTERM, SIGUSR1: a
         preemption) reached any rank; what :meth:`save_on_stop` registered is saved then. Read it after
         ``optimizer.step()`` on every rank (one all-reduce per step): :mod:`paratrain.env.preemption`."""
-        return self._stop.check(self.global_step, self.micro_step, self.any_rank)
+        return self._stop.check(self.global_step, self.micro_step)
 
     def save_on_stop(self, directory: str, model: nn.Module, optimizer: Any, scheduler: Any = None,
                      extra: dict[str, Any] | Callable[[], dict[str, Any]] | None = None, keep: int = 3) -> None:

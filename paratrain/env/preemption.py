@@ -33,7 +33,10 @@ import threading
 from pathlib import Path
 from typing import Any, Callable
 
-__all__ = ["PREEMPTED_EXIT_CODE", "StopSignal", "stop_signal", "exit_code", "stop_signals", "grace_s", "agent_flags",
+import torch
+import torch.distributed as dist
+
+__all__ = ["PREEMPTED_EXIT_CODE", "StopSignal", "stop_signal", "exit_code", "flag_on_any_rank", "stop_signals", "grace_s", "agent_flags",
            "read_reports", "slurm_requeued"]
 
 PREEMPTED_EXIT_CODE = 75  # sysexits.h's EX_TEMPFAIL: stopped on request, continue later with --resume
@@ -126,6 +129,23 @@ def _requeue() -> str:
     return f"; Slurm job {job} requeued: it resumes by itself"
 
 
+_GLOO: list[Any] = []  # the CPU group the flag is agreed over, once made
+
+
+def flag_on_any_rank(flag: bool) -> bool:
+    """Whether ``flag`` is true on any rank: an all-reduce MAX of one number over the whole job, on
+    the CPU (a gloo group beside an NCCL one, made at the first call, which every rank makes at the
+    same step), so that asking every step never waits for the accelerator. Without a group: ``flag``."""
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return flag
+    if not _GLOO or _GLOO[0][0] is not dist.group.WORLD:  # a new process group: a new side group
+        cpu = dist.get_backend() in ("gloo", "mpi")
+        _GLOO[:] = [(dist.group.WORLD, None if cpu else dist.new_group(backend="gloo"))]
+    t = torch.tensor([float(flag)])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_GLOO[0][1])
+    return bool(t.item())
+
+
 class StopSignal:
     """This process's stop flag, set by a signal handler, and the run's stop at a step boundary."""
 
@@ -185,10 +205,12 @@ class StopSignal:
         self._deadline = threading.Thread(target=wait, name="paratrain-preempt-deadline", daemon=True)
         self._deadline.start()
 
-    def check(self, step: int, micro_step: int, any_rank: Callable[[bool], bool]) -> bool:
+    def check(self, step: int, micro_step: int, any_rank: Callable[[bool], bool] | None = None) -> bool:
         """Whether the run stops now: at a step boundary (``micro_step`` 0), once per ``step``, every
-        rank learns whether any rank got a stop signal (``any_rank``: a collective). On the step they
-        agree on, :attr:`save` (if registered) runs on every rank, then the one line."""
+        rank learns whether any rank got a stop signal (``any_rank``, default :func:`flag_on_any_rank`: a
+        collective). On the step they agree on, :attr:`save` (if registered) runs on every rank, then
+        the one line."""
+        any_rank = any_rank or flag_on_any_rank
         self.polled = True
         if self.stopped_at is not None:
             return True
