@@ -25,6 +25,7 @@ then exits 75 itself.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -37,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["PREEMPTED_EXIT_CODE", "StopSignal", "stop_signal", "exit_code", "flag_on_any_rank", "stop_signals", "grace_s", "agent_flags",
-           "read_reports", "slurm_requeued"]
+           "read_reports", "slurm_requeued", "LauncherSignals"]
 
 PREEMPTED_EXIT_CODE = 75  # sysexits.h's EX_TEMPFAIL: stopped on request, continue later with --resume
 GRACE_ENV = "PARATRAIN_PREEMPT_GRACE_S"
@@ -98,10 +99,59 @@ def agent_flags(torchrun_args: list[str], report_dir: str) -> list[str]:
 def read_reports(report_dir: str) -> int | None:
     """The step at which this node's workers stopped on a signal (their reports), or None."""
     try:
-        steps = [int(p.read_text() or -1) for p in Path(report_dir).iterdir()]
+        steps = [int(p.read_text() or -1) for p in Path(report_dir).glob("rank-*")]
     except (OSError, ValueError):
         return None
     return max(steps) if steps else None
+
+
+class LauncherSignals:
+    """In the launcher: note in ``report_dir`` each stop signal this process receives, as it arrives
+    (Python's wakeup fd, written by the C-level handler whatever Python handler torch's agent has).
+    The agent also sends SIGTERM to a group it tears down after a failure; a worker takes a SIGTERM
+    for a preemption only when its launcher got one too (:meth:`StopSignal._handle`)."""
+
+    def __init__(self, report_dir: str) -> None:
+        self.report_dir, self._fds, self._previous, self._set = report_dir, os.pipe(), -1, False
+
+    def __enter__(self) -> "LauncherSignals":
+        if threading.current_thread() is threading.main_thread():
+            os.set_blocking(self._fds[1], False)
+            self._previous, self._set = signal.set_wakeup_fd(self._fds[1], warn_on_full_buffer=False), True
+            threading.Thread(target=self._watch, name="paratrain-launcher-signals", daemon=True).start()
+        return self
+
+    def _watch(self) -> None:
+        stops = {int(s) for s in stop_signals()}
+        while True:
+            try:
+                got = os.read(self._fds[0], 64)
+            except OSError:
+                return
+            if not got:
+                return
+            for signum in (n for n in got if n in stops):
+                with contextlib.suppress(OSError):
+                    Path(self.report_dir, f"signal-{signal.Signals(signum).name}").touch()
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._set:
+            signal.set_wakeup_fd(self._previous)
+        os.close(self._fds[1])  # the watcher reads EOF and ends
+        os.close(self._fds[0])
+
+
+def _launcher_got_it(signum: int) -> bool:
+    """Whether this worker's paratrain launcher received ``signum`` as well (waits up to 0.5 s for
+    its note): a SIGTERM only from the agent is the teardown of a failed group. True without one."""
+    report = os.environ.get(REPORT_ENV)
+    if not report or signum != signal.SIGTERM:
+        return True
+    for _ in range(25):
+        if any(Path(report).glob("signal-*")):
+            return True
+        threading.Event().wait(0.02)
+    return False
 
 
 def slurm_requeued() -> bool:
@@ -173,7 +223,8 @@ class StopSignal:
 
     def _handle(self, signum: int, frame: Any) -> None:
         previous = self._previous.get(signum)
-        if not self.polled:  # nothing looks at the flag: the signal does what it did before
+        if not self.polled or (self.received is None and not _launcher_got_it(signum)):
+            # nothing looks at the flag, or the agent ends a failed group: what the signal did before
             if callable(previous):
                 previous(signum, frame)
             elif previous != signal.SIG_IGN:

@@ -412,7 +412,7 @@ def torchrun(cfg: LaunchConfig, program: list[str], module: bool = False, comman
     try:
         args = parser.parse_args(argv)
         args.training_script_args = list(program[1:])
-        with _WakeStopped():
+        with _WakeStopped(), preemption.LauncherSignals(stopped_dir):
             if worker is None:
                 from ..env.process import AGENT_PID
 
