@@ -66,6 +66,8 @@ class UnavailableError(RuntimeError):
 class CollectiveTimeoutError(RuntimeError):
     """A collective ran past ``timeout_s``: names the rank(s) that did not arrive, in one line."""
 
+    speaker: int | None = None  # the one rank that prints the line (every rank that waited raises it)
+
 
 class PeerLostError(CollectiveTimeoutError):
     """A collective failed because a peer closed its connection: that peer ended first (one line)."""

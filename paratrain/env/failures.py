@@ -22,7 +22,7 @@ import torch.distributed as dist
 from .base import CollectiveTimeoutError, PeerLostError
 
 __all__ = ["explain_timeout", "explain_peer_loss", "explain_failure", "explain_uncaught", "collective_of",
-           "remember_timeout"]
+           "remember_timeout", "speaks", "is_consequence"]
 
 _uncaught = False  # an uncaught exception reached explain_uncaught's hook: the process is failing
 _joined_timeout_s: float | None = None  # timeout_s of the process group this process joined (see remember_timeout)
@@ -32,11 +32,13 @@ def explain_timeout(error: BaseException, timeout_s: float | None, step: int | N
     """If ``error`` is a collective that timed out, a :class:`CollectiveTimeoutError` that names
     the rank(s) that did not arrive (else None). Call it on every rank that got the error.
 
-    gloo's timeout says only that this rank waited. So every rank that timed out writes "I was
-    waiting" into the job's store (``MASTER_ADDR:MASTER_PORT``), waits a grace period for the
-    others to time out too, and reads who wrote: the ranks that did not are the ones that never
-    arrived (a hang, a frozen process). When the store itself does not answer, the rank that
-    serves it (rank 0) is the one that is frozen or gone. NCCL aborts the process on its own
+    gloo's timeout says only that this rank waited. So every rank that timed out writes where it
+    waited (the collective, the :class:`~paratrain.Parallel` call) into the job's store
+    (``MASTER_ADDR:MASTER_PORT``), waits a grace period for the others to time out too, and reads
+    who wrote: the ranks that did not are the ones that never arrived (a hang, a frozen process);
+    ranks that all waited, some in a call of ``Parallel`` and the others elsewhere, are the
+    main-process-only mistake, and those elsewhere are named. When the store itself does not
+    answer, the rank that serves it (rank 0) is the one that is frozen or gone. NCCL aborts the process on its own
     timeout (its watchdog) before Python sees an error; this covers gloo (CPU).
     """
     if not (_initialized() and isinstance(error, RuntimeError) and "Timed out" in str(error)):
@@ -48,17 +50,20 @@ def explain_timeout(error: BaseException, timeout_s: float | None, step: int | N
     if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:  # a group made without env:// (tcp://)
         return CollectiveTimeoutError(f"rank {me} waited {waited_for} in a collective{at}: another rank did not arrive "
                                       "(hung, frozen or unreachable)")
-    waited: list[int] = []
+    here = {"call": collective_call(error), "where": at}
+    said: dict[int, dict[str, Any]] = {}  # rank -> where it waited, for every rank that timed out too
 
     def ask_store() -> None:
         try:
             store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), None, False,
                                   timedelta(seconds=grace + 2), wait_for_workers=False)
             prefix = f"paratrain/waited/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
-            store.set(f"{prefix}{me}", str(step))
+            store.set(f"{prefix}{me}", json.dumps(here))
             time.sleep(grace)
-            waited.extend(r for r in range(world) if store.check([f"{prefix}{r}"]))
-        except Exception:  # refused, timed out, gone: `waited` stays empty
+            for r in range(world):
+                if store.check([f"{prefix}{r}"]):
+                    said[r] = json.loads(store.get(f"{prefix}{r}"))
+        except Exception:  # refused, timed out, gone: `said` stays empty
             pass
 
     # In a thread with a deadline: TCPStore's connection check waits without a timeout on a
@@ -66,20 +71,60 @@ def explain_timeout(error: BaseException, timeout_s: float | None, step: int | N
     asking = threading.Thread(target=ask_store, name="paratrain-who-waited", daemon=True)
     asking.start()
     asking.join(grace + 5)
-    answered = [] if asking.is_alive() else list(waited)
+    answered = {} if asking.is_alive() else dict(said)
     if not answered:  # the store did not answer (not even with this rank's own key)
         return CollectiveTimeoutError(
             f"rank {me} waited {waited_for} in a collective{at}, and the job's store on rank 0 does not "
             "answer either: rank 0 is frozen, gone or unreachable")
+    return _who_did_not_arrive(answered, world, waited_for, error)
+
+
+def _who_did_not_arrive(answered: dict[int, dict[str, Any]], world: int, waited_for: str,
+                        error: BaseException) -> CollectiveTimeoutError:
+    """The one line of a timeout from where each rank that timed out waited (``answered``: rank ->
+    ``{"call": Parallel's collective method or None, "where": " (op in Parallel.call) at step N"}``).
+    Said by the lowest of those ranks only (:func:`speaks`): the others compute the same line."""
     missing = [r for r in range(world) if r not in answered]
+    calls = {r: said.get("call") for r, said in answered.items()}
+    call = next((calls[r] for r in sorted(calls) if calls[r]), None)
+    elsewhere = [r for r in sorted(answered) if calls[r] != call]
+    if not missing and call is not None and elsewhere:
+        # The main-process-only mistake: some ranks entered Parallel.<call>, the others waited in
+        # another collective. Those never arrived, however long the first ones wait.
+        inside = [r for r in sorted(answered) if calls[r] == call]
+        there = answered[inside[0]]["where"]
+        instead = "; ".join(sorted({f"in a collective{answered[r]['where']}" for r in elsewhere}))
+        return _said_by(min(answered), CollectiveTimeoutError(
+            f"{_ranks(elsewhere)} did not arrive at a collective{there} for {waited_for}: "
+            f"{'it' if len(elsewhere) == 1 else 'they'} waited {instead} instead; {_ranks(inside)} waited for "
+            f"{'it' if len(elsewhere) == 1 else 'them'} (Parallel.{call} is a collective: does every rank call it, "
+            "not the main process only?)"))
+    at = answered[min(answered)]["where"]
     if not missing:
-        return CollectiveTimeoutError(
+        return _said_by(min(answered), CollectiveTimeoutError(
             f"every rank waited {waited_for} in a collective{at}: they wait in different collectives "
-            f"{_some_ranks_only(error)}")
-    hint = f" {_some_ranks_only(error)}" if collective_call(error) is not None else ""
-    return CollectiveTimeoutError(
-        f"{_ranks(missing)} did not arrive at a collective{at} for {waited_for}: hung, frozen or unreachable; "
-        f"{_ranks(answered)} waited for {'them' if len(missing) > 1 else 'it'}{hint}")
+            f"{_some_ranks_only(error)}"))
+    if calls[min(answered)] is not None:
+        why, hint = "hung, frozen or unreachable", f" {_some_ranks_only(error, calls[min(answered)])}"
+    elif 0 in missing:  # alive (it serves the store that answered): busy elsewhere, often in a main-process-only call
+        why, hint = "hung, or in a collective called on the main process only?", ""
+    else:
+        why, hint = "hung, frozen or unreachable", ""
+    return _said_by(min(answered), CollectiveTimeoutError(
+        f"{_ranks(missing)} did not arrive at a collective{at} for {waited_for}: {why}; "
+        f"{_ranks(sorted(answered))} waited for {'them' if len(missing) > 1 else 'it'}{hint}"))
+
+
+def _said_by(rank: int, error: CollectiveTimeoutError) -> CollectiveTimeoutError:
+    error.speaker = rank
+    return error
+
+
+def speaks(error: BaseException) -> bool:
+    """Whether this rank prints ``error``'s line: a timeout's line is the same on every rank that
+    waited, and the lowest of them says it; any other error is this rank's own."""
+    speaker = getattr(error, "speaker", None)
+    return speaker is None or not _initialized() or speaker == dist.get_rank()
 
 
 # gloo's words (tcp/pair.cc) for a peer whose end of the connection closed: it exited or was killed
@@ -104,6 +149,14 @@ def explain_peer_loss(error: BaseException, step: int | None = None, grace_s: fl
     at = _where(error, step)
     return PeerLostError(f"rank {dist.get_rank()} lost its connection to a peer in a collective{at} ({cause}): another rank "
                          "ended first; its failure is the cause")
+
+
+def is_consequence(message: str) -> bool:
+    """Whether a rank's recorded error (``Type: text``, as in torchrun's error file) is only the
+    consequence of another rank's failure: it lost its peer (a :class:`PeerLostError`, or gloo's
+    own words for it when the script's ``@record`` wrote the error before paratrain explained it)."""
+    return message.startswith(f"{PeerLostError.__name__}: ") or (
+        message.startswith("RuntimeError: ") and any(words in message for words in _PEER_CLOSED))
 
 
 # torch.distributed's collectives, as the frames of a failed one are named
@@ -153,8 +206,8 @@ def _where(error: BaseException, step: int | None) -> str:
     return (f" ({what})" if what else "") + (f" at step {step}" if step is not None else "")
 
 
-def _some_ranks_only(error: BaseException) -> str:
-    call = collective_call(error)
+def _some_ranks_only(error: BaseException, call: str | None = None) -> str:
+    call = call or collective_call(error)
     if call is None:
         return "(code that runs a collective on some ranks only?)"
     return f"(Parallel.{call} is a collective: does every rank call it, not the main process only?)"
@@ -180,8 +233,10 @@ def _initialized() -> bool:
 
 def explain_uncaught() -> None:
     """Make an uncaught failed collective end this process with its one-line cause (who did not
-    arrive, or which peer ended first), printed after the traceback: for a script's own loop,
-    where no paratrain code is on the stack to catch it. Chains to the current ``sys.excepthook``.
+    arrive, or which peer ended first) instead of gloo's traceback: for a script's own loop,
+    where no paratrain code is on the stack to catch it. Any other exception is this rank's own
+    and keeps its traceback. Chains to the current ``sys.excepthook`` (one the script installed
+    also sees an explained failure).
 
     Under torchrun's agent (``paratrain run``, ``torchrun``) the exception, or that cause, is also
     written to the worker's error file as ``@record`` would (unless the script's own ``@record``
@@ -192,17 +247,24 @@ def explain_uncaught() -> None:
 
     def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
         mark_failed()
-        previous(kind, value, tb)
         try:
             why = explain_failure(value)
         except Exception:  # explaining must never hide the error itself
             why = None
-        if why is not None:
+        if why is None or not _prints_only(previous):  # this rank's own error: its traceback
+            previous(kind, value, tb)
+        if why is not None and speaks(why):  # a consequence (a peer ended, a rank did not arrive): one line
             print(f"paratrain: {type(why).__name__}: {why}", file=sys.stderr, flush=True)
         _record_for_the_agent(why or value, tb)
 
     hook._paratrain = True  # type: ignore[attr-defined]
     sys.excepthook = hook
+
+
+def _prints_only(hook: Any) -> bool:
+    """Whether ``hook`` only prints the traceback: Python's own, or the one ``init_process_group``
+    wraps around it to prefix each line with ``[rank N]:`` (a script's own hook does more)."""
+    return hook is sys.__excepthook__ or getattr(hook, "__qualname__", "").endswith("._distributed_excepthook")
 
 
 def uncaught_seen() -> bool:

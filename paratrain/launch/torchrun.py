@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..env import preemption
+from ..env.failures import is_consequence
 from ..env.network import free_port, is_loopback
 
 __all__ = ["LaunchConfig", "PASSTHROUGH", "nproc_per_node", "torchrun"]
@@ -232,11 +233,42 @@ def _one_line(text: Any) -> str:
     return lines[0] if lines else ""
 
 
+def _message(failure: Any) -> str:
+    """The first line of what a failed worker recorded (``Type: message``), "" without an error file."""
+    if failure.error_file == _NOT_AVAILABLE:
+        return ""
+    message = failure.message
+    if isinstance(message, dict):  # {"message": "Type: msg", "extraInfo": {...}}
+        message = message.get("message", "")
+    return _one_line(message)
+
+
+def _culprits(err: Any) -> list[int]:
+    """The ranks whose failure is the cause, the first one first.
+
+    Not a rank that only lost its peer (:func:`~paratrain.env.failures.is_consequence`), nor one
+    ended by SIGTERM without a recorded error: that is the agent stopping the group once a worker
+    failed (torch records those ``for bookkeeping``). The first is torch's own order (the error
+    file's time, then the order the agent saw the failures); only where every failure is such a
+    consequence is it named (an outside SIGTERM)."""
+    failures = dict(err.failures)
+    order = {rank: k for k, rank in enumerate(failures)}  # the order the agent saw them in
+
+    def consequence(failure: Any) -> bool:
+        message = _message(failure)
+        return is_consequence(message) if message else failure.exitcode == -signal.SIGTERM
+
+    causes = [rank for rank, failure in failures.items() if not consequence(failure)]
+    first = min(causes or failures, key=lambda rank: (failures[rank].timestamp, order[rank]))
+    return [first, *sorted(rank for rank in causes if rank != first)]
+
+
 def _failure_line(err: Any, prefix: str = _PREFIX) -> tuple[str, int]:
-    """One line and an exit code for a ``ChildFailedError``."""
-    rank, failure = err.get_first_failure()
-    ranks = sorted(err.failures)
-    who = f"rank {rank}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))} (first: rank {rank})"
+    """One line and an exit code for a ``ChildFailedError``: the rank that failed first, with its
+    recorded error, and no rank that merely lost it (:func:`_culprits`)."""
+    culprits = _culprits(err)
+    rank, failure = culprits[0], err.failures[culprits[0]]
+    who = f"rank {rank}" if len(culprits) == 1 else f"ranks {', '.join(map(str, sorted(culprits)))} (first: rank {rank})"
     code = int(failure.exitcode)
     if code < 0:  # killed by a signal: report like a shell does
         try:
@@ -246,17 +278,12 @@ def _failure_line(err: Any, prefix: str = _PREFIX) -> tuple[str, int]:
         rc = 128 - code
     else:
         how, rc = f"exit code {code}", code or 1
-    root = ""
-    if failure.error_file != _NOT_AVAILABLE:  # the worker recorded its exception (``@record``)
-        message = failure.message
-        if isinstance(message, dict):  # {"message": "Type: msg", "extraInfo": {...}}
-            message = message.get("message", "")
-        root = _one_line(message)
-        kind, sep, text = root.partition(": ")
-        if sep and kind == "CollectiveTimeoutError":  # it names the rank that did not arrive: that is the news
-            return f"{prefix} {text}", rc
-        if sep and code == 2 and kind.isidentifier():  # a paratrain one-line error: its text, as in one process
-            root = text
+    root = _message(failure)  # the worker recorded its exception (``@record``, or paratrain's excepthook)
+    kind, sep, text = root.partition(": ")
+    if sep and kind == "CollectiveTimeoutError":  # it names the rank that did not arrive: that is the news
+        return f"{prefix} {text}", rc
+    if sep and code == 2 and kind.isidentifier():  # a paratrain one-line error: its text, as in one process
+        root = text
     return f"{prefix} worker {who} failed ({how})" + (f": {root}" if root else ""), rc
 
 

@@ -1,0 +1,122 @@
+"""What the launcher says when workers fail or restart (``paratrain.launch.torchrun``): the rank
+that caused it, once, and one line per restart. Real torchrun agents and gloo workers, each CLI
+call in its own process group with a hard limit (``clitools``)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import signal
+from pathlib import Path
+
+import pytest
+
+from clitools import run_cli
+from paratrain.launch.torchrun import _failure_line
+
+pytestmark = pytest.mark.timeout(240)  # backstop; run_cli's own limits are shorter
+
+
+# --- the right culprit, once (issue 26, item 4) --------------------------------------------------
+
+class _Failed:
+    """A ``ChildFailedError`` as the agent raises it: ``failures`` maps rank -> ProcessFailure."""
+
+    def __init__(self, failures: dict) -> None:
+        self.failures = failures
+
+
+_files = itertools.count()
+
+
+def _failure(tmp_path: Path, rank: int, exitcode: int, message: str | None, timestamp: int = 100):
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    path = tmp_path / f"error-{rank}-{next(_files)}.json"
+    if message is not None:
+        path.write_text(json.dumps({"message": {"message": message, "extraInfo": {
+            "py_callstack": "", "timestamp": str(timestamp)}}}))
+    return ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=exitcode, error_file=str(path))
+
+
+def test_a_rank_that_only_lost_its_peer_is_not_named(tmp_path):
+    # rank 0 recorded gloo's error first (its own @record, same second), rank 1 raised: rank 1 alone
+    lost = "RuntimeError: [../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1234"
+    failures = {0: _failure(tmp_path, 0, 1, lost), 1: _failure(tmp_path, 1, 1, "ValueError: bad batch")}
+    assert _failure_line(_Failed(failures), "x:") == ("x: worker rank 1 failed (exit code 1): ValueError: bad batch", 1)
+    # paratrain's own line for it, and the agent's SIGTERM to the rank still running: not named either
+    failures = {1: _failure(tmp_path, 1, 3, None), 0: _failure(tmp_path, 0, -signal.SIGTERM, None)}
+    assert _failure_line(_Failed(failures), "x:") == ("x: worker rank 1 failed (exit code 3)", 3)
+    failures = {0: _failure(tmp_path, 0, 1, "PeerLostError: rank 0 lost its connection to a peer", timestamp=99),
+                1: _failure(tmp_path, 1, -signal.SIGKILL, None)}
+    assert _failure_line(_Failed(failures), "x:") == ("x: worker rank 1 failed (killed by SIGKILL)", 137)
+
+
+def test_ranks_that_each_failed_on_their_own_are_all_named(tmp_path):
+    failures = {1: _failure(tmp_path, 1, 1, "KeyError: 'a'", timestamp=101), 0: _failure(tmp_path, 0, 1, "KeyError: 'b'"),
+                2: _failure(tmp_path, 2, -signal.SIGTERM, None)}
+    assert _failure_line(_Failed(failures), "x:")[0] == "x: worker ranks 0, 1 (first: rank 0) failed (exit code 1): KeyError: 'b'"
+    # an outside SIGTERM (no other failure): the rank the agent saw end first
+    failures = {1: _failure(tmp_path, 1, -signal.SIGTERM, None), 0: _failure(tmp_path, 0, -signal.SIGTERM, None)}
+    assert _failure_line(_Failed(failures), "x:")[0] == "x: worker rank 1 failed (killed by SIGTERM)"
+
+
+RAISES_ON_RANK_1 = """
+import torch
+import paratrain
+
+pt = paratrain.Parallel(strategy="ddp", global_batch=2, timeout_s=30)
+if pt.rank == 1:
+    raise ValueError("bad batch on rank 1")
+pt.reduce(torch.tensor(1.0), "sum")  # rank 0 waits here and loses its peer
+pt.close()
+"""
+
+
+def test_only_the_rank_that_raised_prints_a_traceback_and_is_named(tmp_path):
+    script = tmp_path / "raises.py"
+    script.write_text(RAISES_ON_RANK_1)
+    res = run_cli(["run", "--nproc-per-node", "2", str(script)], timeout=120)
+    assert res.returncode == 1, res.stderr[-3000:]
+    assert res.stderr.count("Traceback (most recent call last)") == 1, res.stderr[-3000:]
+    assert "[rank1]: ValueError: bad batch on rank 1" in res.stderr
+    assert "Connection closed by peer" not in res.stderr and "Connection reset by peer" not in res.stderr, res.stderr
+    lost = [ln for ln in res.stderr.splitlines() if "rank 0" in ln]  # rank 0 only lost its peer: one line at most
+    assert len(lost) <= 1 and all("PeerLostError: rank 0 lost its connection" in ln for ln in lost), lost
+    assert res.stderr.strip().splitlines()[-1] == (
+        "paratrain run: error: worker rank 1 failed (exit code 1): ValueError: bad batch on rank 1")
+
+
+MAIN_PROCESS_ONLY_SAVE = """
+import sys
+
+import torch
+import paratrain
+
+pt = paratrain.Parallel(strategy="ddp", global_batch=2, timeout_s=5)
+net = torch.nn.Linear(2, 1)
+model, opt = pt.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+for step in range(3):
+    model(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    if step == 1 and pt.is_main_process:  # the classic mistake: save_checkpoint is a collective
+        pt.save_checkpoint(sys.argv[1], model, opt)
+pt.close()
+"""
+
+
+def test_a_collective_called_on_the_main_process_only_names_the_ranks_that_never_arrived(tmp_path):
+    """Rank 0 waits in save_checkpoint, rank 1 in the next step's gradient reduction: both time out.
+    The line names rank 1 (it never arrived at save_checkpoint), with the hint, once."""
+    script = tmp_path / "main_only.py"
+    script.write_text(MAIN_PROCESS_ONLY_SAVE)
+    res = run_cli(["run", "--nproc-per-node", "2", str(script), str(tmp_path / "ckpt")], timeout=150)
+    assert res.returncode == 1, res.stderr[-3000:]
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith("paratrain run: error: rank 1 did not arrive at a collective (") and \
+        "in Parallel.save_checkpoint) for 5 s (timeout_s): it waited in a collective (the gradient reduction in " \
+        "backward) instead; rank 0 waited for it" in last, res.stderr[-3000:]
+    assert last.endswith("(Parallel.save_checkpoint is a collective: does every rank call it, not the main process only?)")
+    assert "Traceback" not in res.stderr, res.stderr[-3000:]  # neither rank raised: each only waited
+    assert len([ln for ln in res.stderr.splitlines() if ln.startswith("paratrain: CollectiveTimeoutError")]) == 1
