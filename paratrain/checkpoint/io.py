@@ -33,7 +33,7 @@ import torch
 from .errors import CheckpointError, load_error
 from .manifest import SUFFIX, file_digest, format_manifest, fsync_dir, verify_manifest
 
-__all__ = ["CheckpointError", "save_file", "load_file", "write_checkpoint", "load_latest", "list_checkpoints",
+__all__ = ["CheckpointError", "save_file", "load_file", "write_checkpoint", "load_latest", "newest_step", "list_checkpoints",
            "verify_checkpoint"]
 
 _NAME = re.compile(r"^step-(\d{8,})\.pt$")
@@ -174,6 +174,14 @@ def _candidates(d: Path) -> list[Path]:
     if named in candidates:  # newer ones than latest were never completed
         candidates = [named] + [c for c in candidates if _step(c) < _step(named)]
     return candidates
+
+
+def newest_step(directory: str | os.PathLike) -> int | None:
+    """The step of the checkpoint a resume tries first (the one ``latest`` names, else the newest),
+    read from the names alone; None when ``directory`` holds none. :func:`load_latest` still
+    verifies it (and falls back to an older one)."""
+    candidates = _candidates(Path(directory))
+    return _step(candidates[0]) if candidates else None
 
 
 def load_latest(directory: str | os.PathLike, map_location: Any = "cpu") -> tuple[Path, Any] | None:

@@ -15,6 +15,7 @@ import os
 import time
 from typing import Any, Iterable
 
+from ..checkpoint.io import newest_step
 from ..config import TrainConfig, parse_set, to_toml
 from ..data.datasets import DATASET_NAMES
 from ..env import preemption
@@ -154,8 +155,9 @@ def main(args: argparse.Namespace) -> int:
     from ..launch.forkserver import train_worker
 
     argv = [*args.argv, *run]
-    return torchrun(launch, ["paratrain", *argv], module=True, command="train",
-                    worker=train_worker, worker_args=(argv,))
+    ckpt = cfg.checkpoint_dir
+    return torchrun(launch, ["paratrain", *argv], module=True, command="train", worker=train_worker,
+                    worker_args=(argv,), resumes_from=(lambda: newest_step(ckpt)) if ckpt else None)
 
 
 def _ended(summary: dict[str, Any]) -> int:

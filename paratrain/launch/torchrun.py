@@ -31,7 +31,7 @@ import tempfile
 import threading
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from ..env import preemption
 from ..env.failures import is_consequence
@@ -263,6 +263,13 @@ def _culprits(err: Any) -> list[int]:
     return [first, *sorted(rank for rank in causes if rank != first)]
 
 
+def _signal_name(code: int) -> str:
+    try:
+        return signal.Signals(code).name
+    except ValueError:
+        return f"signal {code}"
+
+
 def _failure_line(err: Any, prefix: str = _PREFIX) -> tuple[str, int]:
     """One line and an exit code for a ``ChildFailedError``: the rank that failed first, with its
     recorded error, and no rank that merely lost it (:func:`_culprits`)."""
@@ -271,11 +278,7 @@ def _failure_line(err: Any, prefix: str = _PREFIX) -> tuple[str, int]:
     who = f"rank {rank}" if len(culprits) == 1 else f"ranks {', '.join(map(str, sorted(culprits)))} (first: rank {rank})"
     code = int(failure.exitcode)
     if code < 0:  # killed by a signal: report like a shell does
-        try:
-            how = f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            how = f"killed by signal {-code}"
-        rc = 128 - code
+        how, rc = f"killed by {_signal_name(-code)}", 128 - code
     else:
         how, rc = f"exit code {code}", code or 1
     root = _message(failure)  # the worker recorded its exception (``@record``, or paratrain's excepthook)
@@ -285,6 +288,49 @@ def _failure_line(err: Any, prefix: str = _PREFIX) -> tuple[str, int]:
     if sep and code == 2 and kind.isidentifier():  # a paratrain one-line error: its text, as in one process
         root = text
     return f"{prefix} worker {who} failed ({how})" + (f": {root}" if root else ""), rc
+
+
+def _restart_line(result: Any, restart: int, max_restarts: int, resumes_from: Callable[[], int | None] | None) -> str:
+    """``worker rank 1 died (SIGKILL); restart 1/2 from the checkpoint at step 40``: the agent's
+    failed round (``result``: its ``RunResult``) and the restart it begins."""
+    rank = _culprits(result)[0]
+    failure = result.failures[rank]
+    code, root = int(failure.exitcode), _message(failure)
+    what = f"died ({_signal_name(-code)})" if code < 0 else f"failed (exit code {code}{': ' + root if root else ''})"
+    line = f"worker rank {rank} {what}; restart {restart}/{max_restarts}"
+    step = resumes_from() if resumes_from is not None else None
+    if resumes_from is not None:
+        line += f" from the checkpoint at step {step}" if step is not None else " from step 0 (no checkpoint yet)"
+    return line
+
+
+@contextlib.contextmanager
+def _restart_lines(resumes_from: Callable[[], int | None] | None = None) -> Iterator[None]:
+    """Print one line each time torchrun's agent restarts the worker group after a failure
+    (:func:`_restart_line`), read off the agent's own monitoring: the ``RunResult`` of
+    ``LocalElasticAgent._monitor_workers`` (its failures) and its remaining restarts, just before
+    the agent acts on them. ``resumes_from``: where the restarted workers continue (the built-in
+    job's checkpoint folder); without it the line names no step."""
+    from torch.distributed.elastic.agent.server.api import WorkerState
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    monitor = LocalElasticAgent._monitor_workers
+
+    def monitored(agent: Any, worker_group: Any) -> Any:
+        result = monitor(agent, worker_group)
+        remaining = getattr(agent, "_remaining_restarts", 0)
+        if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY) and remaining > 0 and result.failures:
+            with contextlib.suppress(Exception):  # saying it must never stop the restart
+                most = worker_group.spec.max_restarts
+                print(f"paratrain: {_restart_line(result, most - remaining + 1, most, resumes_from)}",
+                      file=sys.stderr, flush=True)
+        return result
+
+    LocalElasticAgent._monitor_workers = monitored  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        LocalElasticAgent._monitor_workers = monitor  # type: ignore[method-assign]
 
 
 def _set_threads(nproc_per_node: int) -> None:
@@ -388,7 +434,8 @@ def check_resolvable(host: str) -> None:
 
 
 def torchrun(cfg: LaunchConfig, program: list[str], module: bool = False, command: str = "run",
-             worker: Callable[..., Any] | None = None, worker_args: tuple = ()) -> int:
+             worker: Callable[..., Any] | None = None, worker_args: tuple = (),
+             resumes_from: Callable[[], int | None] | None = None) -> int:
     """Run ``program`` (``[script.py, *args]``, or ``[module, *args]`` with ``module``) under torchrun.
 
     With ``worker``, each worker runs ``worker(*worker_args, environ)`` instead, ``environ`` being
@@ -400,7 +447,9 @@ def torchrun(cfg: LaunchConfig, program: list[str], module: bool = False, comman
     Blocks until every worker on this node has finished. Returns 0 on success; on a worker failure
     prints one line naming the failed rank(s), exit code and root cause (recorded when the script
     uses ``torch.distributed.elastic.multiprocessing.errors.record``) and returns that exit code
-    (``128 + signal`` when killed by a signal, else at least 1).
+    (``128 + signal`` when killed by a signal, else at least 1). Each restart (``max_restarts``)
+    is one line too, naming the rank that failed and, with ``resumes_from`` (a function giving the
+    step of the checkpoint the restarted workers resume from, None for none), that step.
     """
     if not program:
         raise ValueError("no program to run: give a script path (or a module with -m) and its arguments")
@@ -439,7 +488,7 @@ def torchrun(cfg: LaunchConfig, program: list[str], module: bool = False, comman
     try:
         args = parser.parse_args(argv)
         args.training_script_args = list(program[1:])
-        with _WakeStopped(), preemption.LauncherSignals(stopped_dir):
+        with _WakeStopped(), preemption.LauncherSignals(stopped_dir), _restart_lines(resumes_from):
             if worker is None:
                 from ..env.process import AGENT_PID
 

@@ -120,3 +120,42 @@ def test_a_collective_called_on_the_main_process_only_names_the_ranks_that_never
     assert last.endswith("(Parallel.save_checkpoint is a collective: does every rank call it, not the main process only?)")
     assert "Traceback" not in res.stderr, res.stderr[-3000:]  # neither rank raised: each only waited
     assert len([ln for ln in res.stderr.splitlines() if ln.startswith("paratrain: CollectiveTimeoutError")]) == 1
+
+
+# --- a restart is a line (issue 26, item 6) ------------------------------------------------------
+
+KILLED_ONCE = """
+import os
+import signal
+import sys
+
+import torch
+import paratrain
+
+pt = paratrain.Parallel(strategy="ddp", global_batch=2)
+if pt.rank == 1 and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+    os.kill(os.getpid(), signal.SIGKILL)  # the OOM killer's way
+print(f"rank {pt.rank} attempt {os.environ['TORCHELASTIC_RESTART_COUNT']}: {pt.reduce(torch.tensor(1.0), 'sum').item()}")
+pt.close()
+"""
+
+
+def test_paratrain_run_says_which_rank_died_and_which_restart_begins(tmp_path):
+    script = tmp_path / "killed_once.py"
+    script.write_text(KILLED_ONCE)
+    res = run_cli(["run", "--nproc-per-node", "2", "--max-restarts", "2", str(script)], timeout=150)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert sorted(ln for ln in res.stdout.splitlines() if "attempt" in ln) == ["rank 0 attempt 1: 2.0",
+                                                                              "rank 1 attempt 1: 2.0"]
+    said = [ln for ln in res.stderr.splitlines() if "restart" in ln]
+    assert said == ["paratrain: worker rank 1 died (SIGKILL); restart 1/2"], res.stderr[-3000:]
+
+
+def test_paratrain_train_names_the_checkpoint_a_restart_continues_from(tmp_path):
+    res = run_cli(["train", "--strategy", "ddp", "--nproc-per-node", "2", "--max-steps", "6", "--checkpoint-every",
+                   "4", "--max-restarts", "2", "--no-progress", "--log-dir", str(tmp_path)], timeout=200,
+                  PARATRAIN_TEST_KILL_AT="1:5")
+    assert res.returncode == 0, res.stderr[-3000:]
+    said = [ln for ln in res.stderr.splitlines() if "restart" in ln]
+    assert said == ["paratrain: worker rank 1 died (SIGKILL); restart 1/2 from the checkpoint at step 4"], res.stderr[-3000:]
+    assert "resumed from step 4" in res.stdout
