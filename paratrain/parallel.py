@@ -383,8 +383,8 @@ class Parallel(process.OnProcess, tracking.TrackedRun):
                                                        extra() if callable(extra) else extra, keep)
 
     def close(self, wait_for_peers: bool = True) -> None:
-        """Finish the trackers and leave the process group; by default after a barrier (pass
-        ``False`` after an error: the trackers' runs are marked failed)."""
+        """Finish the trackers and end the process group paratrain made (one the script or Ray made stays
+        theirs); by default after a barrier (``False`` after an error: the trackers' runs are marked failed)."""
         try:
             checkpoint_lib.finish_checkpoints(wait_for_peers)  # a checkpoint still written in the background
         finally:

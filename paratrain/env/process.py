@@ -35,7 +35,7 @@ __all__ = [
     "Dist", "OnProcess", "UnavailableError", "free_port", "CollectiveTimeoutError", "PeerLostError", "explain_timeout", "explain_peer_loss", "explain_failure",
     "explain_uncaught", "collective_of", "mix_seed", "init", "interface_towards", "is_loopback", "loopback_store", "store_init_method", "die_with_launcher", "destroy", "preload_dynamo", "available_accelerator", "select_device", "select_backend", "rank", "world_size",
     "local_rank", "is_main_process", "barrier", "print_once", "save_on_main",
-    "main_process_first", "seed_everything",
+    "main_process_first", "seed_everything", "owns_group",
 ]
 
 _BACKENDS = ("gloo", "nccl", "mpi", "xccl", "hccl")
@@ -306,7 +306,9 @@ def _join(info: ProcessInfo, device: torch.device, chosen: str, timeout_s: float
             **kwargs,
         )
         explain_uncaught()  # also notes an uncaught exception, so that the exit does not wait for peers
-        atexit.register(_leave_at_exit)
+        global _created
+        _created = dist.group.WORLD  # paratrain's own: destroy() and the exit leave it, and only it
+        atexit.register(_leave_at_exit, chosen)
     except dist.DistError as e:  # the store: not every rank joined, rank 0's cannot be reached, a port in use
         first = " ".join(str(e).split("Exception raised from")[0].split())[:300]
         what = f"rank {info.rank} of {info.world_size} ({info.source}) could not form the process group at {where}"
@@ -319,8 +321,20 @@ def _join(info: ProcessInfo, device: torch.device, chosen: str, timeout_s: float
         raise CollectiveTimeoutError(f"{what}: {type(e).__name__}: {first}") from e
 
 
+# The default process group paratrain created (init joined the job), or None: the only one it
+# destroys. A group that was there before (the script's own init_process_group, Ray Train's) stays
+# for its owner to destroy.
+_created: Any = None
+
+
+def owns_group() -> bool:
+    """Whether the current default process group is one paratrain created (:func:`init`)."""
+    return _initialized() and _created is not None and dist.group.WORLD is _created
+
+
 def destroy(wait_for_peers: bool = False) -> None:
-    """Leave the process group (safe to call when there is none).
+    """Leave the process group paratrain created (safe to call when there is none). A group the
+    script (or Ray Train) made before :func:`init` is left as it is, for its owner to destroy.
 
     ``wait_for_peers`` (for a clean finish) first runs a barrier, so every collective in flight
     has completed and its buffers are freed. Otherwise (torch 2.13, gloo) the process group can be
@@ -331,22 +345,38 @@ def destroy(wait_for_peers: bool = False) -> None:
     if dist.is_available() and dist.is_initialized():
         if wait_for_peers:
             dist.barrier()
-            time.sleep(0.05)  # let gloo's threads drop their finished work while we hold no GIL
-        dist.destroy_process_group()
+            _let_gloo_threads_finish()
+        if owns_group():
+            dist.destroy_process_group()
+
+
+def _let_gloo_threads_finish() -> None:
+    """Hold no GIL for a moment, so that gloo's worker threads can drop the collectives they
+    finished. Each such work holds the Python context torch 2.13 stashes during ``backward``
+    (``torch.autograd.graph._engine_run_backward``); freeing it takes the GIL, and a gloo thread
+    that asks for the GIL once the interpreter is finalizing is ended by ``pthread_exit`` inside
+    a C++ destructor: ``terminate called without an active exception``, exit code 134."""
+    time.sleep(0.05)
 
 
 _EXIT_WAIT_S = 60.0  # the most a finished rank waits at exit for its peers to finish too
 
 
-def _leave_at_exit() -> None:
+def _leave_at_exit(backend: str) -> None:
     """At the exit of a script that did not call ``Parallel.close``/``destroy``: leave the group
     paratrain joined. Without it a gloo rank that ends while a peer still uses their connection
     dies at exit with SIGABRT ("terminate called without an active exception": 2 runs in 5 of a
     plain torchrun + gloo script, torch 2.13 and 2.14). So after a normal end, gloo ranks first
     meet in torch's ``monitored_barrier``, bounded by ``_EXIT_WAIT_S``: a peer that failed, or is
     still busy (main-process-only work), costs at most that, never a hang. After an exception no
-    rank waits. NCCL ranks only destroy the group, as torch asks."""
-    if not _initialized():
+    rank waits. NCCL ranks only destroy the group, as torch asks.
+
+    A script that destroyed the group itself (``dist.destroy_process_group()`` at its end) leaves
+    DDP holding it, and gloo's threads may still be freeing its last collectives: the exit gives
+    them the GIL first (:func:`_let_gloo_threads_finish`; 1 run in 10 ended with SIGABRT without)."""
+    if not owns_group():  # destroyed by the script (or replaced by its own group)
+        if backend == "gloo":
+            _let_gloo_threads_finish()
         return
     try:
         if not failures.uncaught_seen() and dist.get_backend() == "gloo":
