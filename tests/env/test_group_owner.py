@@ -4,6 +4,7 @@ its owner. Real processes over gloo (``fastlaunch``: forked from a server that i
 
 from __future__ import annotations
 
+import os
 from datetime import timedelta
 
 import pytest
@@ -54,3 +55,41 @@ def _closes_its_own_group(local_rank):
 
 def test_close_ends_the_group_paratrain_made():
     assert fastlaunch.launch(_closes_its_own_group, 2, timeout=120) == [False, False]
+
+
+# --- a clean exit after the script's own destroy_process_group (issue 26, item 5) ----------------
+
+OWN_DESTROY = """
+import torch
+import torch.distributed as dist
+
+import paratrain
+
+pt = paratrain.Parallel(strategy="ddp", global_batch=2)
+net = torch.nn.Linear(2, 1)
+model, opt = pt.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+for step in range(3):
+    model(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+dist.destroy_process_group()  # as many scripts end, instead of pt.close()
+"""
+
+# Each run is a new `paratrain run` of 2 fresh interpreters: the crash is at interpreter exit. Before
+# the fix 1 run in 10-13 (2 in 15 in the issue) ended with SIGABRT, so 20 runs catch it with ~85%;
+# CI runs 4 (two at a time); PARATRAIN_EXIT_RUNS=20 for the full claim (~3 min on 2 idle cores).
+EXIT_RUNS = int(os.environ.get("PARATRAIN_EXIT_RUNS", "4"))
+
+
+@pytest.mark.timeout(60 + 60 * EXIT_RUNS)
+def test_a_script_that_destroys_the_group_itself_exits_cleanly(tmp_path):
+    from clitools import finish, start_cli
+
+    script = tmp_path / "own_destroy.py"
+    script.write_text(OWN_DESTROY)
+    ended = []
+    for _ in range(0, EXIT_RUNS, 2):  # two launches at a time: a busy machine, where the race shows
+        procs = [start_cli(["run", "--nproc-per-node", "2", str(script)], cwd=tmp_path) for _ in range(2)]
+        ended += [finish(p, 120) for p in procs]
+    bad = [(r.returncode, r.stderr[-300:]) for r in ended if r.returncode != 0 or "terminate called" in r.stderr]
+    assert not bad, f"{len(bad)} of {len(ended)} runs did not exit cleanly: {bad}"
