@@ -19,11 +19,11 @@ pytestmark = pytest.mark.timeout(240)  # backstop; run_cli's own limits are shor
 
 # --- the right culprit, once (issue 26, item 4) --------------------------------------------------
 
-class _Failed:
-    """A ``ChildFailedError`` as the agent raises it: ``failures`` maps rank -> ProcessFailure."""
+def _Failed(failures: dict):
+    """The ``ChildFailedError`` the agent raises: ``failures`` maps rank -> ProcessFailure."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    def __init__(self, failures: dict) -> None:
-        self.failures = failures
+    return ChildFailedError("script.py", failures)
 
 
 _files = itertools.count()
