@@ -6,6 +6,7 @@ compare the final weights.
 
     python scripts/kill_trials.py [--workers 6] [--agents 2] [--preempt 0] [--seed 0]
     python scripts/kill_trials.py --workers 0 --agents 0 --preempt 4     # preemption trials only
+    python scripts/kill_trials.py --checkpoint-async                      # checkpoints written in the background
 
 Every trial runs ``paratrain train --strategy ddp --nproc-per-node 2`` on the built-in data, in
 its own process group, killed from outside (no hook inside paratrain). Prints one row per trial
@@ -84,7 +85,11 @@ def main() -> int:
     ap.add_argument("--agents", type=int, default=2, help="agent-kill trials")
     ap.add_argument("--preempt", type=int, default=0, help="preemption trials: SIGTERM at a random step, then --resume")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--checkpoint-async", action="store_true",
+                    help="every run writes its checkpoints in the background (a kill may land mid-write)")
     args = ap.parse_args()
+    if args.checkpoint_async:
+        COMMON.append("--checkpoint-async")
     rng = random.Random(args.seed)
     tmp = Path(tempfile.mkdtemp(prefix="paratrain-kill-"))
     start_t = time.monotonic()
