@@ -40,7 +40,7 @@ from .data import prepare
 from .data.loaders import EvalLoader, GlobalBatchLoader
 from .data.stream import StreamLoader
 from .data.sampler import BatchPlan
-from .env import failures, preemption, process
+from .env import failures, lock, preemption, process
 from .env.provenance import provenance
 from .metrics import mapping_loss
 from .nn.deferred import Deferred
@@ -97,6 +97,7 @@ class Parallel(process.OnProcess, tracking.TrackedRun):
         # checked on every rank (a bad name fails everywhere alike); opened on the main process only
         self.trackers = tracking.Trackers(log_to, log_dir, loggers, enabled=self.is_main_process, config=self._run_config)
         self._deferred = Deferred(self.strategy.sharded_state and self.world_size > 1, self.device)
+        lock.held(self).hold(log_dir, "log_dir")  # one run per folder (rank 0 holds it; checkpoint folders too)
         self._stop = preemption.stop_signal(self.is_main_process)  # SIGTERM/SIGUSR1: stop at a step boundary
 
     # --- who am I (rank, world_size, is_main_process, device, print: env.process.OnProcess) --------
@@ -352,12 +353,11 @@ class Parallel(process.OnProcess, tracking.TrackedRun):
         if self.micro_step:
             raise RuntimeError(f"checkpoint asked for in the middle of an accumulation (micro-step {self.micro_step}): "
                                "save after optimizer.step()")
-        return checkpoint_lib.save_checkpoint(directory, self, *checkpointed(model, optimizer, self.unwrap), self.strategy,
-                                              self._clock.checkpointed(scheduler), extra, keep, asynchronous)
+        return checkpoint_lib.save_checkpoint(lock.held(self)(directory), self, *checkpointed(model, optimizer, self.unwrap),
+                                              self.strategy, self._clock.checkpointed(scheduler), extra, keep, asynchronous)
 
     def load_checkpoint(self, source: str, model: nn.Module, optimizer: Any = None, scheduler: Any = None) -> Any:
-        """Restore a run from a checkpoint file or the newest good one in a directory (the loader continues
-        mid-epoch). Returns ``extra`` (``None`` if none found)."""
+        """Restore a run from a checkpoint file or a directory's newest good one (the loader continues mid-epoch): its ``extra``."""
         return checkpoint_lib.load_checkpoint(source, self, *checkpointed(model, optimizer, self.unwrap), self.strategy,
                                               self._clock.checkpointed(scheduler))
 
@@ -365,8 +365,8 @@ class Parallel(process.OnProcess, tracking.TrackedRun):
                asked: bool = True, restarted: bool = False, refuse: Callable[[dict[str, Any]], str | None] | None = None
                ) -> dict[str, Any] | None:
         """Continue a run as ``paratrain train`` does (:func:`paratrain.checkpoint.resume`): its ``extra``, or None."""
-        return checkpoint_lib.resume(directory, self, *checkpointed(model, optimizer, self.unwrap), self.strategy,
-                                     self._clock.checkpointed(scheduler), asked=asked, restarted=restarted, refuse=refuse)
+        return checkpoint_lib.resume(lock.held(self)(directory), self, *checkpointed(model, optimizer, self.unwrap),
+                                     self.strategy, self._clock.checkpointed(scheduler), asked=asked, restarted=restarted, refuse=refuse)
 
     @property
     def should_stop(self) -> bool:
@@ -383,8 +383,8 @@ class Parallel(process.OnProcess, tracking.TrackedRun):
                                                        extra() if callable(extra) else extra, keep)
 
     def close(self, wait_for_peers: bool = True) -> None:
-        """Finish the trackers and end the process group paratrain made (one the script or Ray made stays
-        theirs); by default after a barrier (``False`` after an error: the trackers' runs are marked failed)."""
+        """Finish the trackers, free the run's folders and end the process group paratrain made (one the script
+        or Ray made stays theirs); by default after a barrier (``False`` after an error: runs marked failed)."""
         try:
             checkpoint_lib.finish_checkpoints(wait_for_peers)  # a checkpoint still written in the background
         finally:
@@ -393,6 +393,7 @@ class Parallel(process.OnProcess, tracking.TrackedRun):
                     self.trackers.close(ok=wait_for_peers)
                 finally:
                     self.strategy.close(wait_for_peers)
+                    lock.held(self).release()  # after the last write (a background checkpoint's, the trackers')
             finally:
                 process.destroy(wait_for_peers)
 

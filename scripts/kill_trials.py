@@ -130,8 +130,8 @@ def main() -> int:
         proc = start(["train", "--strategy", "ddp", "--nproc-per-node", "2", "--epochs", "1000", "--checkpoint-every",
                       "4", "--no-progress", "--log-dir", str(run)])
         deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and not (run / "checkpoints").exists():
-            time.sleep(0.2)
+        while time.monotonic() < deadline and not (run / "checkpoints" / "latest").exists():
+            time.sleep(0.2)  # the first checkpoint: the workers train (the folder itself is made at the start)
         workers = children(proc.pid)
         os.kill(proc.pid, signal.SIGKILL)
         time.sleep(10)

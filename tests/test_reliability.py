@@ -90,8 +90,8 @@ def test_workers_stop_when_their_agent_is_killed(tmp_path: Path) -> None:
     try:
         deadline = time.monotonic() + 60
         workers: list[int] = []
-        while time.monotonic() < deadline and not (tmp_path / "checkpoints").exists():
-            time.sleep(0.2)  # training has started once the first checkpoint is there
+        while time.monotonic() < deadline and not (tmp_path / "checkpoints" / "latest").exists():
+            time.sleep(0.2)  # training has started once the first checkpoint is there (the folder: at the start)
         # the workers fork from the forkserver that the agent started (paratrain.launch.forkserver)
         workers = [w for server in _children(proc.pid) for w in _children(server)]
         assert len(workers) == 2, f"expected 2 workers under the agent's forkserver, found {workers}"

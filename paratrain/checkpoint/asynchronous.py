@@ -25,7 +25,8 @@ import torch.distributed as dist
 from torch import nn
 
 from .errors import CheckpointError
-from .io import write_checkpoint
+from ..env.disk import writing
+from .io import intact_note, write_checkpoint
 from .sharded import commit_sharded, folder_digests, start_sharded
 
 __all__ = ["save_async", "wait_for_checkpoint", "finish_checkpoints"]
@@ -106,7 +107,8 @@ def save_async(directory: str | os.PathLike, step: int, state: dict[str, Any], r
 
     def write() -> Path | None:
         if written is not None:
-            written.result()  # on rank 0: every rank's shards and DCP's .metadata are written
+            with writing(folder, after=lambda: intact_note(directory, step), flag="checkpoint folder"):  # type: ignore[arg-type]
+                written.result()  # on rank 0: every rank's shards and DCP's .metadata are written
         if rank != 0:
             return None
         digests = {}

@@ -25,6 +25,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from ..env.disk import writing
 from ..env.process import barrier
 from .errors import CheckpointError
 from .io import load_file, load_latest, verify_checkpoint
@@ -82,19 +83,20 @@ def _files(sizes: Iterable[tuple[str, int]], limit: int) -> list[list[str]]:
 
 def _write_file(tensors: dict[str, torch.Tensor], path: Path) -> None:
     tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
-    try:
+    kept = f"the earlier {path.name} there is intact" if path.exists() else "no partial file is left"
+    # a full disk, an interrupt: no half file left beside the export, and a full disk is one line
+    with writing(path, sum(map(_nbytes, tensors.values())), cleanup=lambda: tmp.unlink(missing_ok=True), after=kept,
+                 flag="export folder"):
         _safetensors().save_file(tensors, str(tmp), metadata={"format": "pt", "producer": "paratrain"})
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
-    except BaseException:  # a full disk, an interrupt: no half file left beside the export
-        tmp.unlink(missing_ok=True)
-        raise
     os.replace(tmp, path)
 
 
 def _write_json(obj: Any, path: Path) -> None:
     tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=2, default=str) + "\n")
+    with writing(path, cleanup=lambda: tmp.unlink(missing_ok=True), flag="export folder"):
+        tmp.write_text(json.dumps(obj, indent=2, default=str) + "\n")
     os.replace(tmp, path)
 
 

@@ -20,6 +20,8 @@ older one is tried.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 import re
 import shutil
@@ -30,11 +32,12 @@ from typing import IO, Any
 
 import torch
 
+from ..env.disk import StorageError, tensor_bytes, writing
 from .errors import CheckpointError, load_error
 from .manifest import SUFFIX, file_digest, format_manifest, fsync_dir, verify_manifest
 
 __all__ = ["CheckpointError", "save_file", "load_file", "write_checkpoint", "load_latest", "newest_step", "list_checkpoints",
-           "verify_checkpoint"]
+           "verify_checkpoint", "intact_note", "saved_bytes"]
 
 _NAME = re.compile(r"^step-(\d{8,})\.pt$")
 _LEFTOVER = re.compile(r"^(step-\d{8,}\.(pt|sha256)|latest)\.tmp-\d+$")  # a killed writer's temporary file
@@ -43,25 +46,32 @@ _PART = re.compile(r"^step-(\d{8,})\.(dcp|sha256)$")  # a checkpoint's shards or
 LATEST = "latest"
 
 
-def _write_atomic(path: Path, write: Callable[[IO[bytes]], Any]) -> None:
-    """``write(f)`` into ``path.tmp-<pid>``, fsync, rename over ``path``: all or nothing."""
+def _write_atomic(path: Path, write: Callable[[IO[bytes]], Any], needed: int | None = None,
+                  after: str | Callable[[], str] = "") -> None:
+    """``write(f)`` into ``path.tmp-<pid>``, fsync, rename over ``path``: all or nothing. A full disk,
+    a read-only filesystem or an exceeded quota is one :class:`~paratrain.env.disk.StorageError`
+    line (``needed``: the bytes being written; ``after`` ends the line)."""
     tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
-    try:
+    # on any failure (e.g. an object torch.save cannot serialize) leave nothing behind
+    with writing(path, needed, cleanup=lambda: tmp.unlink(missing_ok=True), after=after, flag="checkpoint folder"):
         with open(tmp, "wb") as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())
-    except BaseException:  # e.g. an object torch.save cannot serialize: leave nothing behind
-        tmp.unlink(missing_ok=True)
-        raise
-    os.replace(tmp, path)
+        os.replace(tmp, path)
     fsync_dir(path.parent)
 
 
-def save_file(obj: Any, path: str | os.PathLike) -> None:
+def saved_bytes(obj: Any) -> int:
+    """About the bytes ``torch.save(obj)`` writes: its tensors, plus the archive's records."""
+    return tensor_bytes(obj) + 64 * 1024
+
+
+def save_file(obj: Any, path: str | os.PathLike, after: str | Callable[[], str] = "") -> None:
     """``torch.save`` streamed to a temporary name, fsync, rename: all or nothing, and no
-    in-memory copy of the serialized checkpoint."""
-    _write_atomic(Path(path), lambda f: torch.save(obj, f))
+    in-memory copy of the serialized checkpoint. A full disk, read-only filesystem or exceeded
+    quota is one line, which ``after`` (or what it returns) ends."""
+    _write_atomic(Path(path), lambda f: torch.save(obj, f), saved_bytes(obj), after)
 
 
 def load_file(path: str | os.PathLike, map_location: Any = "cpu") -> Any:
@@ -131,15 +141,35 @@ def write_checkpoint(directory: str | os.PathLike, step: int, obj: Any, keep: in
     path = d / f"step-{step:08d}.pt"
     if not digests:  # a full checkpoint: shards of an earlier sharded save of this step are not its
         shutil.rmtree(_parts(path)[0], ignore_errors=True)
-    save_file(obj, path)
-    digests = {**(digests or {}), path.name: file_digest(path)}
-    _write_atomic(_parts(path)[1], lambda f: f.write(format_manifest(digests)))
-    _write_atomic(d / LATEST, lambda f: f.write(path.name.encode()))  # only once the checkpoint is complete
+    after = functools.partial(intact_note, d, step)  # what a failed write says is left as it was
+    try:
+        save_file(obj, path, after)
+        digests = {**(digests or {}), path.name: file_digest(path)}
+        _write_atomic(_parts(path)[1], lambda f: f.write(format_manifest(digests)), after=after)
+        _write_atomic(d / LATEST, lambda f: f.write(path.name.encode()), after=after)  # once the checkpoint is complete
+    except StorageError:
+        if _latest_name(d) != path.name:  # this step's files, never completed: their room back
+            with contextlib.suppress(OSError):  # a read-only filesystem keeps them (and the previous checkpoint)
+                _remove(path)
+        raise
     # Checkpoints newer than this one (left by a run this one resumed before) are not counted.
     older = [p for p in list_checkpoints(d) if _step(p) <= step]
     for old in older[:-keep] if keep > 0 else []:
         _remove(old)
     return path
+
+
+def intact_note(directory: str | os.PathLike, step: int) -> str:
+    """What a failed save of ``step`` left as it was: the checkpoint a resume would load."""
+    before = [c for c in _candidates(Path(directory)) if _step(c) != step]
+    return f"the previous checkpoint {before[0].name} is intact" if before else "there is no earlier checkpoint"
+
+
+def _latest_name(d: Path) -> str | None:
+    try:
+        return (d / LATEST).read_bytes().decode("ascii").strip()
+    except (OSError, UnicodeDecodeError):
+        return None
 
 
 def verify_checkpoint(path: str | os.PathLike) -> None:
@@ -167,10 +197,10 @@ def verify_checkpoint(path: str | os.PathLike) -> None:
 def _candidates(d: Path) -> list[Path]:
     """The checkpoint ``latest`` names first, then the older ones, newest first."""
     candidates = list(reversed(list_checkpoints(d)))
-    try:
-        named = d / (d / LATEST).read_bytes().decode("ascii").strip()
-    except (OSError, UnicodeDecodeError, ValueError):
+    latest = _latest_name(d)
+    if not latest:
         return candidates  # no pointer, or a garbled one: every checkpoint, newest first
+    named = d / latest
     if named in candidates:  # newer ones than latest were never completed
         candidates = [named] + [c for c in candidates if _step(c) < _step(named)]
     return candidates

@@ -151,9 +151,15 @@ def save_sharded(path: str | os.PathLike, model: nn.Module, optimizer: Any = Non
     path = os.fspath(path)
     model, optimizer = _plain(model, optimizer)
     json.dumps(extra or {})  # on every rank: fail before any collective if extra is not plain data
-    dcp.save(_state(model, _nonempty_groups(optimizer)), checkpoint_id=_begin(path))
-    if not _distributed() or dist.get_rank() == 0:
-        commit_sharded(path, extra)
+    main = not _distributed() or dist.get_rank() == 0
+    try:
+        dcp.save(_state(model, _nonempty_groups(optimizer)), checkpoint_id=_begin(path))  # every rank fails alike
+        if main:
+            commit_sharded(path, extra)
+    except BaseException:  # a full disk...: the shards written so far take no room from the next try
+        if main:
+            shutil.rmtree(f"{path}.tmp", ignore_errors=True)
+        raise
     if _distributed():
         dist.barrier()  # nobody reads path before it is complete
     return _digests(path)

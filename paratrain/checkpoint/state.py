@@ -17,13 +17,15 @@ from typing import Any, Callable, Protocol
 import torch.distributed as dist
 from torch import nn
 
-from .io import CheckpointError, list_checkpoints, load_file, load_latest, verify_checkpoint, write_checkpoint
+from .io import (CheckpointError, intact_note, list_checkpoints, load_file, load_latest, saved_bytes, verify_checkpoint,
+                 write_checkpoint)
+from ..env.disk import tensor_bytes, writing
 from ..env.process import mix_seed, seed_everything
 from .rng import rng_state, same_rng_state, set_rng_state
 from .asynchronous import save_async, wait_for_checkpoint
 from .sharded import load_sharded, save_sharded
 
-__all__ = ["Run", "ModuleCheckpointing", "save_checkpoint", "load_checkpoint", "uncompiled_keys"]
+__all__ = ["Run", "ModuleCheckpointing", "save_checkpoint", "load_checkpoint", "uncompiled_keys", "checkpoint_bytes"]
 
 FORMAT = 1
 
@@ -99,11 +101,25 @@ def save_checkpoint(directory: str | os.PathLike, run: Run, module: nn.Module, o
         return save_async(directory, step, state or {}, run.rank, module, optimizer, sharded, keep)
     digests = {}
     if sharded:  # every rank writes its own shards; the .pt file (then the manifest) points at them
-        digests = {f"{sharded}/{name}": d for name, d in save_sharded(Path(directory) / sharded, module,
-                                                                      optimizer).items()}
+        with writing(Path(directory) / sharded, checkpoint_bytes(module, optimizer), after=lambda: intact_note(directory, step),
+                     flag="checkpoint folder"):  # a full disk: one line
+            shards = save_sharded(Path(directory) / sharded, module, optimizer)
+        digests = {f"{sharded}/{name}": d for name, d in shards.items()}
     if state is None:
         return None
     return write_checkpoint(directory, step, state, keep=keep, digests=digests)
+
+
+def checkpoint_bytes(module: nn.Module, optimizer: Any) -> int:
+    """About the bytes a checkpoint of ``module`` and ``optimizer`` takes: the parameters, buffers
+    and the optimizer's state (measured once it has some; before its first step one or two tensors
+    per parameter, as its momentum or betas say), plus the file's records."""
+    inner = getattr(optimizer, "optimizer", optimizer)  # what Parallel.setup returned: the one it wraps
+    state = tensor_bytes(list(getattr(inner, "state", {}).values()))
+    if not state:
+        defaults = getattr(inner, "defaults", {})
+        state = (2 if "betas" in defaults else 1 if defaults.get("momentum") else 0) * tensor_bytes(list(module.parameters()))
+    return saved_bytes([*module.parameters(), *module.buffers()]) + state
 
 
 def _pick(source: str | os.PathLike) -> tuple[str | None, Any]:

@@ -12,6 +12,7 @@ from typing import Any, NoReturn, Sequence
 
 from ..checkpoint.io import CheckpointError
 from ..env.detect import detect_process
+from ..env.disk import StorageError
 from ..env.process import CollectiveTimeoutError, UnavailableError
 
 # subcommand name -> module under paratrain.cli providing add_parser(subparsers) and main(args) -> int
@@ -34,7 +35,7 @@ class UsageError(Exception):
 # What a user can fix from one line: a bad value, a missing or unusable file, a damaged checkpoint.
 # Anything else is a bug and keeps its traceback.
 USER_ERRORS = (UsageError, ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, FileExistsError,
-               PermissionError, CheckpointError, UnavailableError, CollectiveTimeoutError)
+               PermissionError, CheckpointError, UnavailableError, CollectiveTimeoutError, StorageError)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -122,8 +123,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _one_line(e: BaseException) -> str:
     text = " ".join(str(e).split())  # a KeyError's quotes, a multi-line message: one line
-    return text if isinstance(e, (UsageError, ValueError, CheckpointError, UnavailableError,
-                                  CollectiveTimeoutError)) else f"{type(e).__name__}: {text}"
+    return text if isinstance(e, (UsageError, ValueError, CheckpointError, UnavailableError, CollectiveTimeoutError,
+                                  StorageError)) else f"{type(e).__name__}: {text}"
 
 
 def _save_traceback(command: str) -> str | None:

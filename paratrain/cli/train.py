@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import os
 import time
 from typing import Any, Iterable
@@ -20,6 +21,8 @@ from ..config import TrainConfig, parse_set, to_toml
 from ..data.datasets import DATASET_NAMES
 from ..env import preemption
 from ..env.detect import detect_process
+from ..env.disk import StorageError, writing
+from ..env.lock import LOCK_FILE, FolderLock, lock_folder
 from ..env.network import is_loopback
 from ..env.process import select_backend, select_device
 from ..launch.torchrun import LaunchConfig, torchrun
@@ -129,18 +132,32 @@ def main(args: argparse.Namespace) -> int:
         print(to_toml(cfg), end="")
         return 0
     worker, launch, per_node = _role(launch_config(args))
-    cfg = _pick_run(cfg, worker or per_node)  # per node: all nodes name the run after the Slurm/MPI job
-    if preemption.slurm_requeued() and not cfg.resume and cfg.log_dir:  # its checkpoints: where --resume reads
-        cfg = cfg.with_overrides({"resume": True})
-    if cfg.log_dir and not os.path.isfile(cfg.log_dir):
-        os.environ.setdefault("PARATRAIN_ERROR_DIR", cfg.log_dir)  # tracebacks of one-line errors go there
+    if not worker:
+        _check_paths(cfg)  # before the run folder is named: a read-only runs/ is one line too
+    # This process holds the folders (env/lock.py) when it starts every worker of the job, from before
+    # the first write to the end; else (another launcher, several nodes) rank 0 of the workers does.
+    held: list[FolderLock] | None = None if worker or per_node or launch.max_nodes > 1 else []
+    try:
+        cfg = _pick_run(cfg, worker or per_node, held)  # per node: all nodes name the run after the Slurm/MPI job
+        if preemption.slurm_requeued() and not cfg.resume and cfg.log_dir:  # its checkpoints: where --resume reads
+            cfg = cfg.with_overrides({"resume": True})
+        _hold(held, cfg.checkpoint_dir, "checkpoint folder", "--checkpoint-dir")
+        if cfg.log_dir and not os.path.isfile(cfg.log_dir):
+            os.environ.setdefault("PARATRAIN_ERROR_DIR", cfg.log_dir)  # tracebacks of one-line errors go there
+        return _start(args, cfg, worker, launch)
+    finally:
+        for lock in reversed(held or []):
+            lock.release()
+
+
+def _start(args: argparse.Namespace, cfg: TrainConfig, worker: bool, launch: LaunchConfig) -> int:
+    """Train: as one worker of a launched job, in this process, or on the workers started here."""
     if worker:
         from ..loop.train import run_training
 
         return _ended(run_training(cfg))  # we are one worker of a launched job
     world = launch.nproc_per_node * launch.min_nodes
     cfg.parallel.strategy_class.check_world(world)
-    _check_paths(cfg)
     _check_machine(cfg)
     plan = cfg.parallel.batch_plan(world)  # one-line errors before any worker starts
     plan.steps_per_epoch(cfg.train_size(), f" over {world} process(es)")  # the data fills a global batch
@@ -199,14 +216,18 @@ def _role(launch: LaunchConfig) -> tuple[bool, LaunchConfig, bool]:
     return False, dataclasses.replace(launch, **nodes), True
 
 
-def _pick_run(cfg: TrainConfig, worker: bool) -> TrainConfig:
+def _pick_run(cfg: TrainConfig, worker: bool, held: list[FolderLock] | None = None) -> TrainConfig:
     """Fill ``{name}`` in the log (``runs/{name}``) and checkpoint folders: ``--name``; with
     ``--resume``, the run ``runs/latest`` points at; else a new folder named by the start time,
     which ``runs/latest`` then points at. Workers of an outside launcher (torchrun, srun) agree on
     the launcher's job id instead (pass ``--name`` where there is none). A requeued Slurm job
-    (``SLURM_RESTART_COUNT``) continues its run as ``--resume`` would, or starts one if there is none."""
+    (``SLURM_RESTART_COUNT``) continues its run as ``--resume`` would, or starts one if there is none.
+
+    With ``held`` (a list), the run folder is locked for this run (appended there) before it is
+    written to, and a new run refuses a folder that holds a run once it holds the lock."""
     resuming = cfg.resume or preemption.slurm_requeued()
     if not any(path and "{name}" in path for path in (cfg.log_dir, cfg.checkpoint_dir)):
+        _hold(held, cfg.log_dir, "log_dir", "--log-dir")
         if cfg.log_dir and not resuming and not worker and _holds_a_run(cfg.log_dir):
             raise ValueError(f"log_dir {cfg.log_dir!r} already holds a run: continue it with --resume {cfg.log_dir}, "
                              "or choose another --log-dir")
@@ -224,21 +245,38 @@ def _pick_run(cfg: TrainConfig, worker: bool) -> TrainConfig:
         if name is None and detect_process().world_size > 1:  # each worker would name it by its own clock
             raise ValueError("the workers of this launcher share no job id to name the run folder after (torchrun "
                              "without --rdzv-id, MPICH/Intel MPI's mpiexec): pass --name NAME, or --log-dir")
-    if name is not None and not resuming and not worker and cfg.log_dir and "{name}" in cfg.log_dir:
+    if name is not None and cfg.log_dir and "{name}" in cfg.log_dir:
         taken = cfg.log_dir.replace("{name}", name)
-        if _holds_a_run(taken):
+        _hold(held, taken, "run folder", "--name")  # the named folder: locked before anything is written there
+        if not resuming and not worker and _holds_a_run(taken):
             raise ValueError(f"run folder {taken!r} already holds a run: continue it with --resume {taken}, "
                              "or choose another --name")
+        _hold(held, cfg.for_run(name).checkpoint_dir, "checkpoint folder", "--checkpoint-dir")  # before runs/latest moves
     if (name is None or not resuming) and cfg.log_dir and "{name}" in cfg.log_dir \
             and (not worker or detect_process().rank == 0):
-        name = os.path.basename(new_run_dir(root, name))  # a new run: its folder, and runs/latest points at it
+        with writing(root, flag="--log-dir"):  # a read-only or full runs/: one line
+            name = os.path.basename(new_run_dir(root, name))  # a new run: its folder, and runs/latest points at it
+        if cfg.name is None:  # named by the start time: a folder of its own, locked before anything is written there
+            _hold(held, cfg.log_dir.replace("{name}", name), "run folder", "--name")
     return cfg.for_run(name or time.strftime("%Y%m%d-%H%M%S"))
+
+
+def _hold(held: list[FolderLock] | None, folder: str | None, what: str, flag: str) -> None:
+    """Lock ``folder`` for this run into ``held`` (nothing when ``held`` is None: another process
+    holds the run's folders)."""
+    if held is not None and folder is not None and not os.path.isfile(folder):
+        lock = lock_folder(folder, what, flag)
+        if lock is not None and lock not in held:
+            held.append(lock)
+        elif lock is not None:
+            lock.release()  # the log folder again (checkpoint_dir = log_dir): one hold is enough
 
 
 def _holds_a_run(folder: str) -> bool:
     """Whether ``folder`` holds a run's files; not only the traceback of a run that failed before
-    it started (``error-*.log``)."""
-    return os.path.isdir(folder) and any(not (f.startswith("error-") and f.endswith(".log")) for f in os.listdir(folder))
+    it started (``error-*.log``) or a lock (``.paratrain.lock``)."""
+    return os.path.isdir(folder) and any(not (f.startswith("error-") and f.endswith(".log")) and f != LOCK_FILE
+                                         for f in os.listdir(folder))
 
 
 def _launcher_job_id() -> str | None:
@@ -261,9 +299,19 @@ def _check_paths(cfg: TrainConfig) -> None:
             probe = os.path.dirname(probe)
         if not os.path.isdir(probe):
             raise ValueError(f"{flag} {path!r} cannot be a folder: {probe!r} is a file; choose another {flag}")
+        if _read_only(probe):  # a read-only runs/ (the default --log-dir) is one line too
+            raise StorageError(f"{flag} {path!r} cannot be written: {probe!r} is on a read-only filesystem; "
+                               f"choose another {flag}", errno.EROFS)
         if not os.access(probe, os.W_OK | os.X_OK):
             raise ValueError(f"{flag} {path!r} cannot be written: no write permission on {probe!r}; "
                              f"choose another {flag}")
+
+
+def _read_only(folder: str) -> bool:
+    try:
+        return bool(os.statvfs(folder).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
 
 
 def _check_machine(cfg: TrainConfig) -> None:

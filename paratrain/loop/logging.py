@@ -8,6 +8,7 @@ import os
 import time
 from typing import Any, Iterable, Iterator
 
+from ..env.disk import writing
 from ..tracking import Trackers
 
 __all__ = ["RunLogger", "Throughput", "progress", "write_atomic"]
@@ -35,7 +36,8 @@ class RunLogger:
         trackers.append = append
         self.trackers = trackers
         if self.enabled:
-            os.makedirs(log_dir, exist_ok=True)  # type: ignore[arg-type]
+            with writing(log_dir, flag="log_dir"):  # type: ignore[arg-type]
+                os.makedirs(log_dir, exist_ok=True)  # type: ignore[arg-type]
 
     def log(self, record: dict[str, Any], kind: str = "train") -> None:
         metrics = dict(record)
@@ -59,20 +61,17 @@ class RunLogger:
 def write_atomic(path: str | os.PathLike, text: str | bytes) -> None:
     """Write ``text`` to a temporary file beside ``path``, fsync it, rename it over ``path`` and
     fsync the folder: all or nothing, as checkpoints are written. A failed write removes its
-    temporary file."""
+    temporary file; a full disk, read-only filesystem or exceeded quota is one line
+    (:class:`~paratrain.env.disk.StorageError`)."""
     path = os.fspath(path)
     tmp = f"{path}.tmp-{os.getpid()}"
     data = text.encode() if isinstance(text, str) else text
-    try:
+    with writing(path, len(data), cleanup=lambda: os.remove(tmp), flag="log_dir"):  # a full disk: one line
         with open(tmp, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-        raise
     with contextlib.suppress(OSError):  # some filesystems cannot fsync a folder
         fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
         try:

@@ -14,12 +14,14 @@ import torch
 from ..config import TrainConfig, to_toml
 from ..data.augment import augment_for, eval_augment_for
 from ..data.sampler import BatchPlan
+from ..checkpoint.state import checkpoint_bytes
+from ..env.disk import check_room, writing
 from ..env.failures import explain_failure
 from ..env.preemption import slurm_requeued
 from ..env.provenance import provenance
 from ..parallel import Parallel
 from .fit import fit, planned_steps
-from .logging import RunLogger
+from .logging import RunLogger, write_atomic
 from .schedule import build_schedule
 
 __all__ = ["run_training", "build_optimizer", "setup_task"]
@@ -71,6 +73,9 @@ def run_training(cfg: TrainConfig, plan: BatchPlan | None = None) -> dict[str, A
         if resumed is not None:
             pt.print(f"paratrain: resumed from step {resumed} in {cfg.checkpoint_dir}"
                      + (f" (restart {_restarts()})" if _restarts() else ""))
+        if cfg.checkpoint_dir is not None and pt.is_main_process:  # before the first save: room for two?
+            check_room(cfg.checkpoint_dir, checkpoint_bytes(pt.unwrap(model), optimizer), "checkpoints",
+                       flag="--checkpoint-dir")
         # Only the main process writes result.json and tracker runs: the others skip provenance's git calls.
         made_by = provenance(pt.describe()) if pt.is_main_process else None
         pt.trackers.config = {**dataclasses.asdict(cfg), "provenance": made_by}  # the trackers' run config
@@ -182,11 +187,9 @@ def _same_elastic_job(pt: Parallel, checkpoint_dir: str) -> bool:
         except OSError:
             same = False
         if not same:
-            os.makedirs(checkpoint_dir, exist_ok=True)
-            tmp = f"{marker}.{os.getpid()}.tmp"
-            with open(tmp, "w") as f:
-                f.write(job + "\n")
-            os.replace(tmp, marker)
+            with writing(checkpoint_dir, flag="--checkpoint-dir"):
+                os.makedirs(checkpoint_dir, exist_ok=True)
+            write_atomic(marker, job + "\n")
     return _rank0_says(pt, same)
 
 

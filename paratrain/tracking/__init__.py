@@ -15,6 +15,7 @@ import sys
 from collections.abc import Iterable, Mapping
 from typing import Any, Callable
 
+from ..env.disk import writing
 from . import media
 from .base import NoTracker, Tracker
 from .comet import CometTracker
@@ -101,26 +102,37 @@ class Trackers:
     def open(self) -> list[Tracker]:
         """The backends, made (with the run's config given to them) on the first call."""
         if self._open is None:
-            if self.log_dir is None:
-                self.log_dir = new_run_dir()
-            name = _run_name(self.log_dir)
-            made = [TRACKERS[n](self.log_dir, name) for n in self.names] + self.loggers
-            for tracker in made:
-                tracker.log_dir = tracker.log_dir or self.log_dir
-                tracker.run_name = tracker.run_name or name
-                tracker.append, tracker.resume_step = self.append, self.resume_step
-            config = self.config() if callable(self.config) else self.config
-            if config:
-                for tracker in made:
-                    tracker.log_config(config)
-            self._open = made
+            with self._writing():
+                self._open = self._make()
             atexit.register(self._close_at_exit)  # a loop that never calls pt.close() still finishes its runs
         return self._open
 
+    def _writing(self) -> Any:
+        """Around what writes the backends' files: a full disk, read-only filesystem or exceeded
+        quota there is one line (:class:`~paratrain.env.disk.StorageError`)."""
+        return writing(self.log_dir or "runs", flag="log_dir")
+
+    def _make(self) -> list[Tracker]:
+        """The backends, their run config given (the run folder made first when there is none)."""
+        if self.log_dir is None:
+            self.log_dir = new_run_dir()
+        name = _run_name(self.log_dir)
+        made = [TRACKERS[n](self.log_dir, name) for n in self.names] + self.loggers
+        for tracker in made:
+            tracker.log_dir = tracker.log_dir or self.log_dir
+            tracker.run_name = tracker.run_name or name
+            tracker.append, tracker.resume_step = self.append, self.resume_step
+        config = self.config() if callable(self.config) else self.config
+        if config:
+            for tracker in made:
+                tracker.log_config(config)
+        return made
+
     def log(self, metrics: Mapping[str, Any], step: int, kind: str = "train") -> None:
         if self.enabled:
-            for tracker in self.open():
-                tracker.log_metrics(metrics, step, kind)
+            with self._writing():
+                for tracker in self.open():
+                    tracker.log_metrics(metrics, step, kind)
 
     def log_image(self, name: str, image: Any, step: int, kind: str = "train") -> None:
         """``image`` (a tensor ``C x H x W`` or ``H x W``, an array ``H x W x C``, a PIL image) to every
@@ -128,15 +140,17 @@ class Trackers:
         media.check_image(image)
         if self.enabled:
             array = media.image_array(image)
-            for tracker in self.open():
-                tracker.log_image(name, array, step, kind)
+            with self._writing():
+                for tracker in self.open():
+                    tracker.log_image(name, array, step, kind)
 
     def log_histogram(self, name: str, values: Any, step: int, kind: str = "train") -> None:
         """The distribution of ``values`` (a tensor, an array, numbers; non-finite ones left out) to every backend."""
         if self.enabled:
             array = media.histogram_values(values)
-            for tracker in self.open():
-                tracker.log_histogram(name, array, step, kind)
+            with self._writing():
+                for tracker in self.open():
+                    tracker.log_histogram(name, array, step, kind)
 
     def log_table(self, name: str, columns: Any = None, data: Any = None, step: int = 0, kind: str = "train",
                   dataframe: Any = None) -> None:
@@ -144,8 +158,9 @@ class Trackers:
         pandas ``dataframe``; checked on every rank."""
         names, rows = media.table_of(columns, data, dataframe)
         if self.enabled:
-            for tracker in self.open():
-                tracker.log_table(name, names, rows, step, kind)
+            with self._writing():
+                for tracker in self.open():
+                    tracker.log_table(name, names, rows, step, kind)
 
     def get(self, name: str, unwrap: bool = False) -> Any:
         """The backend ``name`` (its ``name`` attribute), opened; ``unwrap``:
@@ -162,8 +177,9 @@ class Trackers:
 
     def close(self, ok: bool = True) -> None:
         """Finish every opened backend (the wandb/MLflow run, the event file); safe to call twice."""
-        for tracker in self._open or []:
-            tracker.close(ok)
+        with self._writing():
+            for tracker in self._open or []:
+                tracker.close(ok)
 
     def _close_at_exit(self) -> None:
         from ..env.failures import uncaught_seen

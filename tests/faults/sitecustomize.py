@@ -19,6 +19,8 @@ patches paratrain only when a ``PARATRAIN_TEST_*`` variable asks for a fault:
   grace period);
 * ``PARATRAIN_TEST_SLOW_STEPS=seconds``: every optimizer step of a Slurm job's first attempt (not
   requeued: no ``SLURM_RESTART_COUNT``) sleeps that long, so that Slurm's ``--signal`` finds it training;
+* ``PARATRAIN_TEST_STEP_SLEEP=seconds``: every optimizer step of ``paratrain train`` takes that
+  much longer (a run that is still training when a second one starts);
 * ``PARATRAIN_TEST_WRONG_STRATEGY=name``: that strategy trains wrongly: on rank 1 the model it
   wraps returns its outputs ×1.5, so that rank's gradients are wrong (a broken all-reduce would do
   the same to the average).
@@ -76,7 +78,8 @@ def _install_write_crash(limit: int) -> None:
             self.f.flush()
 
     write_atomic = io._write_atomic
-    io._write_atomic = lambda path, write: write_atomic(path, lambda f: write(CrashAfter(f)))
+    io._write_atomic = lambda path, write, *args, **kwargs: write_atomic(path, lambda f: write(CrashAfter(f)), *args,
+                                                                         **kwargs)
 
 
 def _install_wait_alone(step: int) -> None:
@@ -128,11 +131,11 @@ def _install_slow_save(spec: str) -> None:
     after, seconds = spec.split(":")
     write_atomic = io._write_atomic
 
-    def slow(path, write):
+    def slow(path, write, *args, **kwargs):
         m = re.match(r"step-(\d+)\.pt$", path.name)
         if not (m and int(m.group(1)) > int(after)):
-            return write_atomic(path, write)
-        return write_atomic(path, lambda f: (write(f), f.flush(), time.sleep(float(seconds))))  # written, not renamed
+            return write_atomic(path, write, *args, **kwargs)
+        return write_atomic(path, lambda f: (write(f), f.flush(), time.sleep(float(seconds))), *args, **kwargs)
 
     io._write_atomic = slow
 
@@ -156,6 +159,24 @@ def _install_slow_steps(seconds: float) -> None:
     train.fit = slow_fit
 
 
+def _install_step_sleep(seconds: float) -> None:
+    import time
+
+    import paratrain.loop.train as train
+
+    fit = train.fit
+
+    def slow_fit(*args, on_step=None, **kwargs):
+        def hook(pt):
+            if on_step is not None:
+                on_step(pt)
+            time.sleep(seconds)
+
+        return fit(*args, on_step=hook, **kwargs)
+
+    train.fit = slow_fit
+
+
 def _install_wrong_strategy(name: str) -> None:
     import paratrain.strategies as strategies
 
@@ -173,6 +194,8 @@ def _install_wrong_strategy(name: str) -> None:
 
 if os.environ.get("PARATRAIN_TEST_WRONG_STRATEGY"):
     _install_wrong_strategy(os.environ["PARATRAIN_TEST_WRONG_STRATEGY"])
+if os.environ.get("PARATRAIN_TEST_STEP_SLEEP"):
+    _install_step_sleep(float(os.environ["PARATRAIN_TEST_STEP_SLEEP"]))
 if os.environ.get("PARATRAIN_TEST_WAIT_ALONE_AT"):
     _install_wait_alone(int(os.environ["PARATRAIN_TEST_WAIT_ALONE_AT"]))
 for _name in _FAULTS:
