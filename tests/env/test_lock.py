@@ -129,7 +129,8 @@ def test_parallel_in_a_users_loop_holds_its_folders(tmp_path: Path) -> None:
             paratrain.Parallel(strategy="single", global_batch=4, log_dir=str(tmp_path / "ckpt"), log_to="csv")
         pt = paratrain.Parallel(strategy="single", global_batch=4, log_dir=str(tmp_path / "logs"), log_to="csv")
         assert json.loads((tmp_path / "logs" / LOCK_FILE).read_text())["pid"] == os.getpid()
-        model, opt = pt.setup(torch.nn.Linear(2, 2), torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1))
+        model = torch.nn.Linear(2, 2)
+        model, opt = pt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
         with pytest.raises(FolderInUseError, match=rf"^checkpoint folder '.*ckpt' is in use by another run \(host "
                                                    rf"{HOST}, PID {proc.pid}, "):
             pt.save_checkpoint(str(tmp_path / "ckpt"), model, opt)
