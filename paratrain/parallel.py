@@ -370,9 +370,8 @@ class Parallel(process.OnProcess, tracking.TrackedRun):
 
     @property
     def should_stop(self) -> bool:
-        """True on every rank at the same optimizer step once a stop signal (SIGTERM, SIGUSR1: a
-        preemption) reached any rank; what :meth:`save_on_stop` registered is saved then. Read it after
-        ``optimizer.step()`` on every rank (one all-reduce per step): :mod:`paratrain.env.preemption`."""
+        """True on every rank at one optimizer step once a stop signal (a preemption) reached any rank, after
+        :meth:`save_on_stop`'s save; ask after ``optimizer.step()`` on every rank (:mod:`paratrain.env.preemption`)."""
         return self._stop.check(self.global_step, self.micro_step)
 
     def save_on_stop(self, directory: str, model: nn.Module, optimizer: Any, scheduler: Any = None,
