@@ -48,6 +48,12 @@ def children(pid: int) -> list[int]:
     return out
 
 
+def workers(launcher: int) -> list[int]:
+    """The launcher's workers: they fork from the forkserver the agent started (paratrain.launch.forkserver),
+    so they are its children's children (its own children are the forkserver and a resource tracker)."""
+    return [w for server in children(launcher) for w in children(server)]
+
+
 def alive(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
@@ -106,11 +112,13 @@ def main() -> int:
         after = rng.randrange(0, STEPS - EVERY, EVERY)  # kill after this checkpoint (0: before the first one)...
         began = time.monotonic()
         while time.monotonic() - began < 120 and not (
-                (run / "checkpoints" / f"step-{after:08d}.pt").exists() if after else len(children(proc.pid)) == 2):
+                (run / "checkpoints" / f"step-{after:08d}.pt").exists() if after else len(workers(proc.pid)) == 2):
             time.sleep(0.05)
-        time.sleep(rng.uniform(0.0, 1.0))  # ...at a random moment of the steps that follow
+        # ...at a random moment of the steps that follow: within the next half checkpoint interval, so
+        # that it lands in training, not in a finished run's exit (where torch's agent can hang: see below)
+        time.sleep(rng.uniform(0.0, 0.5) * ref_s * EVERY / STEPS)
         delay = time.monotonic() - began
-        victims = children(proc.pid)
+        victims = workers(proc.pid)
         victim = rng.choice(victims) if victims else None
         if victim is not None:
             os.kill(victim, signal.SIGKILL)
@@ -132,12 +140,12 @@ def main() -> int:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and not (run / "checkpoints" / "latest").exists():
             time.sleep(0.2)  # the first checkpoint: the workers train (the folder itself is made at the start)
-        workers = children(proc.pid)
+        ranks = workers(proc.pid)
         os.kill(proc.pid, signal.SIGKILL)
         time.sleep(10)
-        left = [w for w in workers if alive(w)]
+        left = [w for w in ranks if alive(w)]
         orphans += len(left)
-        print(f"agent trial {t}: agent killed with {len(workers)} workers; {len(left)} still alive 10 s later")
+        print(f"agent trial {t}: agent killed with {len(ranks)} workers; {len(left)} still alive 10 s later")
         finish(proc, timeout=5)
     print(f"\nworker kills: {args.workers} trials, {same} with weights equal to the uninterrupted run, "
           f"{intact} with result.json intact; agent kills: {args.agents} trials, {orphans} orphaned workers")
