@@ -135,7 +135,8 @@ import paratrain
 pt = paratrain.Parallel(strategy="ddp", global_batch=2)
 if pt.rank == 1 and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
     os.kill(os.getpid(), signal.SIGKILL)  # the OOM killer's way
-print(f"rank {pt.rank} attempt {os.environ['TORCHELASTIC_RESTART_COUNT']}: {pt.reduce(torch.tensor(1.0), 'sum').item()}")
+line = f"rank {pt.rank} attempt {os.environ['TORCHELASTIC_RESTART_COUNT']}: {pt.reduce(torch.tensor(1.0), 'sum').item()}"
+os.write(1, (line + "\\n").encode())  # one write: the two ranks share the launcher's stdout
 pt.close()
 """
 
