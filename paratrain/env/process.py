@@ -379,12 +379,16 @@ def _leave_at_exit(backend: str) -> None:
             _let_gloo_threads_finish()
         return
     try:
-        if not failures.uncaught_seen() and dist.get_backend() == "gloo":
+        gloo = dist.get_backend() == "gloo"
+        if not failures.uncaught_seen() and gloo:
             try:
                 dist.monitored_barrier(timeout=timedelta(seconds=_EXIT_WAIT_S), wait_all_ranks=True)
             except RuntimeError:  # a peer failed or is still busy: leave without it
                 pass
+            _let_gloo_threads_finish()  # as close() does: the last collectives' works are freed before finalizing
         dist.destroy_process_group()
+        if gloo:
+            _let_gloo_threads_finish()
     except Exception as e:  # noqa: BLE001 - this rank's own end is what matters here
         print(f"paratrain: leaving the process group at exit: {type(e).__name__}: {str(e).splitlines()[0][:200]}",
               file=sys.stderr, flush=True)
