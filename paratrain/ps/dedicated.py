@@ -159,6 +159,8 @@ def run_parameter_server(
         set_server(None)
         raise
     rpc.shutdown(graceful=True, timeout=opts.rpc_timeout_s)  # waits for every process to get here
+    if info.rank == 0:  # the RPC store's host: the others may still read its last count (torch 2.13's join)
+        time.sleep(1.0)
     set_server(None)
     return result
 
