@@ -5,18 +5,16 @@ that fills up (one line; the previous checkpoint loads) and a read-only ``runs/`
 from __future__ import annotations
 
 import argparse
-import contextlib
 import csv
-import os
 import re
 import socket
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from clitools import finish, run_cli, start_cli
+from mounts import tmpfs as _tmpfs
 from paratrain.checkpoint import load_latest
 from paratrain.cli import train as train_cli
 from paratrain.env.disk import StorageError
@@ -68,22 +66,6 @@ def test_the_resume_of_a_killed_run_takes_its_lock_over(tmp_path: Path) -> None:
     assert "resumed from step 10" in resumed.stdout
     assert _steps(tmp_path / "runs" / "killed") == list(range(1, 21))
     assert not lock.exists()
-
-
-@contextlib.contextmanager
-def _tmpfs(folder: Path, size_kib: int) -> Iterator[Path]:
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small filesystem needs root")
-    folder.mkdir(parents=True, exist_ok=True)
-    made = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_kib}k", "tmpfs", str(folder)],
-                          capture_output=True, text=True)
-    if made.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {made.stderr.strip()}")
-    try:
-        yield folder
-    finally:
-        if subprocess.run(["umount", str(folder)], capture_output=True).returncode != 0:
-            subprocess.run(["umount", "-l", str(folder)], capture_output=True)
 
 
 def test_a_full_checkpoint_folder_is_one_line_and_the_previous_checkpoint_loads(tmp_path: Path) -> None:

@@ -17,6 +17,7 @@ import pytest
 import torch
 from torch import nn
 
+from mounts import tmpfs as _tmpfs
 from paratrain.checkpoint import io
 from paratrain.checkpoint.export import save_model
 from paratrain.checkpoint.state import load_checkpoint, save_checkpoint
@@ -27,22 +28,6 @@ from paratrain.tracking import Trackers
 pytestmark = [pytest.mark.timeout(120), pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
 
 FULL = r"the disk is full \(needs about [\d.]+ (bytes|KiB|MiB), [\d.]+ (bytes|KiB|MiB) free\)"
-
-
-@contextlib.contextmanager
-def _tmpfs(folder: Path, size_kib: int) -> Iterator[Path]:
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small filesystem needs root")
-    folder.mkdir(parents=True, exist_ok=True)
-    made = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_kib}k", "tmpfs", str(folder)],
-                          capture_output=True, text=True)
-    if made.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {made.stderr.strip()}")
-    try:
-        yield folder
-    finally:
-        if subprocess.run(["umount", str(folder)], capture_output=True).returncode != 0:
-            subprocess.run(["umount", "-l", str(folder)], capture_output=True)
 
 
 @pytest.fixture
