@@ -13,12 +13,14 @@ import argparse
 import dataclasses
 import errno
 import os
+import sys
 import time
 from typing import Any, Iterable
 
 from ..checkpoint.io import newest_step
 from ..config import TrainConfig, parse_set, to_toml
 from ..data.datasets import DATASET_NAMES
+from ..env import defaults as launch_defaults
 from ..env import preemption
 from ..env.detect import detect_process
 from ..env.disk import StorageError, writing
@@ -72,7 +74,7 @@ _FLAGS: dict[str, tuple[str, Any, str]] = {
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser("train", help="train a built-in task on N workers", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", metavar="FILE", help="TOML or YAML config file")
+    p.add_argument("--config", metavar="FILE", help="TOML or YAML config file (default: ./paratrain.toml, if there is one)")
     defaults = TrainConfig()
     for flag, (key, tp, help_) in _FLAGS.items():
         # default=None: a flag not given leaves the config file's value; the help shows the built-in default.
@@ -123,7 +125,22 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
             raise ValueError(f"--resume {args.resume!r} and --log-dir {flags['log_dir']!r} name two runs: give one")
         flags["resume"], flags["log_dir"] = True, args.resume
     overrides = {k: v for k, v in flags.items() if v is not None}
-    return TrainConfig.load(args.config, {**overrides, **parse_set(args.overrides)})
+    return TrainConfig.load(_config_file(args.config), {**overrides, **parse_set(args.overrides)})
+
+
+_PROJECT_NOTED = "PARATRAIN_PROJECT_CONFIG"  # set once the notice below is printed: the job's workers stay quiet
+
+
+def _config_file(given: str | None) -> str | None:
+    """``--config``'s file; without it, the project's ``./paratrain.toml`` when there is one (as
+    ``paratrain run`` reads its ``[parallel]`` table), said once on the main process."""
+    if given is not None or not os.path.isfile(launch_defaults.PROJECT_FILE):
+        return given
+    if _PROJECT_NOTED not in os.environ and detect_process().rank == 0:
+        print(f"paratrain: config from ./{launch_defaults.PROJECT_FILE} (the project's; --config FILE reads another)",
+              file=sys.stderr, flush=True)
+    os.environ[_PROJECT_NOTED] = os.path.abspath(launch_defaults.PROJECT_FILE)
+    return launch_defaults.PROJECT_FILE
 
 
 def main(args: argparse.Namespace) -> int:

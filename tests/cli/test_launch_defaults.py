@@ -128,3 +128,22 @@ def test_config_file_replaces_the_project_file_and_the_command_line_wins_over_it
                        "seed": "paratrain run --set parallel.seed"}
     table, sources = parallel_defaults(None, {}, cwd=tmp_path)
     assert table == {"strategy": "fsdp"} and sources == {"strategy": os.path.join(os.path.abspath(tmp_path), "paratrain.toml")}
+
+
+def test_paratrain_train_reads_the_project_file_says_so_once_and_flags_win(tmp_path: Path) -> None:
+    """``paratrain train`` without ``--config`` reads ``./paratrain.toml`` (the whole config, as
+    ``--config`` would): one notice on the launching process, none from its workers; flags win."""
+    (tmp_path / "paratrain.toml").write_text('[parallel]\nseed = 5\nstrategy = "ddp"\n\n[optim]\nlr = 0.07\n')
+    shown = run_cli(["train", "--print-config", "--set", "optim.lr=0.02"], timeout=60, cwd=tmp_path)
+    assert shown.returncode == 0, shown.stderr[-3000:]
+    assert "seed = 5" in shown.stdout and 'strategy = "ddp"' in shown.stdout and "lr = 0.02" in shown.stdout
+    res = run_cli(["train", "--nproc-per-node", "2", "--max-steps", "1", "--no-progress", "--log-dir", "run"],
+                  timeout=120, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    notices = [line for line in res.stderr.splitlines() if "config from ./paratrain.toml" in line]
+    assert len(notices) == 1, res.stderr[-3000:]
+    result = json.loads((tmp_path / "run" / "result.json").read_text())
+    assert (result["world_size"], result["config"]["parallel"]["seed"]) == (2, 5), result
+    other = tmp_path / "other.toml"
+    other.write_text("[parallel]\nseed = 9\n")
+    assert "seed = 9" in run_cli(["train", "--print-config", "--config", str(other)], timeout=60, cwd=tmp_path).stdout
