@@ -15,27 +15,25 @@ What it adds:
 * one line on stderr instead of a traceback when a worker or the rendezvous fails, and the
   failing worker's exit code as the return value (a collective timeout names the rank that did
   not arrive, see :func:`paratrain.env.failures.explain_timeout`);
-* a frozen worker is woken once torchrun has asked it to terminate (:class:`_WakeStopped`).
+* a frozen worker is woken once torchrun has asked it to terminate (:class:`~paratrain.launch.wake.WakeStopped`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import shutil
-import signal
 import socket
 import sys
 import tempfile
-import threading
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 from ..env import preemption
-from ..env.failures import is_consequence
 from ..env.network import free_port, is_loopback
+from .reports import one_line, failure_line, restart_lines
+from .wake import WakeStopped
 
 __all__ = ["LaunchConfig", "PASSTHROUGH", "nproc_per_node", "torchrun"]
 
@@ -45,11 +43,9 @@ PASSTHROUGH = ("--rdzv-conf", "--start-method", "--tee", "--redirects", "--local
                "--event-log-handler", "--numa-binding", "--signals-to-handle", "--shutdown-timeout",
                "--virtual-local-rank", "--duplicate-stdout-filters", "--duplicate-stderr-filters")
 
-_PREFIX = "paratrain run: error:"  # the default; paratrain train passes its own
 # The rendezvous id of a single-node job's private rendezvous: new for every invocation, so it
 # names no job that could be restarted on a new membership (see paratrain.loop.train).
 PRIVATE_RDZV_ID = "paratrain-private-"
-_NOT_AVAILABLE = "<N/A>"  # ProcessFailure.error_file when the worker wrote no error file
 
 
 def _min_max_nodes(nnodes: str) -> tuple[int, int]:
@@ -82,7 +78,7 @@ def nproc_per_node(value: str) -> int:
     try:
         return int(determine_local_world_size(value))
     except ValueError as e:  # "Cuda is not available."
-        raise ValueError(f"--nproc-per-node {value}: {_one_line(e).rstrip('.')}: use a number or cpu") from None
+        raise ValueError(f"--nproc-per-node {value}: {one_line(e).rstrip('.')}: use a number or cpu") from None
 
 
 def _endpoint_host(endpoint: str) -> str:
@@ -227,112 +223,6 @@ def _user_rdzv_conf(cfg: LaunchConfig) -> list[str]:
     return [a.split("=", 1)[1] for a in cfg.torchrun_args if a.startswith("--rdzv-conf=") and a != "--rdzv-conf="]
 
 
-def _one_line(text: Any) -> str:
-    """First non-empty line of ``text`` (an exception's ``Type: message``), trimmed."""
-    lines = [ln.strip() for ln in str(text).splitlines() if ln.strip()]
-    return lines[0] if lines else ""
-
-
-def _message(failure: Any) -> str:
-    """The first line of what a failed worker recorded (``Type: message``), "" without an error file."""
-    if failure.error_file == _NOT_AVAILABLE:
-        return ""
-    message = failure.message
-    if isinstance(message, dict):  # {"message": "Type: msg", "extraInfo": {...}}
-        message = message.get("message", "")
-    return _one_line(message)
-
-
-def _culprits(err: Any) -> list[int]:
-    """The ranks whose failure is the cause, the first one first.
-
-    Not a rank that only lost its peer (:func:`~paratrain.env.failures.is_consequence`), nor one
-    ended by SIGTERM without a recorded error: that is the agent stopping the group once a worker
-    failed (torch records those ``for bookkeeping``). The first is torch's own order (the error
-    file's time, then the order the agent saw the failures); only where every failure is such a
-    consequence is it named (an outside SIGTERM)."""
-    failures = dict(err.failures)
-    order = {rank: k for k, rank in enumerate(failures)}  # the order the agent saw them in
-
-    def consequence(failure: Any) -> bool:
-        message = _message(failure)
-        return is_consequence(message) if message else failure.exitcode == -signal.SIGTERM
-
-    causes = [rank for rank, failure in failures.items() if not consequence(failure)]
-    first = min(causes or failures, key=lambda rank: (failures[rank].timestamp, order[rank]))
-    return [first, *sorted(rank for rank in causes if rank != first)]
-
-
-def _signal_name(code: int) -> str:
-    try:
-        return signal.Signals(code).name
-    except ValueError:
-        return f"signal {code}"
-
-
-def _failure_line(err: Any, prefix: str = _PREFIX) -> tuple[str, int]:
-    """One line and an exit code for a ``ChildFailedError``: the rank that failed first, with its
-    recorded error, and no rank that merely lost it (:func:`_culprits`)."""
-    culprits = _culprits(err)
-    rank, failure = culprits[0], err.failures[culprits[0]]
-    who = f"rank {rank}" if len(culprits) == 1 else f"ranks {', '.join(map(str, sorted(culprits)))} (first: rank {rank})"
-    code = int(failure.exitcode)
-    if code < 0:  # killed by a signal: report like a shell does
-        how, rc = f"killed by {_signal_name(-code)}", 128 - code
-    else:
-        how, rc = f"exit code {code}", code or 1
-    root = _message(failure)  # the worker recorded its exception (``@record``, or paratrain's excepthook)
-    kind, sep, text = root.partition(": ")
-    if sep and kind == "CollectiveTimeoutError":  # it names the rank that did not arrive: that is the news
-        return f"{prefix} {text}", rc
-    if sep and code == 2 and kind.isidentifier():  # a paratrain one-line error: its text, as in one process
-        root = text
-    return f"{prefix} worker {who} failed ({how})" + (f": {root}" if root else ""), rc
-
-
-def _restart_line(result: Any, restart: int, max_restarts: int, resumes_from: Callable[[], int | None] | None) -> str:
-    """``worker rank 1 died (SIGKILL); restart 1/2 from the checkpoint at step 40``: the agent's
-    failed round (``result``: its ``RunResult``) and the restart it begins."""
-    rank = _culprits(result)[0]
-    failure = result.failures[rank]
-    code, root = int(failure.exitcode), _message(failure)
-    what = f"died ({_signal_name(-code)})" if code < 0 else f"failed (exit code {code}{': ' + root if root else ''})"
-    line = f"worker rank {rank} {what}; restart {restart}/{max_restarts}"
-    step = resumes_from() if resumes_from is not None else None
-    if resumes_from is not None:
-        line += f" from the checkpoint at step {step}" if step is not None else " from step 0 (no checkpoint yet)"
-    return line
-
-
-@contextlib.contextmanager
-def _restart_lines(resumes_from: Callable[[], int | None] | None = None) -> Iterator[None]:
-    """Print one line each time torchrun's agent restarts the worker group after a failure
-    (:func:`_restart_line`), read off the agent's own monitoring: the ``RunResult`` of
-    ``LocalElasticAgent._monitor_workers`` (its failures) and its remaining restarts, just before
-    the agent acts on them. ``resumes_from``: where the restarted workers continue (the built-in
-    job's checkpoint folder); without it the line names no step."""
-    from torch.distributed.elastic.agent.server.api import WorkerState
-    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
-
-    monitor = LocalElasticAgent._monitor_workers
-
-    def monitored(agent: Any, worker_group: Any) -> Any:
-        result = monitor(agent, worker_group)
-        remaining = getattr(agent, "_remaining_restarts", 0)
-        if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY) and remaining > 0 and result.failures:
-            with contextlib.suppress(Exception):  # saying it must never stop the restart
-                most = worker_group.spec.max_restarts
-                print(f"paratrain: {_restart_line(result, most - remaining + 1, most, resumes_from)}",
-                      file=sys.stderr, flush=True)
-        return result
-
-    LocalElasticAgent._monitor_workers = monitored  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        LocalElasticAgent._monitor_workers = monitor  # type: ignore[method-assign]
-
-
 def _set_threads(nproc_per_node: int) -> None:
     """Intra-op threads per worker: this node's cores shared by its workers (a user's
     ``OMP_NUM_THREADS`` wins). Said in one line, instead of torchrun's four-line banner."""
@@ -344,59 +234,6 @@ def _set_threads(nproc_per_node: int) -> None:
     if nproc_per_node > 1:
         print(f"paratrain: OMP_NUM_THREADS={threads} per worker ({cores} cores / {nproc_per_node} workers on this "
               "node; set OMP_NUM_THREADS to choose)", file=sys.stderr, flush=True)
-
-
-class _WakeStopped:
-    """While torchrun runs, wake (SIGCONT) any worker that is stopped with a SIGTERM pending.
-
-    A frozen worker (SIGSTOP, a stopped debugger) cannot act on the SIGTERM that the agent sends
-    when the group fails, and torch 2.13's agent then waits a fixed 30 s before SIGKILL (its
-    ``--shutdown-timeout`` does not reach that path). A worker is woken only once it was asked to
-    terminate, so a job paused on purpose (``kill -STOP``) stays paused. Linux only (``/proc``).
-    """
-
-    def __init__(self, interval_s: float = 0.5) -> None:
-        self.interval_s = interval_s
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="paratrain-wake-stopped", daemon=True)
-
-    def __enter__(self) -> "_WakeStopped":
-        if os.path.isdir(f"/proc/{os.getpid()}/task"):
-            self._thread.start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._stop.set()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            for pid in _children():
-                if _stopped_with_sigterm_pending(pid):
-                    with contextlib.suppress(OSError):
-                        os.kill(pid, signal.SIGCONT)
-
-
-def _children(pid: int | None = None) -> list[int]:
-    """This process's descendants (workers forked from the forkserver are its grandchildren)."""
-    pid = os.getpid() if pid is None else pid
-    pids: list[int] = []
-    with contextlib.suppress(OSError):
-        for task in os.listdir(f"/proc/{pid}/task"):
-            with contextlib.suppress(OSError, ValueError):
-                with open(f"/proc/{pid}/task/{task}/children") as f:
-                    for child in (int(p) for p in f.read().split()):
-                        pids += [child, *_children(child)]
-    return pids
-
-
-def _stopped_with_sigterm_pending(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            status = dict(line.split(":", 1) for line in f if ":" in line)
-    except OSError:
-        return False
-    pending = int(status.get("ShdPnd", "0").strip(), 16) | int(status.get("SigPnd", "0").strip(), 16)
-    return status.get("State", "").strip().startswith("T") and bool(pending & (1 << (signal.SIGTERM - 1)))
 
 
 def _run_function(trun: Any, args: Any, worker: Callable[..., Any], worker_args: tuple, cfg: LaunchConfig) -> None:
@@ -488,7 +325,7 @@ def torchrun(cfg: LaunchConfig, program: list[str], module: bool = False, comman
     try:
         args = parser.parse_args(argv)
         args.training_script_args = list(program[1:])
-        with _WakeStopped(), preemption.LauncherSignals(stopped_dir), _restart_lines(resumes_from):
+        with WakeStopped(), preemption.LauncherSignals(stopped_dir), restart_lines(resumes_from):
             if worker is None:
                 from ..env.process import AGENT_PID
 
@@ -499,11 +336,11 @@ def torchrun(cfg: LaunchConfig, program: list[str], module: bool = False, comman
     except ChildFailedError as e:
         if preemption.read_reports(stopped_dir) is not None:  # a worker got the signal itself: saved, stopped
             return preemption.PREEMPTED_EXIT_CODE
-        line, rc = _failure_line(e, prefix)
+        line, rc = failure_line(e, prefix)
         print(line, file=sys.stderr, flush=True)
         return rc
     except (RendezvousError, DistError) as e:  # DistError: the TCP store cannot bind, connect or time out
-        print(f"{prefix} rendezvous at {cfg.rendezvous_host} failed: {type(e).__name__}: {_one_line(e)}",
+        print(f"{prefix} rendezvous at {cfg.rendezvous_host} failed: {type(e).__name__}: {one_line(e)}",
               file=sys.stderr, flush=True)
         return 1
     except SignalException as e:

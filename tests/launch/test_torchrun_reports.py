@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from clitools import run_cli
-from paratrain.launch.torchrun import _failure_line
+from paratrain.launch.reports import failure_line as _failure_line
 
 pytestmark = pytest.mark.timeout(240)  # backstop; run_cli's own limits are shorter
 
