@@ -14,7 +14,7 @@ import math
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-from ..config import _SCHEDULES as SCHEDULES
+from ..config import SCHEDULES
 
 __all__ = ["SCHEDULES", "lr_scale", "lr_factor", "build_schedule", "warmup_linear_scaling"]
 

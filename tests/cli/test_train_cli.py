@@ -191,7 +191,7 @@ def test_the_batch_plan_is_made_once_and_the_launcher_counts_digits_without_buil
     derived, built = [], []
     derive = BatchPlan.derive.__func__
     monkeypatch.setattr(BatchPlan, "derive", classmethod(lambda cls, *a, **k: derived.append(a) or derive(cls, *a, **k)))
-    build = paratrain.config.build_dataset
-    monkeypatch.setattr(paratrain.config, "build_dataset", lambda name, train, *a: built.append(train) or build(name, train, *a))
+    build = paratrain.config.train.build_dataset
+    monkeypatch.setattr(paratrain.config.train, "build_dataset", lambda name, train, *a: built.append(train) or build(name, train, *a))
     assert main(["train", "--max-steps", "2", "--no-progress", "--log-dir", str(tmp_path / "run")]) == 0
     assert len(derived) == 1 and built == [True, False]
