@@ -28,7 +28,7 @@ from torch import nn
 from ..env.disk import writing
 from ..env.process import barrier
 from .errors import CheckpointError
-from .io import load_file, load_latest, verify_checkpoint
+from .io import _write_atomic, load_file, load_latest, verify_checkpoint
 from .manifest import fsync_dir
 from .state import uncompiled_keys
 
@@ -94,10 +94,8 @@ def _write_file(tensors: dict[str, torch.Tensor], path: Path) -> None:
 
 
 def _write_json(obj: Any, path: Path) -> None:
-    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
-    with writing(path, cleanup=lambda: tmp.unlink(missing_ok=True), flag="export folder"):
-        tmp.write_text(json.dumps(obj, indent=2, default=str) + "\n")
-    os.replace(tmp, path)
+    text = json.dumps(obj, indent=2, default=str) + "\n"
+    _write_atomic(path, lambda f: f.write(text.encode()), flag="export folder")
 
 
 def _write_model(directory: str | os.PathLike, files: list[list[str]], sizes: dict[str, int],

@@ -47,13 +47,13 @@ LATEST = "latest"
 
 
 def _write_atomic(path: Path, write: Callable[[IO[bytes]], Any], needed: int | None = None,
-                  after: str | Callable[[], str] = "") -> None:
+                  after: str | Callable[[], str] = "", flag: str = "checkpoint folder") -> None:
     """``write(f)`` into ``path.tmp-<pid>``, fsync, rename over ``path``: all or nothing. A full disk,
     a read-only filesystem or an exceeded quota is one :class:`~paratrain.env.disk.StorageError`
-    line (``needed``: the bytes being written; ``after`` ends the line)."""
+    line (``needed``: the bytes being written; ``after`` ends the line; ``flag`` names the folder)."""
     tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
     # on any failure (e.g. an object torch.save cannot serialize) leave nothing behind
-    with writing(path, needed, cleanup=lambda: tmp.unlink(missing_ok=True), after=after, flag="checkpoint folder"):
+    with writing(path, needed, cleanup=lambda: tmp.unlink(missing_ok=True), after=after, flag=flag):
         with open(tmp, "wb") as f:
             write(f)
             f.flush()
