@@ -29,11 +29,9 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from . import checkpoint as checkpoint_lib
-from . import evaluation
+from . import evaluation, strategies, tracking
 from . import metrics as metrics_lib
 from . import precision as precision_lib
-from . import strategies
-from . import tracking
 from .clock import ClockCount, StepClock
 from .config import ParallelConfig
 from .data import prepare
@@ -83,8 +81,9 @@ class Parallel(process.OnProcess, tracking.TrackedRun):
                  loggers: Iterable[tracking.Tracker] = (), plan: BatchPlan | None = None) -> None:
         given = locals()  # the options given (not None): ParallelConfig's fields, named one by one above
         options = {name: given[name] for name in ParallelConfig.option_names() if given[name] is not None}
-        self.config = cfg = ParallelConfig.of(config, options)
+        cfg = ParallelConfig.of(config, options)
         self.dist = process.init(None if cfg.backend == "auto" else cfg.backend, cfg.timeout_s, cfg.accelerator)
+        self.config = cfg = cfg.for_world(self.dist.world_size)  # strategy "auto": single or ddp
         if self.dist.backend is not None:
             failures.explain_uncaught()  # a failed collective in this loop ends with its one-line cause
         self.precision = precision_lib.build(cfg.precision, self.device, cfg.loss_scale)

@@ -50,6 +50,12 @@ def check_setup_arguments(model: Any, optimizer: Any, scheduler: Any, models: Se
             raise ValueError(f"setup: the optimizer holds none of this {type(model).__name__}'s parameters (it was "
                              f"built on another model, or on a copy): build it on this model's, "
                              f"{type(optimizer).__name__}(model.parameters(), ...), then pt.setup(model, optimizer)")
+    loaders = [name for name, value in (("optimizer", optimizer), ("scheduler", scheduler))
+               if isinstance(value, torch.utils.data.DataLoader)]
+    if loaders:  # Accelerate's prepare(model, optimizer, loader): here a loader has its own call
+        raise TypeError(f"setup: the {loaders[0]} is a DataLoader: set up the model, optimizer and scheduler with "
+                        "pt.setup, and pass the loader to pt.train_loader(loader) (pt.eval_loader for evaluation), "
+                        "which shards it over the ranks in global batches of global_batch samples")
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         hint = " (a scheduler? pass pt.setup(model, optimizer, scheduler))" if hasattr(optimizer, "optimizer") else ""
         raise TypeError(f"setup: the optimizer is a {type(optimizer).__name__}, not a torch.optim.Optimizer{hint}")

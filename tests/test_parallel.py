@@ -494,6 +494,9 @@ def test_setup_refuses_arguments_of_the_wrong_kind_at_once():
         pt.setup(net, torch.optim.lr_scheduler.StepLR(opt, 1))
     with pytest.raises(TypeError, match="the model is a list, not a torch.nn.Module"):
         pt.setup([net], opt)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(8, 2)), batch_size=2)
+    with pytest.raises(TypeError, match=r"the scheduler is a DataLoader: .* pass the loader to pt.train_loader\(loader\)"):
+        pt.setup(net, opt, loader)  # Accelerate's prepare(model, optimizer, loader)
     pt.close()
 
 
@@ -686,6 +689,7 @@ def world2_worker(rank, directory):
     """Every check, under ddp then fsdp: the Parallel objects of one process share its group."""
     reports = {strategy: strategy_checks(rank, strategy, os.path.join(directory, strategy))
                for strategy in ("ddp", "fsdp")}
+    reports["auto"] = paratrain.Parallel(global_batch=8).config.strategy  # the default strategy, on 2 processes
     paratrain.destroy(wait_for_peers=True)
     return reports
 
@@ -749,6 +753,17 @@ def strategy_checks(rank, strategy, directory):
 @pytest.fixture(scope="module")
 def world2_reports(tmp_path_factory):
     return paratrain.launch(world2_worker, nprocs=2, args=(str(tmp_path_factory.mktemp("world2")),), timeout=360)
+
+
+def test_the_default_strategy_is_single_in_one_process_and_ddp_in_several(world2_reports):
+    """``strategy="auto"`` (the default), as Lightning's and Accelerate's defaults choose."""
+    assert [r["auto"] for r in world2_reports] == ["ddp", "ddp"]
+    cfg = paratrain.ParallelConfig
+    assert cfg().strategy == "auto" and cfg().for_world(4).strategy == "ddp" and cfg().for_world(1).strategy == "single"
+    assert cfg(strategy="fsdp").for_world(4).strategy == "fsdp"
+    pt = paratrain.Parallel(global_batch=8)
+    assert pt.config.strategy == "single" and pt.describe()["strategy"] == "single"
+    pt.close()
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
@@ -956,7 +971,7 @@ def test_every_option_is_a_named_typed_documented_parameter():
     for name, cls in strategies.STRATEGIES.items():
         if cls.options_class is not None:
             assert cls.options_class in typing.get_args(hints[name]), name
-    assert typing.get_args(strategies.StrategyName) == tuple(strategies.STRATEGIES)
+    assert typing.get_args(strategies.StrategyName) == (strategies.AUTO, *strategies.STRATEGIES)
     assert set(typing.get_args(precision.PrecisionName)) == set(precision.PRECISIONS) | set(precision.ALIASES)
     doc = inspect.getdoc(paratrain.Parallel)
     for name in params:

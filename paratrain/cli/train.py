@@ -29,7 +29,7 @@ from ..env.network import is_loopback
 from ..env.process import select_backend, select_device
 from ..launch.torchrun import LaunchConfig, torchrun
 from ..models.registry import MODEL_NAMES
-from ..strategies import STRATEGIES
+from ..strategies import AUTO, STRATEGIES
 from ..tracking.runs import LATEST, latest_run, new_run_dir
 from .run import add_launch_arguments, launch_config
 
@@ -47,7 +47,7 @@ _FLAGS: dict[str, tuple[str, Any, str]] = {
     "--dataset": ("data.dataset", str, f"{', '.join(DATASET_NAMES)} (digits ships with paratrain), or your own "
                   "factory as file.py:function or module:function"),
     "--data-dir": ("data.data_dir", str, "folder holding cifar-10-batches-py"),
-    "--strategy": ("parallel.strategy", str, _one_of(STRATEGIES)),  # the registry's names
+    "--strategy": ("parallel.strategy", str, _one_of([AUTO, *STRATEGIES])),  # the registry's names
     "--precision": ("parallel.precision", str, "32, tf32, fp16-mixed, bf16-mixed, bf16-true, fp16-true, O0-O3"),
     "--global-batch": ("parallel.global_batch", int, "samples per optimizer step over all workers"),
     "--accumulation": ("parallel.accumulation", int, "micro-steps per optimizer step"),
@@ -174,9 +174,10 @@ def _start(args: argparse.Namespace, cfg: TrainConfig, worker: bool, launch: Lau
 
         return _ended(run_training(cfg))  # we are one worker of a launched job
     world = launch.nproc_per_node * launch.min_nodes
-    cfg.parallel.strategy_class.check_world(world)
+    on_world = cfg.parallel.for_world(world)  # strategy "auto": what it stands for on the workers
+    on_world.strategy_class.check_world(world)
     _check_machine(cfg)
-    plan = cfg.parallel.batch_plan(world)  # one-line errors before any worker starts
+    plan = on_world.batch_plan(world)  # one-line errors before any worker starts
     plan.steps_per_epoch(cfg.train_size(), f" over {world} process(es)")  # the data fills a global batch
     if world == 1 and launch.max_nodes == 1 and launch.max_restarts == 0:
         from ..loop.train import run_training

@@ -16,6 +16,7 @@ from typing import Any, Mapping
 from .. import precision as _precision
 from .. import strategies as _strategies
 from ..data.sampler import BatchPlan
+from ..env.detect import detect_process
 from .files import as_integer, from_dict
 
 __all__ = ["ParallelConfig", "BACKENDS", "ACCELERATORS"]
@@ -42,8 +43,8 @@ class ParallelConfig:
     """How one job is spread over processes and devices; one section per strategy with options
     (``ddp``, ``fsdp``, ``tensor``, ``pipeline``, ``devices``, ``ps``: their ``Options`` dataclasses)."""
 
-    strategy: str = _strategies.reference()
-    """single, dp, ddp, fsdp (sharded data parallel, ZeRO-3/ZeRO-2-like) or tensor (Linear layers
+    strategy: str = _strategies.AUTO
+    """auto (the default: single in one process, ddp in several), single, dp, ddp, fsdp (sharded data parallel, ZeRO-3/ZeRO-2-like) or tensor (Linear layers
     split over processes, optionally combined with fsdp on a 2-D mesh). Also pipeline (one model stage
     per process), devices (model parts on several devices of one process) and ps (parameter server)."""
     precision: str = _precision.reference()
@@ -85,7 +86,8 @@ class ParallelConfig:
             section = getattr(self, name, None)
             if strategy.options_class is not None and isinstance(section, Mapping):
                 setattr(self, name, from_dict(strategy.options_class, section, f"parallel.{name}"))
-        _strategies.resolve(self.strategy)
+        if self.strategy != _strategies.AUTO:
+            _strategies.resolve(self.strategy)
         if isinstance(self.activation_checkpointing, str):  # from the command line: "Block,Layer"
             self.activation_checkpointing = [c.strip() for c in self.activation_checkpointing.split(",") if c.strip()]
         if self.activation_checkpointing is not None:
@@ -160,12 +162,25 @@ class ParallelConfig:
 
     @property
     def strategy_class(self) -> type[_strategies.Strategy]:
-        """The class of the configured strategy: ask it what it can do, never compare its name."""
-        return _strategies.resolve(self.strategy)
+        """The class of the configured strategy: ask it what it can do, never compare its name
+        (``auto``: the one for this process's world, :meth:`for_world`)."""
+        return _strategies.resolve(self._named())
 
     def strategy_options(self) -> Any:
         """The options section of the configured strategy (``self.ddp`` for ddp...), or None."""
-        return getattr(self, self.strategy, None)
+        return getattr(self, self._named(), None)
+
+    def for_world(self, world: int) -> ParallelConfig:
+        """This config on ``world`` processes: ``strategy="auto"`` replaced by the strategy it stands
+        for there (:func:`paratrain.strategies.auto`); any other config as it is."""
+        if self.strategy != _strategies.AUTO:
+            return self
+        return dataclasses.replace(self, strategy=_strategies.auto(world))
+
+    def _named(self) -> str:
+        if self.strategy != _strategies.AUTO:
+            return self.strategy
+        return _strategies.auto(detect_process().world_size)  # the world this process was started in
 
     def data_parallel_size(self, world: int) -> int:
         """Data shards for ``world`` processes under the configured strategy (tensor/pipeline share batches)."""

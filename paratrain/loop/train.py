@@ -81,7 +81,7 @@ def run_training(cfg: TrainConfig, plan: BatchPlan | None = None) -> dict[str, A
         pt.trackers.config = {**dataclasses.asdict(cfg), "provenance": made_by}  # the trackers' run config
         logger = RunLogger(cfg.log_dir, enabled=pt.is_main_process, append=resumed is not None, trackers=pt.trackers)
         logger.write_text("config.toml", to_toml(cfg.as_new_run()))  # `paratrain train --config <run>/config.toml` re-runs it
-        pt.print(f"paratrain: {cfg.parallel.strategy} on {pt.world_size} process(es), {pt.device}, "
+        pt.print(f"paratrain: {pt.describe()['strategy']} on {pt.world_size} process(es), {pt.device}, "
                  f"precision {cfg.parallel.precision}; global batch {pt.plan}")
         loader_kwargs = {"num_workers": d.num_workers, "pin_memory": d.pin_memory,
                          "persistent_workers": d.persistent_workers}

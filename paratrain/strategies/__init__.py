@@ -18,7 +18,7 @@ from .tensor import TensorOptions, TensorParallelStrategy
 
 __all__ = ["Strategy", "STRATEGIES", "DDPOptions", "FSDPOptions", "TensorOptions", "PipelineOptions",
            "DevicesOptions", "PSOptions", "build", "resolve", "reference", "data_parallel_reference",
-           "bench_defaults", "StrategyName"]
+           "bench_defaults", "StrategyName", "AUTO", "auto"]
 
 STRATEGIES: dict[str, type[Strategy]] = {
     "single": SingleDeviceStrategy,
@@ -31,8 +31,10 @@ STRATEGIES: dict[str, type[Strategy]] = {
     "ps": ParameterServerStrategy,
 }
 
-# The names above as a type, for editors' completion of ``Parallel(strategy=...)`` (a test keeps it equal).
-StrategyName = Literal["single", "dp", "ddp", "fsdp", "tensor", "pipeline", "devices", "ps"]
+# The names above and AUTO as a type, for editors' completion of ``Parallel(strategy=...)`` (a test keeps it equal).
+StrategyName = Literal["auto", "single", "dp", "ddp", "fsdp", "tensor", "pipeline", "devices", "ps"]
+
+AUTO = "auto"  # the default: the reference strategy in one process, plain data parallel in several (:func:`auto`)
 
 
 def _declaring(fact: str) -> str:
@@ -54,6 +56,13 @@ def data_parallel_reference() -> str:
     return _declaring("plain_data_parallel")
 
 
+def auto(world_size: int) -> str:
+    """The strategy ``"auto"`` stands for on ``world_size`` processes: the one-process reference
+    (``single``) alone, plain data parallel (``ddp``) on several, as Lightning's and Accelerate's
+    defaults choose."""
+    return data_parallel_reference() if world_size > 1 else reference()
+
+
 def bench_defaults(quick: bool = False) -> list[str]:
     """Strategies in paratrain bench's default matrix (``--quick``: the fast subset), registry order."""
     tiers = ("quick",) if quick else ("quick", "full")
@@ -63,15 +72,15 @@ def bench_defaults(quick: bool = False) -> list[str]:
 def resolve(name: str) -> type[Strategy]:
     """The strategy class called ``name``; a one-line error naming the choices otherwise."""
     if name not in STRATEGIES:
-        raise ValueError(f"strategy {name!r} is unknown: use one of {', '.join(STRATEGIES)}")
+        raise ValueError(f"strategy {name!r} is unknown: use one of {', '.join([AUTO, *STRATEGIES])}")
     return STRATEGIES[name]
 
 
 def build(cfg: Any, dist_info: Dist, precision: Precision | None = None) -> Strategy:
-    """The strategy named by ``cfg.strategy`` (a ParallelConfig), with its options section
+    """The strategy named by ``cfg.strategy`` (a ParallelConfig; ``auto`` for this world), with its options section
     (``cfg.ddp`` for ddp, ``cfg.fsdp`` for fsdp...) when the config has one, and ``precision``
     (default: the config's, built for this process's device)."""
-    cls = resolve(cfg.strategy)
+    cls = resolve(auto(dist_info.world_size) if cfg.strategy == AUTO else cfg.strategy)
     if precision is None:
         precision = build_precision(cfg.precision, dist_info.device, cfg.loss_scale)
     return cls(dist_info, cfg.sync_batchnorm, getattr(cfg, cls.name, None), precision=precision,

@@ -39,7 +39,7 @@ def test_env_report_and_version() -> None:
     assert res.returncode == 0, res.stderr
     out = res.stdout
     for needle in (f"paratrain {__version__}", "torch ", "paratrain picks: device", "gloo yes", "RANK=3",
-                   "SLURM_PROCID=3", '[parallel]', 'strategy = "single"'):
+                   "SLURM_PROCID=3", '[parallel]', 'strategy = "auto"'):
         assert needle in out, needle
     res = run_cli(["--version"], timeout=60)
     assert res.returncode == 0 and res.stdout.strip() == f"paratrain {__version__}"

@@ -72,7 +72,7 @@ def test_paratrain_env_lists_the_defaults_and_where_each_came_from(tmp_path: Pat
 
 
 @pytest.mark.parametrize("overrides, error", [
-    ({"parallel.strategy": "zero"}, "strategy 'zero' is unknown: use one of single, dp, ddp, fsdp"),
+    ({"parallel.strategy": "zero"}, "strategy 'zero' is unknown: use one of auto, single, dp, ddp, fsdp"),
     ({"parallel.precision": "fp7"}, "precision 'fp7' is unknown: use one of 32, tf32"),
     ({"parallel.nope": "1"}, "unknown key 'nope' in [parallel]: known keys are accelerator"),
     ({"parallel.seed": "x"}, "parallel.seed='x' is not an integer"),
@@ -89,7 +89,7 @@ def test_a_bad_value_on_the_command_line_stops_the_launch_in_one_line(tmp_path: 
     res = run_cli(["run", "--strategy", "zero", "s.py"], timeout=60, cwd=tmp_path)
     lines = res.stderr.strip().splitlines()
     assert res.returncode == 2 and len(lines) == 1, res.stderr
-    assert lines[0].startswith("paratrain run: error: strategy 'zero' is unknown: use one of single, dp, ddp, fsdp, "
+    assert lines[0].startswith("paratrain run: error: strategy 'zero' is unknown: use one of auto, single, dp, ddp, fsdp, "
                                "tensor, pipeline, devices, ps"), lines
     (tmp_path / "paratrain.toml").write_text('[parallel]\nprecison = "bf16-mixed"\n')  # a typo in the project file
     res = run_cli(["run", "s.py"], timeout=60, cwd=tmp_path)
@@ -132,16 +132,18 @@ def test_config_file_replaces_the_project_file_and_the_command_line_wins_over_it
 
 def test_paratrain_train_reads_the_project_file_says_so_once_and_flags_win(tmp_path: Path) -> None:
     """``paratrain train`` without ``--config`` reads ``./paratrain.toml`` (the whole config, as
-    ``--config`` would): one notice on the launching process, none from its workers; flags win."""
-    (tmp_path / "paratrain.toml").write_text('[parallel]\nseed = 5\nstrategy = "ddp"\n\n[optim]\nlr = 0.07\n')
+    ``--config`` would): one notice on the launching process, none from its workers; flags win. No
+    strategy given: ``auto``, ddp on 2 processes."""
+    (tmp_path / "paratrain.toml").write_text('[parallel]\nseed = 5\n\n[optim]\nlr = 0.07\n')
     shown = run_cli(["train", "--print-config", "--set", "optim.lr=0.02"], timeout=60, cwd=tmp_path)
     assert shown.returncode == 0, shown.stderr[-3000:]
-    assert "seed = 5" in shown.stdout and 'strategy = "ddp"' in shown.stdout and "lr = 0.02" in shown.stdout
+    assert "seed = 5" in shown.stdout and 'strategy = "auto"' in shown.stdout and "lr = 0.02" in shown.stdout
     res = run_cli(["train", "--nproc-per-node", "2", "--max-steps", "1", "--no-progress", "--log-dir", "run"],
                   timeout=120, cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
     notices = [line for line in res.stderr.splitlines() if "config from ./paratrain.toml" in line]
     assert len(notices) == 1, res.stderr[-3000:]
+    assert "paratrain: ddp on 2 process(es)" in res.stdout + res.stderr  # strategy "auto" (the default) on 2
     result = json.loads((tmp_path / "run" / "result.json").read_text())
     assert (result["world_size"], result["config"]["parallel"]["seed"]) == (2, 5), result
     other = tmp_path / "other.toml"
