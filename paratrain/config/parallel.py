@@ -86,8 +86,9 @@ class ParallelConfig:
             section = getattr(self, name, None)
             if strategy.options_class is not None and isinstance(section, Mapping):
                 setattr(self, name, from_dict(strategy.options_class, section, f"parallel.{name}"))
-        if self.strategy != _strategies.AUTO:
-            _strategies.resolve(self.strategy)
+        if self.strategy != _strategies.AUTO and self.strategy not in _strategies.STRATEGIES:
+            raise ValueError(f"strategy {self.strategy!r} is unknown: use one of "
+                             f"{', '.join([_strategies.AUTO, *_strategies.STRATEGIES])}")
         if isinstance(self.activation_checkpointing, str):  # from the command line: "Block,Layer"
             self.activation_checkpointing = [c.strip() for c in self.activation_checkpointing.split(",") if c.strip()]
         if self.activation_checkpointing is not None:

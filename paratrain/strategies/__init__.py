@@ -72,7 +72,7 @@ def bench_defaults(quick: bool = False) -> list[str]:
 def resolve(name: str) -> type[Strategy]:
     """The strategy class called ``name``; a one-line error naming the choices otherwise."""
     if name not in STRATEGIES:
-        raise ValueError(f"strategy {name!r} is unknown: use one of {', '.join([AUTO, *STRATEGIES])}")
+        raise ValueError(f"strategy {name!r} is unknown: use one of {', '.join(STRATEGIES)}")
     return STRATEGIES[name]
 
 

@@ -37,24 +37,32 @@ class Data(torch.utils.data.Dataset):
         return self.x[i], self.y[i]
 
 
-DELAY = {"s": 0.0}  # how long each write of this process sleeps first (in the writing thread)
+DELAY: dict[int, float] = {}  # seconds each write of checkpoint {step: ...} of this process sleeps first
 
 
 def _slow_writes() -> None:
-    """Every DCP and torch.save write of this process sleeps ``DELAY["s"]`` first."""
+    """Every DCP and torch.save write of this process sleeps first, as long as ``DELAY`` says for
+    the step it writes (read off its path: a write still running when the next save sets its own
+    delay keeps its step's)."""
+    import re
+
     import torch.distributed.checkpoint.filesystem as fs
 
     from paratrain.checkpoint import io
 
     write_data, save_file = fs.FileSystemWriter.write_data, io.save_file
 
+    def pause(path) -> None:
+        found = re.search(r"step-(\d+)", str(path))
+        time.sleep(DELAY.get(int(found.group(1)), 0.0) if found else 0.0)
+
     def slow_write_data(self, *args, **kwargs):
-        time.sleep(DELAY["s"])
+        pause(self.path)
         return write_data(self, *args, **kwargs)
 
-    def slow_save_file(*args, **kwargs):
-        time.sleep(DELAY["s"])
-        return save_file(*args, **kwargs)
+    def slow_save_file(obj, path, *args, **kwargs):
+        pause(path)
+        return save_file(obj, path, *args, **kwargs)
 
     fs.FileSystemWriter.write_data = slow_write_data
     io.save_file = slow_save_file
@@ -83,7 +91,7 @@ def _worker(rank: int, strategy: str, folder: str, mode: str) -> dict:
         opt.step()
         if mode != "plain" and pt.global_step % EVERY == 0:
             background = mode in ("async", "kill")
-            DELAY["s"] = 60.0 if mode == "kill" and pt.global_step == 4 else 1.0 if background else 0.0
+            DELAY[pt.global_step] = 60.0 if mode == "kill" and pt.global_step == 4 else 1.0 if background else 0.0
             start = time.monotonic()
             pt.save_checkpoint(folder, model, opt, asynchronous=background)
             returned.append(time.monotonic() - start)
