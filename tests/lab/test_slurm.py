@@ -98,7 +98,8 @@ def test_sbatch_signal_usr1_saves_requeues_and_the_requeued_job_resumes_bit_exac
     limit (steps slowed by tests/faults while the first attempt trains); paratrain saves at one step,
     requeues the job itself (``scontrol requeue``) and the requeued job resumes from that checkpoint to
     the uninterrupted run's weights (its steps are not slowed: it ends before a signal). The test lets
-    the requeued job start at once (Slurm holds a requeued job for 2 minutes)."""
+    the requeued job start at once (Slurm holds a requeued job for 2 minutes, then waits for its next
+    scheduling pass)."""
     import time
 
     from paratrain.checkpoint import list_checkpoints
@@ -121,15 +122,16 @@ def test_sbatch_signal_usr1_saves_requeues_and_the_requeued_job_resumes_bit_exac
         return subprocess.run(["scontrol", "show", "job", job_id], env=env, capture_output=True, text=True).stdout
 
     try:
-        deadline, released = time.monotonic() + 480, False
+        deadline = time.monotonic() + 480
         while time.monotonic() < deadline:
             state = show()
             if "JobState=COMPLETED" in state or "JobState=FAILED" in state or "JobState=CANCELLED" in state:
                 break
-            if not released and "Restarts=1" in state and "JobState=PENDING" in state:  # best effort
-                released = subprocess.run(["scontrol", "update", f"JobId={job_id}", "BeginTime=now"], env=env,
-                                          capture_output=True, timeout=30).returncode == 0
-            time.sleep(2)
+            if "Restarts=1" in state and "JobState=PENDING" in state and "Reason=BeginTime" in state:
+                # StartTime=now (not BeginTime=now, which Slurm 22.05 takes without effect) also runs the scheduler
+                subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env=env,
+                               capture_output=True, timeout=30)
+            time.sleep(1)
         log = out.read_text() if out.exists() else ""
         assert "JobState=COMPLETED" in show(), show() + log[-4000:]
     finally:
