@@ -209,12 +209,16 @@ def test_an_interpreter_without_torch_fails_with_the_reason(tmp_path: Path) -> N
 # --------------------------------------------------------------------------- the dry run
 
 
+TWINS = "nccl,fsdp_bf16,fp16_scaler,syncbn,compile"  # the GPU-only checks' CPU twins
+
+
 @pytest.mark.timeout(280)
 def test_dry_run(tmp_path: Path) -> None:
-    """The whole dry run with this venv's python: every check ok (its CPU twin) or skipped with a
-    reason, logs and summary files written, within 4 minutes on 2 loaded cores."""
+    """The dry run of the GPU-only checks (their CPU twins) with this venv's python: each ok, logs
+    and summary files written, the other steps listed as left out. The whole dry run, selftest,
+    bench and predictor included, is CI's floor step (scripts/test.sh), on the oldest torch."""
     out = tmp_path / "dc"
-    res, took = run(["--dry-run", "--python", sys.executable, "--out", str(out)], 240)
+    res, took = run(["--dry-run", "--python", sys.executable, "--out", str(out), "--only", TWINS], 240)
     s = summary(out)
     by = {o["name"]: o for o in s["steps"]}
     for name, o in by.items():
@@ -224,16 +228,8 @@ def test_dry_run(tmp_path: Path) -> None:
             assert (out / f"{name}.log").exists() and o["slice_s"] and o["seconds"] <= o["slice_s"] + 10
     assert res.returncode == 0 and s["ok"], res.stdout[-3000:]
     ran = {name for name, o in by.items() if o["status"] == "ok"}
-    for name, o in by.items():  # on a loaded machine the last steps may find the budget spent
-        assert name in ran or o["summary"].startswith("budget:"), o
-    assert {"nccl", "fsdp_bf16", "fp16_scaler", "syncbn", "compile"} <= ran  # the CPU twins
+    assert ran == set(TWINS.split(",")), by
+    assert all(o["summary"] == "not in --only" for name, o in by.items() if name not in ran), by
     assert by["compile"]["details"]["backend"] == "aot_eager"
     assert by["syncbn"]["details"]["kind"] == "paratrain.nn.syncbn.SyncBatchNorm"
-    if "dataloader" in ran:
-        assert by["dataloader"]["details"]["ratios"][0]["median"] > 0
-    if "bench_quick" in ran:
-        assert (out / "bench" / "results.json").exists()
-    if "selftest" in ran:
-        assert (out / "selftest.md").exists() and (out / "selftest" / "selftest.json").exists()
-        assert "seed table (ResNet-50)" in by["selftest"]["summary"]
     assert s["seconds"] <= s["budget_s"] + 15 and took < 240
