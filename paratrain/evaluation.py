@@ -7,7 +7,7 @@ pipeline) keep every rank in step over uneven or streamed shards.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, Callable, Iterator
 
 import torch
@@ -23,7 +23,8 @@ __all__ = ["evaluate", "to_float32"]
 
 
 @torch.no_grad()
-def evaluate(strategy: Strategy, precision: Precision, device: torch.device, net: nn.Module, loader: EvalLoader,
+def evaluate(strategy: Strategy, precision: Precision, device: torch.device, net: nn.Module,
+             loader: EvalLoader | Iterable[Any],
              loss_fn: Callable[..., torch.Tensor] | None = None, step_fn: Callable[[nn.Module, Any], Any] | None = None,
              metrics: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Loss, accuracy (classification only) and your ``metrics`` of the unwrapped ``net`` over
@@ -116,7 +117,7 @@ def _step(strategy: Strategy, precision: Precision, net: nn.Module, batch: Any,
             preds, targets = out
             return (loss_fn(preds, targets) if loss_fn is not None else default_loss(preds, targets)), preds, targets
         if isinstance(batch, Mapping):
-            out, targets = net(**batch), batch_targets(batch)
+            out, targets = _forward_dict(net, batch), batch_targets(batch)
         else:
             out, targets = strategy.eval_forward(net, batch[0]), batch[1]
         if out is None:  # not the last pipeline stage
@@ -133,12 +134,29 @@ def _step(strategy: Strategy, precision: Precision, net: nn.Module, batch: Any,
     return loss, preds, targets
 
 
-def _batches(strategy: Strategy, device: torch.device, loader: EvalLoader) -> Iterator[tuple[Any, bool]]:
+def _forward_dict(net: nn.Module, batch: Mapping[str, Any]) -> Any:
+    """``net(**batch)``, HuggingFace's way; a model that takes no such keywords is told how to
+    evaluate its dict batches instead, in one line."""
+    try:
+        return net(**batch)
+    except TypeError as e:
+        if "unexpected keyword argument" not in str(e):
+            raise
+        keys = ", ".join(map(repr, batch))
+        raise TypeError(f"evaluate: a dict batch ({keys}) is passed as model(**batch), HuggingFace's way, and "
+                        f"{type(net).__name__} does not take it ({e}): pass step_fn=lambda model, batch: "
+                        "(model(batch[<input key>]), batch[<target key>])") from None
+
+
+def _batches(strategy: Strategy, device: torch.device, loader: EvalLoader | Iterable[Any]) -> Iterator[tuple[Any, bool]]:
     """``(batch, counted)``: this rank's batches, then uncounted padding forwards so that every
     rank of a collective-forward strategy runs as many forwards as the busiest one."""
     if not strategy.collective_forward:
         yield from ((batch, True) for batch in loader)
         return
+    if not isinstance(loader, EvalLoader):
+        raise TypeError(f"evaluate: under strategy {strategy.name} every rank runs as many forwards, which batches made "
+                        f"beforehand (a {type(loader).__name__}) cannot promise: pass the dataset or DataLoader itself")
     if loader.stream:  # unknown lengths: agree on each forward (one small all-reduce a batch)
         batches, pad = iter(loader), None
         while True:

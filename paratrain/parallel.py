@@ -300,13 +300,13 @@ class Parallel(process.OnProcess, tracking.TrackedRun):
                                    self.strategy.data_parallel_size, self.strategy.data_parallel_rank, self.device,
                                    transform, **dataloader_kwargs)
 
-    def evaluate(self, model: nn.Module, loader: EvalLoader | DataLoader, loss_fn: Callable[..., Any] | None = None,
+    def evaluate(self, model: nn.Module, loader: Dataset | DataLoader | EvalLoader | Iterable, loss_fn: Callable[..., Any] | None = None,
                  *, step_fn: Callable[[nn.Module, Any], Any] | None = None,
                  metrics: Mapping[str, Any] | None = None) -> dict[str, Any]:
-        """Loss, accuracy (classification only) and your metrics over the whole evaluation set (your own
-        DataLoader is sharded as :meth:`eval_loader` shards it), reduced over ranks; ``count`` is the number
+        """Loss, accuracy (classification only) and your metrics over the whole evaluation set (a dataset, or
+        your own DataLoader, is sharded as :meth:`eval_loader` shards it), reduced over ranks; ``count`` is the number
         of samples. How batches become predictions and targets: :func:`paratrain.evaluation.evaluate`."""
-        loader = self.eval_loader(loader) if isinstance(loader, DataLoader) else loader
+        loader = self.eval_loader(loader) if prepare.is_dataset(loader) else loader  # else batches
         return evaluation.evaluate(self.strategy, self.precision, self.device, self.unwrap(model), loader, loss_fn,
                                    step_fn=step_fn, metrics=metrics)
 

@@ -75,7 +75,7 @@ def test_stores_for_one_node_listen_on_loopback_only() -> None:
     store = loopback_store("localhost", free_port(), 0, 1, timedelta(seconds=30))
     store.set("k", "v")
     rpc_store, _, _ = next(dist.rendezvous(store_init_method("127.0.0.1", free_port()), rank=0, world_size=1))
-    ports = {store.port, rpc_store.port}
+    ports = {store.underlying_store.port, rpc_store.port}  # the group's keys under a prefix of their own
     found = [(addr, port) for addr, port in _listening([os.getpid()]) if port in ports]
     assert sorted(found) == sorted(("0100007F", port) for port in ports)
     assert loopback_store("10.1.2.3", 1, 0, 2, timedelta(seconds=1)) is None  # several nodes: torch's env://

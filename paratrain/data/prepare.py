@@ -10,7 +10,7 @@ replaced.
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
@@ -20,6 +20,9 @@ from .loaders import EvalLoader, GlobalBatchLoader
 from .sampler import BatchPlan
 from .stream import StreamLoader
 
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs  # torch's own dependency; only the type checker reads it
+
 __all__ = ["train_loader", "eval_loader", "loader_settings"]
 
 # What train_loader keeps of a user's DataLoader (its sampler, batch size and drop_last are paratrain's;
@@ -27,6 +30,18 @@ __all__ = ["train_loader", "eval_loader", "loader_settings"]
 _KEPT_LOADER_SETTINGS = ("collate_fn", "num_workers", "pin_memory", "worker_init_fn", "persistent_workers", "timeout",
                          "prefetch_factor", "multiprocessing_context", "pin_memory_device")
 _USER = 5  # warnings' stacklevel: the user's call of Parallel.train_loader
+
+
+def is_dataset(obj: Any) -> TypeIs[Dataset | DataLoader]:
+    """Whether ``obj`` is data to shard (a ``DataLoader``, a torch ``Dataset``, or a map-style
+    dataset of another library: HuggingFace's ``datasets.Dataset``), not an iterable of batches
+    already made (a list of batches, an :class:`~paratrain.data.loaders.EvalLoader`)."""
+    if isinstance(obj, (EvalLoader, GlobalBatchLoader, StreamLoader)):
+        return False
+    if isinstance(obj, (DataLoader, Dataset)):
+        return True
+    return (hasattr(obj, "__getitem__") and hasattr(obj, "__len__")
+            and not isinstance(obj, (list, tuple, dict, str, bytes, torch.Tensor)))
 
 
 def loader_settings(loader: DataLoader) -> dict[str, Any]:

@@ -4,6 +4,7 @@ interface). Used by :mod:`paratrain.env.process`, the launchers and the paramete
 
 from __future__ import annotations
 
+import errno
 import os
 import socket
 import urllib.parse
@@ -99,11 +100,21 @@ def loopback_store(host: str, port: int, rank: int, world_size: int, timeout: ti
     """
     if not is_loopback(host) or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True):
         return None  # several nodes, or torchrun's agent serves the store (its own bind)
-    return _store_on(host, port, rank, world_size, timeout)
+    global _groups
+    _groups += 1  # every rank counts the groups it formed in this process: their keys never meet a former group's
+    return dist.PrefixStore(f"paratrain-group-{_groups}", _store_on(host, port, rank, world_size, timeout))
+
+
+_groups = 0  # process groups formed on a loopback store by this process
+_served: set[tuple[str, int]] = set()  # where this process's rank 0 started a store server
 
 
 def _store_on(host: str, port: int, rank: int, world_size: int, timeout: timedelta) -> Any:
-    """A ``TCPStore`` whose server (rank 0) listens on ``host`` only; clients elsewhere."""
+    """A ``TCPStore`` whose server (rank 0) listens on ``host`` only; clients elsewhere.
+
+    A server this process started for an earlier group may still run: a DDP model of that group,
+    still referenced after ``close()``, keeps the group and its store alive. Rank 0 then shares it
+    (``multi_tenant``, as torch's ``env://`` store does), under a new key prefix (above)."""
     addr = "::1" if host == "::1" else ("127.0.0.1" if host == "localhost" else host)
     if rank != 0:
         return dist.TCPStore(addr, port, world_size, False, timeout)
@@ -114,8 +125,14 @@ def _store_on(host: str, port: int, rank: int, world_size: int, timeout: timedel
         sock.listen(socket.SOMAXCONN)
     except (OSError, OverflowError) as e:
         sock.close()
+        if (addr, port) in _served and getattr(e, "errno", None) == errno.EADDRINUSE:
+            try:  # this process's own earlier server, if it still runs (else the port is another's)
+                return dist.TCPStore(addr, port, world_size, True, timeout, multi_tenant=True)
+            except dist.DistError:
+                pass
         raise UnavailableError(f"rank 0 cannot listen on {addr}:{port} ({getattr(e, 'strerror', None) or e}): choose "
                                "another MASTER_PORT") from None
+    _served.add((addr, port))
     return dist.TCPStore(addr, port, world_size, True, timeout, multi_tenant=True, master_listen_fd=sock.detach())
 
 

@@ -347,7 +347,9 @@ def destroy(wait_for_peers: bool = False) -> None:
             dist.barrier()
             _let_gloo_threads_finish()
         if owns_group():
+            global _created
             dist.destroy_process_group()
+            _created = None  # nor keep it: it holds the group's store, whose port a new group of this process binds
 
 
 def _let_gloo_threads_finish() -> None:

@@ -57,6 +57,24 @@ def test_close_ends_the_group_paratrain_made():
     assert fastlaunch.launch(_closes_its_own_group, 2, timeout=120) == [False, False]
 
 
+def _one_run_after_another(local_rank):
+    import paratrain
+
+    sums = []
+    for _ in range(3):  # a sweep in one launched function: each run's Parallel closed before the next
+        pt = paratrain.Parallel(strategy="ddp", global_batch=2)
+        _step(pt)
+        sums.append(pt.reduce(torch.tensor(float(local_rank)), "sum").item())
+        pt.close()
+    return sums
+
+
+def test_runs_one_after_another_each_make_and_close_their_group():
+    """``close`` lets go of the group it ended: the next ``Parallel`` of the process binds the same
+    port (it failed with 'Address already in use')."""
+    assert fastlaunch.launch(_one_run_after_another, 2, timeout=120) == [[1.0] * 3] * 2
+
+
 # --- a clean exit after the script's own destroy_process_group (issue 26, item 5) ----------------
 
 OWN_DESTROY = """
