@@ -96,8 +96,8 @@ def test_every_registered_strategy_has_a_row_above() -> None:
 def test_registry_names_the_strategy_declaring_a_fact() -> None:
     from paratrain.strategies.ddp import COMM_HOOKS
 
-    assert strategies.reference() == "single" == ParallelConfig().strategy
-    assert strategies.data_parallel_reference() == "ddp"
+    assert strategies.reference() == "single" == ParallelConfig().for_world(1).strategy
+    assert strategies.data_parallel_reference() == "ddp" == ParallelConfig().for_world(2).strategy
     assert strategies.resolve("ddp").comm_hooks == COMM_HOOKS
     assert strategies.bench_defaults() == [row[0] for row in FACTS if row[6] in ("quick", "full")]
     assert strategies.bench_defaults(quick=True) == [row[0] for row in FACTS if row[6] == "quick"]
