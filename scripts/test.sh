@@ -12,7 +12,7 @@
 # Arguments go to the pytest runs (e.g. -x, -k NAME). PARATRAIN_SKIP_WHEEL=1 (or the older
 # PARATRAIN_SKIP_CUDA_WHEEL=1) skips step 3, PARATRAIN_SKIP_FLOOR=1 step 4;
 # `bash scripts/test.sh wheel [pytest arguments]` runs the set-up and step 3 alone.
-# Each pytest run has a hard limit (the full suite takes about 30 minutes on 2 cores, the lab included): a hang ends
+# Each pytest run has a hard limit (the full suite takes about 35-40 minutes on 2 cores, the lab included): a hang ends
 # as a failure with every thread's stack (tests/conftest.py), never as a stuck CI. `--foreground`
 # keeps pytest in the caller's process group (a terminal's foreground group stays its own), and its
 # stdin is /dev/null: nothing it starts (mpirun forwards stdin) may wait on input.
