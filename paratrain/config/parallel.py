@@ -44,9 +44,10 @@ class ParallelConfig:
     (``ddp``, ``fsdp``, ``tensor``, ``pipeline``, ``devices``, ``ps``: their ``Options`` dataclasses)."""
 
     strategy: str = _strategies.AUTO
-    """auto (the default: single in one process, ddp in several), single, dp, ddp, fsdp (sharded data parallel, ZeRO-3/ZeRO-2-like) or tensor (Linear layers
-    split over processes, optionally combined with fsdp on a 2-D mesh). Also pipeline (one model stage
-    per process), devices (model parts on several devices of one process) and ps (parameter server)."""
+    """auto (the default: single in one process, ddp in several), single, dp, ddp, fsdp (sharded data
+    parallel, ZeRO-3/ZeRO-2-like) or tensor (Linear layers split over processes, optionally combined
+    with fsdp on a 2-D mesh). Also pipeline (one model stage per process), devices (model parts on
+    several devices of one process) and ps (parameter server)."""
     precision: str = _precision.reference()
     """32, tf32, fp16-mixed, bf16-mixed, bf16-true or fp16-true (low-precision weights with fp32
     master weights); Apex aliases O0, O1 (fp16-mixed), O2 and O3 (fp16-true)."""
