@@ -32,11 +32,12 @@ class Budget:
     def left(self) -> float:
         return max(0.0, self.seconds - self.elapsed)
 
-    def section(self, share: float) -> "Deadline":
-        """A deadline for the next section: ``share`` (0–1) of what is left now."""
+    def section(self, share: float, at_least: float = 0.0) -> "Deadline":
+        """A deadline for the next section: ``share`` (0–1) of what is left now, but ``at_least``
+        seconds where that much is left (a section that cannot do anything in less)."""
         if not 0 < share <= 1:
             raise ValueError(f"a section's share {share} must be in (0, 1]")
-        return Deadline(time.monotonic() + self.left * share)
+        return Deadline(time.monotonic() + min(self.left, max(self.left * share, at_least)))
 
 
 @dataclass(frozen=True)

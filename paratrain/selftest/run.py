@@ -14,6 +14,7 @@ __all__ = ["SECTIONS", "SelftestOptions", "run_selftest"]
 
 SECTIONS = ("correctness", "collectives", "speed", "memory", "resnet50", "compile")
 """In the order they run; each takes a share of the time left when it starts (``SHARES``)."""
+COLLECTIVES_AT_LEAST_S = 15.0  # a backend's collectives need 10 s to start and report (collectives.py), then sizes
 SHARES = {"correctness": 0.45, "collectives": 0.15, "speed": 0.3, "memory": 0.35, "resnet50": 0.75, "compile": 1.0}
 
 
@@ -76,7 +77,8 @@ def run_selftest(opts: SelftestOptions, progress: Callable[[str], None] | None =
             if not gpus or world > gpus:
                 backends.append(("gloo", "cpu", world))
             for i, (backend, device, n) in enumerate(backends):
-                run_collectives(report, n, backend, device, budget.section(SHARES[name] / (len(backends) - i)))
+                run_collectives(report, n, backend, device, budget.section(SHARES[name] / (len(backends) - i),
+                                                                           at_least=COLLECTIVES_AT_LEAST_S))
         elif name == "speed":
             from .speed import run_speed
 

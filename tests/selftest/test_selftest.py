@@ -65,6 +65,8 @@ def test_budget_sections_share_what_is_left():
     b = Budget(100.0)
     first = b.section(0.25)
     assert 24 < first.left <= 25 and first.allows(20) and not first.allows(30)
+    assert 14 < b.section(0.1, at_least=15).left <= 15  # a section that needs 15 s gets them while they are left
+    assert 99 < Budget(100.0).section(0.1, at_least=500).left <= 100  # never more than is left
     with pytest.raises(ValueError, match="--budget -1"):
         Budget(-1)
 
