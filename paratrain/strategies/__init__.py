@@ -80,7 +80,8 @@ def build(cfg: Any, dist_info: Dist, precision: Precision | None = None) -> Stra
     """The strategy named by ``cfg.strategy`` (a ParallelConfig; ``auto`` for this world), with its options section
     (``cfg.ddp`` for ddp, ``cfg.fsdp`` for fsdp...) when the config has one, and ``precision``
     (default: the config's, built for this process's device)."""
-    cls = resolve(auto(dist_info.world_size) if cfg.strategy == AUTO else cfg.strategy)
+    cfg = cfg.for_world(dist_info.world_size)  # "auto": the strategy it stands for in this world
+    cls = resolve(cfg.strategy)
     if precision is None:
         precision = build_precision(cfg.precision, dist_info.device, cfg.loss_scale)
     return cls(dist_info, cfg.sync_batchnorm, getattr(cfg, cls.name, None), precision=precision,
