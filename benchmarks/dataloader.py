@@ -82,8 +82,9 @@ class PerSampleTransform(Dataset):
         return self.transform(x), y
 
 
-def variants(data: TensorDataset, batch: int, workers: int) -> dict[str, tuple[Iterable[Any], Iterable[Any]]]:
-    """name -> (paratrain loader, the loader it is compared with)."""
+def variants(data: TensorDataset, batch: int, workers: int,
+             compare: str = "all") -> dict[str, tuple[Iterable[Any], Iterable[Any]]]:
+    """name -> (paratrain loader, the loader it is compared with); ``compare="per-sample"``: the first only."""
     kw: dict[str, Any] = {"num_workers": workers, "persistent_workers": workers > 0}
     plan = BatchPlan.derive(batch, 1)
     cpu = torch.device("cpu")
@@ -91,6 +92,8 @@ def variants(data: TensorDataset, batch: int, workers: int) -> dict[str, tuple[I
         "per-sample DataLoader": (GlobalBatchLoader(data, plan, 0, cpu, **kw),
                                   DataLoader(data, batch_size=batch, shuffle=True, drop_last=True, **kw)),
     }
+    if compare == "per-sample":
+        return pairs
     # A dataset with its own __getitem__ is read per sample by both; paratrain seeds every sample's
     # random draws (SeededSamples): what that costs.
     own = PerSampleTransform(data, lambda x: x)
@@ -138,6 +141,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--workers", default="0,2")
     ap.add_argument("--dtypes", default="uint8,float32")
+    ap.add_argument("--compare", choices=("all", "per-sample"), default="all",
+                    help="all pairs, or only paratrain's loader against the per-sample DataLoader (the headline ratio)")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads(),
                     help="intra-op threads for both sides (default: torch's default here, %(default)s)")
     ap.add_argument("--smoke", action="store_true",
@@ -168,7 +173,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def run(data: TensorDataset, args: argparse.Namespace, workers: int) -> None:
     """Time each pair of loaders over ``--rounds`` rounds and print their rates and ratios."""
-    for name, (ours, theirs) in variants(data, args.batch, workers).items():
+    for name, (ours, theirs) in variants(data, args.batch, workers, args.compare).items():
         read_epoch(ours), read_epoch(theirs)  # warm-up: workers started, caches filled
         rates: dict[str, list[float]] = {"paratrain": [], "other": []}
         for r in range(args.rounds):

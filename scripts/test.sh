@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Sets up the venvs (scripts/setup.sh) and runs everything CI checks, in this order:
-#   1. static checks over paratrain/: ruff (pyflakes rules and more) and mypy, zero findings;
+#   1. static checks: ruff over paratrain/, tests/, scripts/, benchmarks/ and docs/, mypy over paratrain/; zero findings;
 #   2. the whole test suite on the pinned CPU build of torch;
 #   3. the package as users install it: the sdist, the wheel built from it, installed (not -e) into a
 #      fresh venv beside PyPI's default CUDA build of torch (versions from requirements/lock-cuda.txt),
@@ -26,7 +26,7 @@ tmps=()
 trap 'rm -rf "${tmps[@]}"' EXIT
 if [ -z "$only" ]; then
 echo "== static checks (ruff, mypy)"
-"$venv/bin/ruff" check paratrain
+"$venv/bin/ruff" check paratrain tests scripts benchmarks docs
 "$venv/bin/mypy" paratrain
 echo "== full suite, torch $("$venv/bin/python" -c 'import torch; print(torch.__version__)')"
 timeout --foreground -k 30 70m "$venv/bin/python" -m pytest -q --durations=25 --ignore=tests/test_smoke.py "$@" </dev/null  # test_smoke.py is for the CUDA wheel (below)

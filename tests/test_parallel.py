@@ -453,7 +453,7 @@ def test_the_epoch_loop_resumes_from_the_loader_epoch():
     pt.global_step = per_epoch + 1  # what load_checkpoint restores: one step into the second epoch
     assert loader.epoch == 1 and len(loader) == per_epoch - 1
     steps = 0
-    for epoch in range(loader.epoch, 3):  # the README's loop, resumed
+    for _epoch in range(loader.epoch, 3):  # the README's loop, resumed
         for _ in loader:
             pt.global_step += 1  # what optimizer.step() does at the end of each global batch
             steps += 1

@@ -104,16 +104,18 @@ class Overhead:
     """The per-round ratios."""
     cpu_ratio: float | None = None
     """The same ratio of process CPU time per step (other jobs disturb it less than wall time)."""
+    subject: str = "paratrain"
+    """What is timed against the hand-written loop (``accelerate``, ``lightning`` in selftest's speed rows)."""
 
     @classmethod
     def from_rounds(cls, ours: list[list[float]], theirs: list[list[float]],
-                    ours_cpu: list[list[float]] | None = None, theirs_cpu: list[list[float]] | None = None
-                    ) -> Overhead:
+                    ours_cpu: list[list[float]] | None = None, theirs_cpu: list[list[float]] | None = None,
+                    subject: str = "paratrain") -> Overhead:
         def pooled(a: list[list[float]], b: list[list[float]]) -> float:
             return statistics.median([s for r in a for s in r]) / statistics.median([s for r in b for s in r])
 
         cpu = pooled(ours_cpu, theirs_cpu) if ours_cpu and theirs_cpu else None
-        return cls(ratio=pooled(ours, theirs), rounds=round_ratios(ours, theirs), cpu_ratio=cpu)
+        return cls(ratio=pooled(ours, theirs), rounds=round_ratios(ours, theirs), cpu_ratio=cpu, subject=subject)
 
     @property
     def low(self) -> float:
@@ -133,7 +135,7 @@ class Overhead:
             return "within noise"
         if len(self.rounds) < 2:
             return "one round: no spread to judge noise by"
-        return "paratrain slower in every round" if self.low > 1.0 else "paratrain faster in every round"
+        return f"{self.subject} {'slower' if self.low > 1.0 else 'faster'} in every round"
 
     def describe(self) -> str:
         """``1.04x (rounds 0.97–1.10, 8 interleaved rounds: within noise; CPU time 1.01x)``."""

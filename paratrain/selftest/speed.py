@@ -156,7 +156,7 @@ def run_speed(report: Report, world: int, accelerator: str, deadline: Deadline, 
     report.add("speed", f"hand-written DDP x{world}", OK, f"median step {median * 1e3:.2f} ms "
                f"({job['model']}, global batch {job['global_batch']})", step_s=median)
     for variant in ["paratrain", *frameworks]:
-        over = Overhead.from_rounds(slowest(variant), plain)
+        over = Overhead.from_rounds(slowest(variant), plain, subject=variant)
         name = "paratrain ddp" if variant == "paratrain" else f"{variant} ddp"
         report.add("speed", f"{name} x{world}", OK, f"{over.describe()} of the hand-written step",
                    ratio=over.ratio, rounds=over.rounds)

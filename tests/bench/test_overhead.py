@@ -80,3 +80,9 @@ def test_overhead_line_in_the_table():
                            "paratrain slower in every round)")
     row = base.row()
     assert row["overhead_ratio"] == 1.85 and row["overhead_within_noise"] is False and "overhead" not in row
+
+
+def test_the_verdict_names_what_was_timed():
+    """selftest times accelerate and lightning against the hand-written loop too: their rows name them."""
+    o = Overhead.from_rounds([[1.2], [1.3]], [[1.0], [1.0]], subject="lightning")
+    assert o.verdict() == "lightning slower in every round"

@@ -202,7 +202,7 @@ def augmented_samples(world, start=0, workers=0, epochs=2):
     for rank in range(world):
         step = [start]
         loader = GlobalBatchLoader(RandomlyAugmented(), BatchPlan.derive(8, world), rank, CPU, seed=3,
-                                   position=lambda: step[0], num_workers=workers,
+                                   position=lambda step=step: step[0], num_workers=workers,
                                    persistent_workers=False)
         for epoch in range(start // loader.steps_per_epoch, epochs):
             for batch in loader:

@@ -78,7 +78,7 @@ def test_fp16_dynamic_scaler_skips_overflow_and_lowers_scale():
     assert all(p.grad is None for p in model.parameters()), "gradients of a skipped step must not leak"
 
     scale1 = pt.precision.loss_scale
-    for i in range(3):
+    for _ in range(3):
         before = snapshot(model)
         assert train_step(pt, model, opt, x, y) is True
         assert not unchanged(model, before)

@@ -233,3 +233,9 @@ def test_dry_run(tmp_path: Path) -> None:
     assert by["compile"]["details"]["backend"] == "aot_eager"
     assert by["syncbn"]["details"]["kind"] == "paratrain.nn.syncbn.SyncBatchNorm"
     assert s["seconds"] <= s["budget_s"] + 15 and took < 240
+
+
+def test_the_driver_knows_selftests_sections() -> None:
+    from paratrain.selftest.run import SECTIONS
+
+    assert dc.SELFTEST_SECTIONS == SECTIONS

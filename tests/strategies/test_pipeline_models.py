@@ -5,8 +5,6 @@ loop in one process; the GPT-2 pipeline's checkpoint loads into a one-process ru
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 import zoo
