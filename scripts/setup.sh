@@ -56,7 +56,7 @@ mv "build/uv/sources.$$" build/uv/sources
 
 inputs=("$lock" build/uv/.paratrain-key)
 [ "$editable" = 1 ] && inputs+=(pyproject.toml)
-key=$( (cat "${inputs[@]}"; python3 --version) | sha256sum | cut -c1-16)
+key=$( (cat "${inputs[@]}"; python3 --version; echo bytecode) | sha256sum | cut -c1-16)
 if [ "$(cat "$venv/.paratrain-key" 2>/dev/null || true)" != "$key" ]; then
   echo "setup: syncing $venv with $lock" >&2
   start=$SECONDS
@@ -67,7 +67,11 @@ if [ "$(cat "$venv/.paratrain-key" 2>/dev/null || true)" != "$key" ]; then
   mapfile -t sources < build/uv/sources
   # exactly the lock: what is missing installed, what differs replaced, what is not in it removed (pip is kept);
   # every file is hash-checked, so taking a pinned version from whichever source has it is safe
-  build/uv/bin/uv pip sync --quiet --python "$venv/bin/python" --require-hashes --index-strategy unsafe-best-match \
+  # --compile-bytecode: uv writes no .pyc by default (pip does), and where PYTHONDONTWRITEBYTECODE is set
+  # (this image sets it) every process would compile torch's modules again: 1 s more per import of torch,
+  # which doubled the suite's time in a fresh clone
+  build/uv/bin/uv pip sync --quiet --compile-bytecode --python "$venv/bin/python" --require-hashes \
+    --index-strategy unsafe-best-match \
     ${sources[@]+"${sources[@]}"} "$lock"
   if [ "$editable" = 1 ]; then
     build/uv/bin/uv pip install --quiet --python "$venv/bin/python" --no-deps --no-build-isolation -e .

@@ -28,6 +28,8 @@ if [ -z "$only" ]; then
 echo "== static checks (ruff, mypy)"
 "$venv/bin/ruff" check paratrain tests scripts benchmarks docs
 "$venv/bin/mypy" paratrain
+# the checkout's own .pyc once (PYTHONDONTWRITEBYTECODE, set on this image, would have every process compile it)
+"$venv/bin/python" -m compileall -q -j 0 paratrain tests scripts benchmarks >/dev/null
 echo "== full suite, torch $("$venv/bin/python" -c 'import torch; print(torch.__version__)')"
 timeout --foreground -k 30 70m "$venv/bin/python" -m pytest -q --durations=25 --ignore=tests/test_smoke.py "$@" </dev/null  # test_smoke.py is for the CUDA wheel (below)
 echo "== docs: the site in strict mode, and every code block of its pages run"
@@ -43,7 +45,8 @@ if [ "$only" = wheel ] || { [ "${PARATRAIN_SKIP_WHEEL:-0}" != 1 ] && [ "${PARATR
   build/uv/bin/uv venv --quiet --python python3 "$wtmp/venv"
   # the wheel's own requirements resolved as for a user (torch>=2.11: PyPI's CUDA build), pinned and
   # hash-checked by the lock; nothing from the checkout
-  build/uv/bin/uv pip install --quiet --python "$wtmp/venv/bin/python" --index-strategy unsafe-best-match \
+  build/uv/bin/uv pip install --quiet --compile-bytecode --python "$wtmp/venv/bin/python" \
+    --index-strategy unsafe-best-match \
     ${sources[@]+"${sources[@]}"} -c requirements/lock-cuda.txt "$wheel" pytest pytest-timeout
   mkdir "$wtmp/t"  # tests/ (its helpers too) and the pytest settings, nothing else of the checkout
   tar -c --exclude=__pycache__ tests pyproject.toml | tar -x -C "$wtmp/t"
