@@ -38,7 +38,7 @@ from .data import prepare
 from .data.loaders import EvalLoader, GlobalBatchLoader
 from .data.stream import StreamLoader
 from .data.sampler import BatchPlan
-from .env import failures, lock, preemption, process
+from .env import failures, lock, preemption, process, seeding
 from .env.provenance import provenance
 from .metrics import mapping_loss
 from .nn.deferred import Deferred
@@ -90,7 +90,7 @@ class Parallel(process.OnProcess, tracking.TrackedRun):
         self.strategy = strategies.build(cfg, self.dist, self.precision)  # it asks the precision what to do
         self.plan = cfg.batch_plan(self.world_size, plan)  # ``plan``: one the caller made for this world
         # Same seed on every rank: identical initial weights, identical global data order.
-        process.seed_everything(cfg.seed)
+        seeding.seed_everything(cfg.seed)
         self._clock = StepClock(self.plan.accumulation, lambda opt, ends: self.strategy.step(opt, self._models, ends))
         self._models: list[nn.Module] = []  # what the strategy made of each model set up
         # checked on every rank (a bad name fails everywhere alike); opened on the main process only

@@ -33,7 +33,8 @@ from torch import nn
 
 from paratrain.env import process
 from paratrain.env.base import ProcessInfo
-from paratrain.env.process import Dist, available_accelerator, select_backend, select_device
+from paratrain.env.devices import available_accelerator, select_backend, select_device
+from paratrain.env.process import Dist
 import paratrain.precision as precision_lib
 
 pytestmark = pytest.mark.smoke  # also run on PyPI's CUDA wheel (scripts/test.sh)

@@ -27,7 +27,8 @@ STRATEGIES = {name: 1 if cls.processes == "one" else 2 for name, cls in paratrai
 def test_a_cuda_build_without_a_gpu_runs_on_the_cpu() -> None:
     """The CUDA wheel on a CPU machine: torch names ``cuda`` as its accelerator, but paratrain
     must pick the CPU and gloo (this crashed at start-up before)."""
-    from paratrain.env.process import init, select_backend
+    from paratrain.env.devices import select_backend
+    from paratrain.env.process import init
 
     d = init()
     assert d.device == torch.device("cpu") and select_backend(d.device) == "gloo"

@@ -27,7 +27,7 @@ from .. import precision as _precision
 from .. import strategies as _strategies
 from ..config import TrainConfig
 from ..data.sampler import check_dataset_fits, full_batches
-from ..env.process import available_accelerator
+from ..env.devices import available_accelerator
 from ..strategies.ddp import COMM_HOOKS
 
 __all__ = ["Cell", "BenchSpec", "build_matrix", "annotate", "quick_spec", "full_spec", "cuda_devices", "BASELINE"]

@@ -22,7 +22,8 @@ import torch.distributed as dist
 from ..config import TrainConfig
 from ..data.augment import augment_for, eval_augment_for
 from ..data.datasets import dataset_info
-from ..env.process import destroy, preload_dynamo, select_device
+from ..env.devices import select_device
+from ..env.process import destroy, preload_dynamo
 from ..models import build_model
 from ..strategies.base import NotApplicable
 from .matrix import BASELINE, Cell

@@ -20,7 +20,7 @@ from torch import nn
 from .io import (CheckpointError, intact_note, list_checkpoints, load_file, load_latest, saved_bytes, verify_checkpoint,
                  write_checkpoint)
 from ..env.disk import tensor_bytes, writing
-from ..env.process import mix_seed, seed_everything
+from ..env.seeding import mix_seed, seed_everything
 from .rng import rng_state, same_rng_state, set_rng_state
 from .asynchronous import save_async, wait_for_checkpoint
 from .sharded import load_sharded, save_sharded

@@ -56,7 +56,7 @@ def report(config: str | None = None) -> str:
 
     from .. import __version__
     from ..config import TrainConfig, to_toml
-    from ..env.process import available_accelerator, select_backend, select_device
+    from ..env.devices import available_accelerator, select_backend, select_device
 
     cuda = torch.version.cuda
     nccl = ".".join(map(str, torch.cuda.nccl.version())) if cuda and torch.cuda.is_available() else None

@@ -26,7 +26,7 @@ from ..env.detect import detect_process
 from ..env.disk import StorageError, writing
 from ..env.lock import LOCK_FILE, FolderLock, lock_folder
 from ..env.network import is_loopback
-from ..env.process import select_backend, select_device
+from ..env.devices import select_backend, select_device
 from ..launch.torchrun import LaunchConfig, torchrun
 from ..models.registry import MODEL_NAMES
 from ..strategies import AUTO, STRATEGIES

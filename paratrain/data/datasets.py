@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
-from ..env.process import mix_seed
+from ..env.seeding import mix_seed
 from ..userfn import is_user_spec, load_callable
 
 __all__ = [

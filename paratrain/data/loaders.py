@@ -19,7 +19,7 @@ from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset,
 from torch.utils.data._utils import worker as _worker_state
 from torch.utils.data._utils.collate import default_collate, default_convert
 
-from ..env.process import mix_seed
+from ..env.seeding import mix_seed
 from .batch import to_device
 from .sampler import BatchPlan, GlobalBatchSampler, ShardedEvalSampler
 

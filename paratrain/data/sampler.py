@@ -24,7 +24,7 @@ from typing import Any, Iterator
 import torch
 from torch.utils.data import Sampler
 
-from ..env.process import mix_seed
+from ..env.seeding import mix_seed
 
 __all__ = ["BatchPlan", "GlobalBatchSampler", "ShardedEvalSampler", "epoch_permutation", "check_dataset_fits",
            "full_batches"]

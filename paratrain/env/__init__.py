@@ -13,9 +13,9 @@ from .process import (
     print_once,
     rank,
     save_on_main,
-    seed_everything,
     world_size,
 )
+from .seeding import seed_everything
 
 __all__ = [
     "ProcessInfo", "global_rank", "detect_process", "Dist", "init", "destroy", "barrier",

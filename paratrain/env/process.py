@@ -11,7 +11,6 @@ import builtins
 import contextlib
 import importlib
 import os
-import random
 import select
 import signal
 import sys
@@ -21,7 +20,6 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Iterator
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -29,17 +27,15 @@ from . import failures
 from .base import CollectiveTimeoutError, PeerLostError, ProcessInfo, UnavailableError, env_int
 from .failures import collective_of, explain_failure, explain_peer_loss, explain_timeout, explain_uncaught
 from .detect import detect_process
+from .devices import select_backend, select_device
 from .network import free_port, gloo_interface, interface_towards, is_loopback, loopback_store, store_init_method
 
 __all__ = [
     "Dist", "OnProcess", "UnavailableError", "free_port", "CollectiveTimeoutError", "PeerLostError", "explain_timeout", "explain_peer_loss", "explain_failure",
-    "explain_uncaught", "collective_of", "mix_seed", "init", "interface_towards", "is_loopback", "loopback_store", "store_init_method", "die_with_launcher", "destroy", "preload_dynamo", "available_accelerator", "select_device", "select_backend", "rank", "world_size",
+    "explain_uncaught", "collective_of", "init", "interface_towards", "is_loopback", "loopback_store", "store_init_method", "die_with_launcher", "destroy", "preload_dynamo", "rank", "world_size",
     "local_rank", "is_main_process", "barrier", "print_once", "save_on_main",
-    "main_process_first", "seed_everything", "owns_group",
+    "main_process_first", "owns_group",
 ]
-
-_BACKENDS = ("gloo", "nccl", "mpi", "xccl", "hccl")
-
 
 @dataclass(frozen=True)
 class Dist:
@@ -93,66 +89,6 @@ class OnProcess:
         """``print`` on the main process only."""
         if self.is_main_process:
             print(*args, **kwargs)
-
-
-def available_accelerator() -> tuple[str, int] | None:
-    """The accelerator this process can use and how many devices it has, or ``None`` for CPU only.
-
-    A CUDA (or XPU) build of torch on a machine without such a device still names its accelerator
-    (``torch.accelerator.current_accelerator()`` says ``cuda``) but reports it as not available:
-    that counts as none, and the job runs on the CPU.
-    """
-    acc_api = getattr(torch, "accelerator", None)
-    if acc_api is not None and hasattr(acc_api, "is_available"):
-        if not acc_api.is_available():
-            return None
-        acc = acc_api.current_accelerator()
-        return None if acc is None else (acc.type, max(1, int(acc_api.device_count())))
-    if torch.cuda.is_available():  # torch without torch.accelerator.is_available
-        return "cuda", max(1, torch.cuda.device_count())
-    return None
-
-
-def select_device(local_rank: int, accelerator: str = "auto") -> torch.device:
-    """``cuda:<local_rank>`` (or another accelerator) when one is present, else the CPU.
-
-    ``accelerator="auto"`` takes the accelerator when there is one and the CPU otherwise; naming
-    one (``cuda``, ``xpu``, ``mps``) that this machine does not have is an error.
-    """
-    if accelerator not in ("auto", "cpu", "cuda", "xpu", "mps"):
-        raise ValueError(f"accelerator {accelerator!r} is unknown: use auto, cpu, cuda, xpu or mps")
-    if accelerator == "cpu":
-        return torch.device("cpu")
-    found = available_accelerator()
-    if found is None:
-        if accelerator != "auto":
-            raise UnavailableError(f"accelerator {accelerator!r} was asked for but this machine has none: use cpu")
-        return torch.device("cpu")
-    kind, count = found
-    if accelerator != "auto" and kind != accelerator:
-        raise UnavailableError(f"accelerator {accelerator!r} was asked for but this machine has {kind}: use {kind} or cpu")
-    if kind == "mps":
-        return torch.device("mps")
-    return torch.device(kind, local_rank % count)
-
-
-def select_backend(device: torch.device, requested: str | None = None) -> str:
-    """``nccl`` on CUDA, ``xccl`` on XPU, otherwise ``gloo``; ``mpi``/``hccl`` when asked for."""
-    if requested in (None, "auto"):
-        return dist.Backend.default_device_backend_map.get(device.type, "gloo")
-    if requested not in _BACKENDS:
-        raise ValueError(f"backend {requested!r} is unknown: use one of {', '.join(_BACKENDS)} or auto")
-    if requested == "mpi" and not dist.is_mpi_available():
-        raise UnavailableError("backend 'mpi' was asked for but this torch build has no MPI support: use gloo")
-    if requested == "nccl" and device.type != "cuda":
-        raise UnavailableError(f"backend 'nccl' needs CUDA devices, but this process runs on {device}: use gloo")
-    for backend, kind, where in (("xccl", "xpu", "a torch build with XPU support"), ("hccl", "npu", "torch_npu")):
-        if requested == backend and device.type != kind:
-            raise UnavailableError(f"backend {backend!r} needs {kind} devices, but this process runs on {device}: use gloo")
-        if requested == backend and not dist.is_backend_available(backend):
-            raise UnavailableError(f"backend {backend!r} was asked for but this torch does not have it: install {where}, "
-                                   "or use gloo")
-    return requested
 
 
 _PR_SET_PDEATHSIG = 1
@@ -450,34 +386,3 @@ def main_process_first() -> Iterator[None]:
     finally:
         if is_main_process():
             barrier()
-
-
-SEED_STRIDE = 1_000_003  # a prime larger than any epoch, step or rank count a run reaches
-
-
-def mix_seed(seed: int, *values: int, bits: int = 64) -> int:
-    """The one way paratrain derives a seed from the run's ``seed`` and positions (epoch, sample
-    index, step, micro-step, rank): ``seed * 1_000_003 + value``, folded over ``values``, modulo
-    ``2**bits`` (63: a non-negative int64, what ``torch.manual_seed`` and NumPy take).
-
-    Every derived seed is one of these: the epoch order (``mix_seed(seed, epoch)``, the formula of
-    the first release, so a seed keeps its data order), the synthetic data's noise, each sample's
-    and each step's augmentation draws, and the random streams of a rank that joins a resumed run.
-    Distinct positions give distinct seeds below ``1_000_003`` steps of each; generators seeded
-    with nearby seeds draw unrelated streams (torch's and NumPy's Mersenne Twister, Python's)."""
-    x = int(seed)
-    for v in values:
-        x = x * SEED_STRIDE + int(v)
-    return x % 2**bits
-
-
-def seed_everything(seed: int, offset_by_rank: bool = False) -> int:
-    """Seed python, numpy and torch. With ``offset_by_rank`` each rank gets ``seed + rank``
-    (different augmentation/dropout streams per rank); returns the seed used."""
-    used = seed + (rank() if offset_by_rank else 0)
-    random.seed(used)
-    np.random.seed(used % 2**32)
-    torch.manual_seed(used)
-    return used
-
-

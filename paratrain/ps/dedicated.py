@@ -54,7 +54,8 @@ from ..data.loaders import GlobalBatchLoader
 from ..data.sampler import BatchPlan, check_dataset_fits
 from ..env.detect import detect_process
 from ..env.network import store_init_method
-from ..env.process import seed_everything, select_device
+from ..env.devices import select_device
+from ..env.seeding import seed_everything
 from .server import SERVER, PSOptions, ServerState, abort, call_server, fetch, finish, push_async, push_sync, set_server
 
 __all__ = ["PSResult", "run_parameter_server"]

@@ -19,7 +19,7 @@ __all__ = ["device_facts", "compile_probe", "COMPILE_PROBE"]
 def device_facts() -> dict[str, Any]:
     """The facts that cost nothing to read (no kernel is compiled)."""
     from .. import __version__
-    from ..env.process import available_accelerator
+    from ..env.devices import available_accelerator
 
     found = available_accelerator()
     cuda = found is not None and found[0] == "cuda"

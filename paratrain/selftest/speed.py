@@ -79,7 +79,7 @@ def speed_worker(local_rank: int, job: dict[str, Any]) -> dict[str, Any]:
     from ..bench.baseline import plain_ddp_steps
     from ..bench.overhead import interleave, parallel_steps
     from ..config import ParallelConfig
-    from ..env.process import select_device
+    from ..env.devices import select_device
     from ..models import build_model
     from ..parallel import Parallel
     from ..strategies import data_parallel_reference

@@ -16,7 +16,7 @@ def nccl(mode: str, budget: float) -> Result:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from paratrain.env.network import free_port
-    from paratrain.env.process import select_backend
+    from paratrain.env.devices import select_backend
     from paratrain.metrics import all_gather, reduce
 
     device = _device(mode)

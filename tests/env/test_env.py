@@ -5,7 +5,7 @@ import torch
 
 import paratrain
 from paratrain.env import detect_process, global_rank
-from paratrain.env.process import select_backend, select_device
+from paratrain.env.devices import select_backend, select_device
 from paratrain.env.slurm import first_host
 
 LAUNCH_VARS = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
@@ -282,7 +282,7 @@ def test_one_seed_mixing_function_derives_every_seed():
     import pathlib
 
     from paratrain.data.loaders import sample_seed, sample_seeds, step_seed
-    from paratrain.env.process import mix_seed
+    from paratrain.env.seeding import mix_seed
 
     assert mix_seed(3, 1) == 3 * 1_000_003 + 1 and mix_seed(-1, 0) == (-1_000_003) % 2**64
     assert mix_seed(2**62, 5, 7, bits=63) == ((2**62 * 1_000_003 + 5) * 1_000_003 + 7) % 2**63
@@ -292,7 +292,7 @@ def test_one_seed_mixing_function_derives_every_seed():
     root = pathlib.Path(__file__).resolve().parents[2] / "paratrain"
     mixers = []  # the stride or splitmix's constant anywhere but mix_seed's module; a hash among the data's seeds
     for path in sorted(root.rglob("*.py")):
-        if path.relative_to(root).as_posix() == "env/process.py":
+        if path.relative_to(root).as_posix() == "env/seeding.py":
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if (isinstance(node, ast.Constant) and node.value in (1_000_003, 0x9E3779B97F4A7C15)) or (
