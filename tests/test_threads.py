@@ -15,6 +15,7 @@ from torch import Tensor, nn
 
 import paratrain
 from paratrain import threads
+from paratrain.threads import branches, settings
 
 pytestmark = pytest.mark.timeout(120)  # a branch that never runs concurrently would hang the spin tests
 
@@ -245,8 +246,8 @@ def test_torch_compile_graph_breaks_at_fork_map():
 
 def test_configure_threads(monkeypatch, capsys):
     before = torch.get_num_threads()
-    monkeypatch.setattr(threads, "_printed", False)
-    monkeypatch.setattr(threads, "usable_cores", lambda: 16)
+    monkeypatch.setattr(settings, "_printed", False)
+    monkeypatch.setattr(settings, "usable_cores", lambda: 16)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     set_inter = []
@@ -274,7 +275,7 @@ def test_configure_threads(monkeypatch, capsys):
             threads.configure_threads(0)
     finally:
         torch.set_num_threads(before)
-        threads._reset_pool()
+        branches._reset_pool()
 
 
 @pytest.mark.parametrize("script, argv, expect", [

@@ -1,66 +1,11 @@
-"""Threads inside one process: ``fork``/``wait`` and ``fork_map`` for independent branches, and
-``configure_threads`` for how a process's cores are shared between them.
-
-The classic ``torch.jit.fork`` example (``compute(x) = x * x`` twice), written with paratrain::
-
-    fut1 = paratrain.fork(compute, torch.tensor(10))
-    fut2 = paratrain.fork(compute, torch.tensor(20))
-    result1, result2 = paratrain.wait(fut1), paratrain.wait(fut2)
-
-    outs = paratrain.fork_map(lambda tower: tower(x), [tower_a, tower_b])   # one branch per tower
-
-What overlaps (``benchmarks/threads.py`` measures it; the README has the numbers):
-
-* ``torch.jit.fork`` called from Python runs the function to completion before it returns, also for
-  a scripted function (torch's docs: "If run in pure python, fork will not execute in parallel").
-  Only a fork *inside* TorchScript runs on the inter-op thread pool. So paratrain forks a
-  TorchScript function (``torch.jit.script`` of a function or module, tensor arguments only) through
-  a small scripted launcher that contains the ``torch.jit.fork``: the branch then runs on torch's
-  inter-op pool without the GIL. Everything else goes to a thread pool of Python threads: ATen
-  kernels release the GIL, so compute-heavy branches overlap; the Python between kernels does not.
-* Backward: the autograd graph that the branches record is one graph, and on the CPU one
-  ``loss.backward()`` runs its nodes one at a time in the calling thread, so backward does not
-  overlap (on CUDA the engine has a thread per device). Separate ``backward``/``autograd.grad``
-  calls in separate threads do run concurrently on the CPU; ``devices`` with ``micro_batches``
-  uses that for its pipelined backward.
-
-Semantics:
-
-* ``fork`` returns a ``torch.futures.Future`` (= ``torch.jit.Future``); a TorchScript branch returns
-  what a fork inside TorchScript returns, ``torch._C.Future``, the base class of both. ``wait``
-  takes either (and a ``concurrent.futures.Future``); ``fut.wait()`` works too. Not
-  ``torch.jit.wait(fut)`` while a TorchScript branch may still run: it keeps the GIL while it
-  waits, and such a branch then never finishes (torch 2.13 and 2.14 hang there with torch's own
-  scripted forks too); once a branch has finished it returns its result. ``wait`` on a branch that no thread has started yet runs it in the waiting thread, so a
-  branch that forks and waits from inside a branch never deadlocks the pool.
-* Grad mode, inference mode, autocast (every device type) and the current CUDA device and stream
-  are thread-local in torch; ``fork`` captures the caller's and sets them in the branch. Other
-  thread-local state (saved-tensor hooks, ``TorchDispatchMode``\\ s, the profiler) is not carried.
-* Autograd flows through: the branches record into the caller's graph, and gradients equal the
-  sequential computation's (bitwise when at most two branches add into one tensor's gradient; with
-  more, the additions may happen in another order, which differs only by rounding).
-* An exception raised in a branch is raised by ``wait``, with its type. TorchScript hands a
-  scripted branch's exception back as a ``RuntimeError`` whose message ends in
-  ``builtins.ValueError: ...``; ``wait`` raises that built-in type again, chained to it.
-* ``torch.compile``: ``fork``, ``wait`` and ``fork_map`` are excluded from compilation
-  (``torch.compiler.disable``): a compiled function that calls them gets a graph break there, runs
-  the branches eagerly and compiles the code around them (``fullgraph=True`` refuses it). To
-  compile the branches, compile the branch functions themselves and fork those.
-
-Threads per process: ``torch.set_num_threads`` is the number of intra-op threads, the threads that
-one kernel (a matmul, a convolution) splits its work over; ``torch.set_num_interop_threads`` is the
-size of the inter-op pool that runs TorchScript forks (paratrain's thread pool has as many
-threads). While ``b`` branches run at once, each with ``t`` intra-op threads, ``b × t`` threads
-want a core: keep that at or below the process's share of the cores. ``configure_threads`` sets
-both from the usable cores and the local world size.
-"""
+"""``fork``/``wait``/``fork_map``: branches on paratrain's thread pool, or on torch's inter-op pool
+through a scripted launcher for TorchScript functions (the package's docstring says what overlaps)."""
 
 from __future__ import annotations
 
 import builtins
 import contextlib
 import functools
-import os
 import re
 import sys
 import threading
@@ -72,9 +17,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence, cast
 import torch
 from torch import nn
 
-from .env.process import is_main_process
-
-__all__ = ["fork", "wait", "fork_map", "configure_threads", "ThreadSettings", "usable_cores", "BACKENDS"]
+__all__ = ["fork", "wait", "fork_map", "BACKENDS"]
 
 BACKENDS = ("auto", "threads", "jit", "sequential")
 _MAX_JIT_ARGS = 4
@@ -423,77 +366,3 @@ def fork_map(fn: Callable[[Any], Any] | Sequence[Callable[[Any], Any]], inputs: 
         if not ok:
             raise value
     return [value for _, value in outcomes]
-
-
-# --- threads per process -------------------------------------------------------------------------
-
-def usable_cores() -> int:
-    """Cores this process may run on (its CPU affinity, which Slurm and taskset narrow)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-
-
-@dataclass(frozen=True)
-class ThreadSettings:
-    """What ``configure_threads`` chose for this process."""
-
-    cores: int
-    """Usable cores of the machine (CPU affinity)."""
-    local_world_size: int
-    """Processes on this machine sharing them."""
-    branches: int
-    """Branches meant to run at once (fork_map, devices parts)."""
-    intra_op: int
-    """``torch.set_num_threads``: threads one kernel splits over."""
-    inter_op: int
-    """``torch.get_num_interop_threads()`` now: forked branches running beside the caller."""
-    inter_op_kept: bool
-    """Inter-op threads were already fixed (set before, or inter-op work had started): kept as they were."""
-
-    def line(self) -> str:
-        kept = " (already fixed in this process: kept)" if self.inter_op_kept else ""
-        return (f"paratrain: threads per process: {self.intra_op} intra-op (torch.set_num_threads), {self.inter_op} "
-                f"inter-op{kept}; {self.cores} usable cores / {self.local_world_size} local processes, "
-                f"{self.branches} concurrent branches")
-
-
-_printed = False
-
-
-def configure_threads(local_world_size: int | None = None, *, branches: int = 1,
-                      verbose: bool = True) -> ThreadSettings:
-    """Set this process's intra-op and inter-op threads from its usable cores and the number of
-    processes on the machine, print the choice once (main process) and return it.
-
-    Each process gets ``cores // local_world_size`` cores (at least 1). Intra-op threads are that
-    share divided by ``branches`` (``OMP_NUM_THREADS``, when set, wins: the launchers set it per
-    worker), and inter-op threads are as many as branches of that width fill the share, so that
-    branches × intra-op threads stays within it. ``local_world_size`` defaults to the launcher's
-    ``LOCAL_WORLD_SIZE`` (torchrun) or 1. Inter-op threads can be set only once per process, and
-    only before inter-op work starts: when that is past, the current value is kept and said.
-    Call it at the start of each process, before any model code runs.
-    """
-    global _printed
-    if local_world_size is None:
-        local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
-    if local_world_size < 1 or branches < 1:
-        raise ValueError(f"configure_threads: local_world_size {local_world_size} and branches {branches} "
-                         "must be at least 1")
-    cores = usable_cores()
-    share = max(1, cores // local_world_size)
-    omp = os.environ.get("OMP_NUM_THREADS", "").strip()
-    intra = int(omp) if omp.isdigit() and int(omp) > 0 else max(1, share // branches)
-    inter = max(1, share // intra)
-    torch.set_num_threads(intra)
-    kept = False
-    if torch.get_num_interop_threads() != inter:
-        try:
-            torch.set_num_interop_threads(inter)
-        except RuntimeError:  # set before, or inter-op work already started: torch allows it once
-            kept = True
-    _reset_pool()  # threads started from now on read the new intra-op setting
-    settings = ThreadSettings(cores=cores, local_world_size=local_world_size, branches=branches, intra_op=intra,
-                              inter_op=torch.get_num_interop_threads(), inter_op_kept=kept)
-    if verbose and not _printed and is_main_process():
-        _printed = True
-        print(settings.line(), file=sys.stderr, flush=True)
-    return settings
