@@ -44,9 +44,9 @@ from .metrics import mapping_loss
 from .nn.deferred import Deferred
 from .precision import PrecisionName
 from .strategies import DDPOptions, DevicesOptions, FSDPOptions, PipelineOptions, PSOptions, StrategyName, TensorOptions
-from .wrappers import (ParallelModule, ParallelOptimizer, ParallelScheduler, attach_scheduler, check_first_backward,
-                       check_setup_arguments, checkpointed, compiled_like, is_compiled, registered_optimizer,
-                       strategy_module, uncompiled, unwrapped)
+from .guards import check_first_backward, check_setup_arguments
+from .wrappers import (ParallelModule, ParallelOptimizer, ParallelScheduler, attach_scheduler, checkpointed,
+                       compiled_like, is_compiled, registered_optimizer, strategy_module, uncompiled, unwrapped)
 
 __all__ = ["Parallel", "ParallelModule", "ParallelOptimizer", "ParallelScheduler"]
 
