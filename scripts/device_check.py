@@ -20,9 +20,11 @@ Steps, in this order (each in a process group of its own, killed at the end of i
 
 The first five need CUDA (without it they are skipped, with the reason); the checks themselves are
 in ``scripts/device_checks``. Everything goes under ``--out`` (default ``$OUT`` when set, else
-``runs/device_check``): ``<step>.log`` per step, ``device_check.json`` and ``device_check.md``
-(each step ok / failed with its one-line reason / skipped with why: no CUDA, a package missing,
-the budget), and the optional rows skipped for a missing package. Exit status 1 when a step failed
+``runs/device_check``): at the top ``device_check.json`` and ``device_check.md`` (each step ok /
+failed with its one-line reason / skipped with why: no CUDA, a package missing, the budget; the
+optional rows skipped for a missing package), ``selftest.md``/``.json`` and ``seed_table.md``/``.json``
+(six files: a machine that hands back only a few files hands back these first); below ``logs/``,
+``<step>.log`` per step and what the steps wrote. Exit status 1 when a step failed
 (or the run was interrupted), else 0.
 
 The steps share ``--budget`` (default 420 s: the whole run ends within 8 minutes). Each step gets
@@ -267,17 +269,22 @@ class Ctx:
     """The seed_table step ran its rows: selftest then skips its own resnet50 section."""
 
     @property
+    def logs(self) -> str:
+        """OUT/logs: each step's log and what it writes, below the summaries."""
+        return os.path.join(self.out, "logs")
+
+    @property
     def mode(self) -> str:
         return "cpu" if self.dry else "gpu"
 
 
 def _check_cmd(ctx: Ctx, name: str, slice_s: float) -> list[str]:
     return [ctx.python, os.path.join(ROOT, "scripts", "device_checks"), name, "--mode", ctx.mode,
-            "--budget", f"{slice_s:.0f}", "--result", os.path.join(ctx.out, f"{name}.result.json")]
+            "--budget", f"{slice_s:.0f}", "--result", os.path.join(ctx.logs, f"{name}.result.json")]
 
 
 def _read_check(ctx: Ctx, name: str, code: int | None, log: str) -> tuple[str, str, dict[str, Any]]:
-    path = os.path.join(ctx.out, f"{name}.result.json")
+    path = os.path.join(ctx.logs, f"{name}.result.json")
     try:
         with open(path) as f:
             res = json.load(f)
@@ -288,7 +295,7 @@ def _read_check(ctx: Ctx, name: str, code: int | None, log: str) -> tuple[str, s
 
 def _selftest_cmd(ctx: Ctx, slice_s: float) -> list[str]:
     cmd = [ctx.python, "-m", "paratrain", "selftest", "--budget", f"{inner_budget(slice_s):.0f}",
-           "--out", os.path.join(ctx.out, "selftest"), "--no-progress"]
+           "--out", os.path.join(ctx.logs, "selftest"), "--no-progress"]
     if ctx.seed_table_ok:
         cmd += ["--sections", ",".join(s for s in SELFTEST_SECTIONS if s != "resnet50")]
     return cmd
@@ -296,7 +303,7 @@ def _selftest_cmd(ctx: Ctx, slice_s: float) -> list[str]:
 
 def _seed_table_cmd(ctx: Ctx, slice_s: float) -> list[str]:
     return [ctx.python, "-m", "paratrain", "selftest", "--sections", "resnet50", "--budget",
-            f"{inner_budget(slice_s):.0f}", "--out", os.path.join(ctx.out, "seed_table"), "--no-progress"]
+            f"{inner_budget(slice_s):.0f}", "--out", os.path.join(ctx.logs, "seed_table"), "--no-progress"]
 
 
 def _read_seed_table(ctx: Ctx, code: int | None, log: str) -> tuple[str, str, dict[str, Any]]:
@@ -311,7 +318,7 @@ PACKAGE_HINT = re.compile(r"pip install|No module|not installed|is missing|packa
 
 
 def _read_selftest(ctx: Ctx, code: int | None, log: str, sub: str = "selftest") -> tuple[str, str, dict[str, Any]]:
-    sdir = os.path.join(ctx.out, sub)
+    sdir = os.path.join(ctx.logs, sub)
     details: dict[str, Any] = {}
     for ext in ("md", "json"):  # next to device_check.md, where notes quote them from
         src, dst = os.path.join(sdir, f"selftest.{ext}"), os.path.join(ctx.out, f"{sub}.{ext}")
@@ -359,7 +366,7 @@ def _read_selftest(ctx: Ctx, code: int | None, log: str, sub: str = "selftest") 
 
 
 def _bench_cmd(ctx: Ctx, slice_s: float) -> list[str]:
-    cmd = [ctx.python, "-m", "paratrain", "bench", "--quick", "--out", os.path.join(ctx.out, "bench"), "--no-progress",
+    cmd = [ctx.python, "-m", "paratrain", "bench", "--quick", "--out", os.path.join(ctx.logs, "bench"), "--no-progress",
            "--cell-timeout", f"{max(20.0, min(120.0, slice_s / 3)):.0f}"]
     if ctx.dry:  # kept short: fp32, no hooks, one epoch
         cmd += ["--precisions", "32", "--comm-hooks", "none", "--no-trap", "--epochs", "1"]
@@ -368,7 +375,7 @@ def _bench_cmd(ctx: Ctx, slice_s: float) -> list[str]:
 
 def _read_bench(ctx: Ctx, code: int | None, log: str) -> tuple[str, str, dict[str, Any]]:
     try:
-        with open(os.path.join(ctx.out, "bench", "results.json")) as f:
+        with open(os.path.join(ctx.logs, "bench", "results.json")) as f:
             res = json.load(f)
     except (OSError, ValueError):
         res = None
@@ -449,8 +456,8 @@ def _command(step: Step) -> tuple[MakeCommand, ReadResult]:
 
 def probe(runner: Runner, python: str, env: dict[str, str], out: str,
           timeout: float) -> tuple[dict[str, Any] | None, str]:
-    """What the interpreter has: torch, CUDA, GPUs, the optional packages (``OUT/probe.log``)."""
-    path = os.path.join(out, "probe.log")
+    """What the interpreter has: torch, CUDA, GPUs, the optional packages (``OUT/logs/probe.log``)."""
+    path = os.path.join(out, "logs", "probe.log")
     packages = sorted({*OPTIONAL, "numpy", "tqdm", "safetensors", "transformers", "pytest"})
     code, _ = runner.run([python, "-c", PROBE % (packages,)], path, timeout, env, out)
     with open(path, errors="replace") as f:
@@ -487,7 +494,7 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.monotonic()
     budget = args.budget if args.budget is not None else (DEFAULT_DRY_BUDGET if args.dry_run else DEFAULT_BUDGET)
     out = os.path.abspath(args.out or os.environ.get("OUT") or os.path.join(ROOT, "runs", "device_check"))
-    os.makedirs(out, exist_ok=True)
+    os.makedirs(os.path.join(out, "logs"), exist_ok=True)
     only = None if args.only is None else {s.strip() for s in args.only.split(",") if s.strip()}
     unknown = sorted((only or set()) - {s.name for s in STEPS})
     if unknown:
@@ -545,7 +552,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             make, read = _command(step)
             cmd = make(ctx, slice_s)
-            log = os.path.join(out, f"{step.name}.log")
+            log = os.path.join(ctx.logs, f"{step.name}.log")
             print(f"[{step.name}] {step.what} (slice {slice_s:.0f} s of {remaining:.0f} s left)", flush=True)
             code, seconds = runner.run(cmd, log, slice_s, env, out)
             if runner.stopping:
@@ -632,7 +639,7 @@ def render_md(s: dict[str, Any]) -> str:
     sm = next((o for o in s["steps"] if o["name"] == "selftest"), None)
     if sm and sm["details"].get("selftest.md"):
         lines += ["", f"selftest's own report: `{sm['details']['selftest.md']}`"]
-    lines += ["", "Logs: `<step>.log` in " + f"`{s['out']}`."]
+    lines += ["", "Logs: `<step>.log` in " + f"`{os.path.join(s['out'], 'logs')}`."]
     return "\n".join(lines) + "\n"
 
 

@@ -165,7 +165,7 @@ def test_a_step_past_its_slice_is_killed_with_what_it_started(tmp_path: Path) ->
     nccl = {o["name"]: o for o in summary(out)["steps"]}["nccl"]
     assert nccl["status"] == "failed" and "killed at the end of its" in nccl["summary"], nccl
     assert took < 30
-    assert (out / "nccl.log").read_text().startswith("$ ")
+    assert (out / "logs" / "nccl.log").read_text().startswith("$ ")
     assert gone(int(pidfile.read_text()))  # the step's whole process group went with it
 
 
@@ -225,7 +225,7 @@ def test_dry_run(tmp_path: Path) -> None:
         assert o["status"] in ("ok", "skipped"), f"{name}: {o['status']}: {o['summary']}\n{res.stdout[-3000:]}"
         assert o["summary"], name
         if o["status"] == "ok":
-            assert (out / f"{name}.log").exists() and o["slice_s"] and o["seconds"] <= o["slice_s"] + 10
+            assert (out / "logs" / f"{name}.log").exists() and o["slice_s"] and o["seconds"] <= o["slice_s"] + 10
     assert res.returncode == 0 and s["ok"], res.stdout[-3000:]
     ran = {name for name, o in by.items() if o["status"] == "ok"}
     assert ran == set(TWINS.split(",")), by
