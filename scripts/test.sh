@@ -12,7 +12,7 @@
 # Arguments go to the pytest runs (e.g. -x, -k NAME). PARATRAIN_SKIP_WHEEL=1 (or the older
 # PARATRAIN_SKIP_CUDA_WHEEL=1) skips step 3, PARATRAIN_SKIP_FLOOR=1 step 4;
 # `bash scripts/test.sh wheel [pytest arguments]` runs the set-up and step 3 alone.
-# Each pytest run has a hard limit (the full suite takes about 35-40 minutes on 2 cores, the lab included): a hang ends
+# Each pytest run has a hard limit (the full suite takes about 17-19 minutes on 2 cores, the lab included): a hang ends
 # as a failure with every thread's stack (tests/conftest.py), never as a stuck CI. `--foreground`
 # keeps pytest in the caller's process group (a terminal's foreground group stays its own), and its
 # stdin is /dev/null: nothing it starts (mpirun forwards stdin) may wait on input.
@@ -31,7 +31,7 @@ echo "== static checks (ruff, mypy)"
 # the checkout's own .pyc once (PYTHONDONTWRITEBYTECODE, set on this image, would have every process compile it)
 "$venv/bin/python" -m compileall -q -j 0 paratrain tests scripts benchmarks >/dev/null
 echo "== full suite, torch $("$venv/bin/python" -c 'import torch; print(torch.__version__)')"
-timeout --foreground -k 30 70m "$venv/bin/python" -m pytest -q --durations=25 --ignore=tests/test_smoke.py "$@" </dev/null  # test_smoke.py is for the CUDA wheel (below)
+timeout --foreground -k 30 45m "$venv/bin/python" -m pytest -q --durations=25 --ignore=tests/test_smoke.py "$@" </dev/null  # test_smoke.py is for the CUDA wheel (below)
 echo "== docs: the site in strict mode, and every code block of its pages run"
 bash scripts/docs.sh  # in $venv, whose lock holds the docs tools; about 2-4 minutes on 2 cores
 fi
