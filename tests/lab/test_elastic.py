@@ -34,7 +34,9 @@ def elastic_args(lab, ckpt, rdzv_id: str) -> list[str]:
 def test_lost_host_shrinks_to_one_and_ends_on_the_uninterrupted_weights(fresh_lab, nproc2_run, tmp_path):
     lab = fresh_lab
     ckpt = tmp_path / "ckpt"  # one folder both hosts see (a cluster's shared file system)
-    args = elastic_args(lab, ckpt, "lab-elastic")
+    # last_call_timeout=2: the survivor's new round closes 2 s after it has its one node (torch's default waits 30 s
+    # for more)
+    args = [*elastic_args(lab, ckpt, "lab-elastic"), "--rdzv-conf", "last_call_timeout=2"]
     # host 1's rank stops at step 25 (first attempt), so the job is mid-run, past the step-20 checkpoint,
     # whenever the cut comes; c10d numbers the ranks on arrival, so `*`: whichever rank host 1 has
     procs = [start(lab, k, [*args, "--log-dir", str(tmp_path / f"h{k}")], **({"PARATRAIN_TEST_HANG_AT": "*:25"} if k else {}))
