@@ -47,7 +47,8 @@ if [ "$only" = wheel ] || { [ "${PARATRAIN_SKIP_WHEEL:-0}" != 1 ] && [ "${PARATR
   # hash-checked by the lock; nothing from the checkout
   build/uv/bin/uv pip install --quiet --compile-bytecode --python "$wtmp/venv/bin/python" \
     --index-strategy unsafe-best-match \
-    ${sources[@]+"${sources[@]}"} -c requirements/lock-cuda.txt "$wheel" pytest pytest-timeout
+    ${sources[@]+"${sources[@]}"} -c requirements/lock-cuda.txt "$wheel" pytest pytest-timeout \
+    torchvision  # its wheel for that torch, as users add it: tests/test_torchvision.py
   mkdir "$wtmp/t"  # tests/ (its helpers too) and the pytest settings, nothing else of the checkout
   tar -c --exclude=__pycache__ tests pyproject.toml | tar -x -C "$wtmp/t"
   mapfile -t smoke < <(grep -rl --include='*.py' 'pytest.mark.smoke' tests | sort)
