@@ -1,5 +1,6 @@
 """An Accelerate loop (``Accelerator().prepare``), unchanged: ``paratrain run`` launches it as
-``accelerate launch`` or torchrun would (tests/cli/test_third_party_scripts.py)."""
+``accelerate launch`` or torchrun would (tests/cli/test_third_party_scripts.py); it ends with
+``end_training()``, as Accelerate's examples do."""
 
 import torch
 from accelerate import Accelerator
@@ -15,5 +16,6 @@ for x, y in loader:
     accelerator.backward(torch.nn.functional.mse_loss(model(x), y))
     optimizer.step()
     optimizer.zero_grad()
-checksum = sum(float(p.double().sum()) for p in model.parameters())
+checksum = sum(float(p.detach().double().sum()) for p in model.parameters())
 print(f"RANK {accelerator.process_index} WORLD {accelerator.num_processes} CHECKSUM {checksum:.12e}", flush=True)
+accelerator.end_training()

@@ -24,5 +24,5 @@ model = BertForSequenceClassification(BertConfig(vocab_size=100, hidden_size=32,
 args = TrainingArguments(output_dir=sys.argv[1], per_device_train_batch_size=8, max_steps=4, report_to=[],
                          use_cpu=True, save_strategy="no", ddp_backend="gloo", disable_tqdm=True)
 Trainer(model=model, args=args, train_dataset=Tokens()).train()
-checksum = sum(float(p.double().sum()) for p in model.parameters())
+checksum = sum(float(p.detach().double().sum()) for p in model.parameters())
 print(f"RANK {dist.get_rank()} WORLD {dist.get_world_size()} CHECKSUM {checksum:.12e}", flush=True)

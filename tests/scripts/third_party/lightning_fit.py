@@ -25,5 +25,5 @@ module = Regression()
 trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=3, logger=False,
                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
 trainer.fit(module, DataLoader(data, batch_size=8))
-checksum = sum(float(p.double().sum()) for p in module.parameters())
+checksum = sum(float(p.detach().double().sum()) for p in module.parameters())
 print(f"RANK {trainer.global_rank} WORLD {trainer.world_size} CHECKSUM {checksum:.12e}", flush=True)
