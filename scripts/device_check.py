@@ -310,7 +310,7 @@ def _read_seed_table(ctx: Ctx, code: int | None, log: str) -> tuple[str, str, di
     status, summary, details = _read_selftest(ctx, code, log, "seed_table")
     seed = details.get("seed_table") or []
     ctx.seed_table_ok = status == "ok" and any(c.get("status") == "ok" for c in seed)
-    return status, summary.rsplit("; ", 1)[-1] if status == "ok" else summary, details
+    return status, details["seed_line"] if status == "ok" else summary, details
 
 
 PACKAGE_HINT = re.compile(r"pip install|No module|not installed|is missing|package missing", re.I)
@@ -346,11 +346,15 @@ def _read_selftest(ctx: Ctx, code: int | None, log: str, sub: str = "selftest") 
     seed_ok = [c for c in seed if c.get("status") == "ok"]
     details["seed_table"] = [{k: c.get(k) for k in ("label", "status", "seconds_per_epoch", "samples_per_s",
                                                      "seed_seconds", "skip")} for c in seed]
-    seed_line = (f"seed table (ResNet-50): {len(seed_ok)} of {len(seed)} rows ran"
-                 + (" (" + ", ".join(f"{c.get('label')} {c.get('seconds_per_epoch'):.1f} s/epoch" for c in seed_ok
-                                     if isinstance(c.get("seconds_per_epoch"), (int, float))) + ")" if seed_ok else "")
-                 if seed else "seed table: the seed_table step's" if ctx.seed_table_ok and sub == "selftest"
-                 else "no seed table in selftest.json")
+    if seed:
+        times = ", ".join(f"{c.get('label')} {c.get('seconds_per_epoch'):.1f} s/epoch" for c in seed_ok
+                          if isinstance(c.get("seconds_per_epoch"), (int, float)))
+        seed_line = f"seed table (ResNet-50): {len(seed_ok)} of {len(seed)} rows ran" + (f" ({times})" if times else "")
+    elif ctx.seed_table_ok and sub == "selftest":
+        seed_line = "seed table: the seed_table step's"
+    else:
+        seed_line = "no seed table in selftest.json"
+    details["seed_line"] = seed_line
     if code is None:
         return "failed", seed_line, details
     if code != 0:
