@@ -12,6 +12,7 @@ import os
 import pickle
 import tempfile
 import time
+import warnings
 from typing import Any, Callable, Sequence
 
 import torch
@@ -69,8 +70,11 @@ def _run(local_rank: int, fn: Callable, env: dict[str, str], args: tuple, out_di
             raise why from e
         raise
     # Results travel through files in a private directory the parent created for this launch.
-    with open(os.path.join(out_dir, f"{local_rank}.pkl"), "wb") as f:
+    # Written whole or not at all: the parent takes a rank's file as proof that it returned.
+    path = os.path.join(out_dir, f"{local_rank}.pkl")
+    with open(path + ".part", "wb") as f:
         pickle.dump(result, f)
+    os.replace(path + ".part", path)
 
 
 def exception_line(text: str) -> str:
@@ -174,14 +178,32 @@ def launch(
         except ProcessRaisedException as e:
             raise LaunchError(f"rank {e.error_index} failed: {exception_line(str(e))}") from e
         except ProcessExitedException as e:
+            done = _results(out_dir, nprocs)
+            if e.exit_code < 0 and done is not None:
+                # Every rank returned and wrote its result; the signal came as a process was ending
+                # (a library's threads aborting in teardown, e.g. gloo's): the work is done and kept.
+                warnings.warn(f"paratrain.launch: rank {e.error_index} was ended by {e.signal_name} after "
+                              "it returned its result; every rank's result is kept", RuntimeWarning, stacklevel=2)
+                return done
             raise LaunchError(f"rank {e.error_index} exited with code {e.exit_code}") from e
         finally:
             for p in ctx.processes:
                 if p.is_alive():
                     p.kill()
                     p.join()
-        results = []
-        for rank in range(nprocs):
-            with open(os.path.join(out_dir, f"{rank}.pkl"), "rb") as f:
-                results.append(pickle.load(f))
-        return results
+        done = _results(out_dir, nprocs)
+        if done is None:  # every process exited 0 without a result: only a worker's own os._exit(0) does that
+            raise LaunchError("a rank exited with code 0 before returning from the launched function")
+        return done
+
+
+def _results(out_dir: str, nprocs: int) -> list[Any] | None:
+    """Every rank's result in rank order; None unless all of them wrote one."""
+    paths = [os.path.join(out_dir, f"{rank}.pkl") for rank in range(nprocs)]
+    if not all(os.path.exists(p) for p in paths):
+        return None
+    results = []
+    for path in paths:
+        with open(path, "rb") as f:
+            results.append(pickle.load(f))
+    return results

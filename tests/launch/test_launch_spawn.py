@@ -31,6 +31,24 @@ def test_failure_names_rank_and_does_not_hang():
         paratrain.launch(_fail_on_rank_1, nprocs=2, timeout=60)
 
 
+def _aborts_at_exit(local_rank, before_returning):
+    import multiprocessing.util
+    import os
+
+    if before_returning and local_rank == 1:
+        os.abort()
+    if local_rank == 1:  # as gloo's threads do on torch 2.13 now and then: the work is done, teardown dies
+        multiprocessing.util.Finalize(None, os.abort, exitpriority=0)
+    return local_rank * 10
+
+
+def test_a_rank_that_dies_in_teardown_after_returning_keeps_every_result():
+    with pytest.warns(RuntimeWarning, match="rank 1 was ended by SIGABRT after it returned its result"):
+        assert paratrain.launch(_aborts_at_exit, nprocs=2, args=(False,), timeout=60) == [0, 10]
+    with pytest.raises(LaunchError, match="rank 1 exited with code -6"):  # before returning: a failure
+        paratrain.launch(_aborts_at_exit, nprocs=2, args=(True,), timeout=60)
+
+
 def _hang(local_rank):
     import time
     time.sleep(600)
