@@ -29,7 +29,8 @@ def test_selftest_passes_on_this_machine_within_its_budget(tmp_path):
     assert {"correctness", "collectives", "speed"} <= sections
     assert any(r["section"] == "collectives" and r["status"] == OK and r["data"]["busbw"] > 0
                for r in report["rows"])
-    assert any(r["check"] == "paratrain ddp x2" and r["status"] == OK for r in report["rows"])
+    speed = [r for r in report["rows"] if r["section"] == "speed"]
+    assert any(r["check"] == "paratrain ddp x2" and r["status"] == OK for r in speed), speed
     md = (tmp_path / "selftest.md").read_text()
     assert md.startswith("# paratrain selftest") and "| correctness | ddp x2 32 (CPU) | ok |" in md
     assert "selftest: PASS" in r.stdout
@@ -113,3 +114,36 @@ def test_options_are_checked_up_front():
     with pytest.raises(ValueError, match="strategy 'zero' is unknown"):
         SelftestOptions(strategies=["zero"])
     assert SelftestOptions(precisions=["fp32", "32", "bf16"]).precisions == ["32", "bf16-mixed"]
+
+
+def test_a_speed_launch_that_fails_once_is_tried_again_and_says_so(monkeypatch):
+    from paratrain.launch.spawn import LaunchError
+    from paratrain.selftest import speed
+
+    calls = []
+
+    def flaky(fn, world, args, timeout, env):  # the first launch fails as a taken port would
+        calls.append(world)
+        if len(calls) == 1:
+            raise LaunchError("rank 0 failed: DistNetworkError: address already in use")
+        walls = {"hand-written": [[0.010, 0.010], [0.010, 0.010]], "paratrain": [[0.011, 0.011], [0.010, 0.012]]}
+        return [{"rank": r, "wall": walls} for r in range(world)]
+
+    monkeypatch.setattr(speed, "FRAMEWORKS", {})
+    monkeypatch.setattr(speed, "launch", flaky)
+    report = Report(budget_s=60)
+    speed.run_speed(report, 2, "cpu", Budget(60).section(1.0), {"model": "cnn", "global_batch": 64}, steps=4)
+    rows = {r.check: r for r in report.rows}
+    assert len(calls) == 2 and rows["paratrain ddp x2"].status == OK
+    assert "second try, the first failed: rank 0 failed: DistNetworkError" in rows["hand-written DDP x2"].result
+
+    def broken(fn, world, args, timeout, env):
+        calls.append(world)
+        raise LaunchError("boom")
+
+    calls.clear()
+    monkeypatch.setattr(speed, "launch", broken)
+    report = Report(budget_s=60)
+    speed.run_speed(report, 2, "cpu", Budget(60).section(1.0), {"model": "cnn", "global_batch": 64}, steps=4)
+    assert len(calls) == 2 and [(r.check, r.status, r.result) for r in report.rows] == [
+        ("overhead ddp x2", FAIL, "boom; then boom")]
