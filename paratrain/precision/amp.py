@@ -87,11 +87,14 @@ class FP16Mixed(BF16Mixed):
         self.scaler.unscale_(optimizer)  # so clipping sees true gradient norms
         if clip is not None:
             clip()
-        before = self.scaler.get_scale()
+        # One wait for the device a step, as in PyTorch's AMP recipe: whether unscale_ found inf/NaN.
+        # scaler.step reads the same flags next (nothing queued since: no wait) and skips exactly
+        # then; update() adjusts the scale on the device. Comparing get_scale() before and after
+        # instead would wait twice more, the second time for the whole optimizer step.
+        found = self.scaler._found_inf_per_device(optimizer)
+        skipped = any(bool(flag.item()) for flag in found.values())
         self.scaler.step(optimizer)
         self.scaler.update()
-        # GradScaler lowers the scale exactly when it found inf/NaN and skipped optimizer.step().
-        skipped = self.scaler.get_scale() < before
         self.skipped_steps += int(skipped)
         return not skipped
 

@@ -87,6 +87,33 @@ def test_fp16_dynamic_scaler_skips_overflow_and_lowers_scale():
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
+def test_fp16_dynamic_step_reads_the_device_once_and_never_after_the_optimizer_step(monkeypatch):
+    # On a GPU each Tensor.item() waits for the work queued before it: reading the scale after
+    # optimizer.step() (get_scale) would wait for the whole step before the next forward is queued.
+    pt = paratrain.Parallel(strategy="single", precision="fp16-mixed", global_batch=8)
+    model = tiny_model()
+    model, opt = pt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = tiny_batch()
+    events = []
+    item = torch.Tensor.item
+    monkeypatch.setattr(torch.Tensor, "item", lambda t: events.append("item") or item(t))
+    inner = opt.optimizer  # the user's optimizer inside paratrain's
+    step = inner.step
+    monkeypatch.setattr(inner, "step", lambda *a, **k: events.append("step") or step(*a, **k))
+    for poison in (None, pt.unwrap(model)[2].weight, None):
+        events.clear()
+        opt.zero_grad()
+        handle = inject_inf(poison) if poison is not None else None
+        pt.backward(nn.functional.cross_entropy(model(x), y))
+        if handle is not None:
+            handle.remove()
+        taken = opt.step()
+        assert taken is (poison is None)
+        # GradScaler.step's own read follows ours with nothing queued between: one wait a step
+        assert events == (["item", "item", "step"] if taken else ["item", "item"]), events
+    assert pt.skipped_steps == 1
+
+
 # --- fp16-mixed, static loss scale --------------------------------------------------------------
 def test_fp16_static_scale_is_fixed_and_skips_overflow():
     pt = paratrain.Parallel(strategy="single", precision="fp16-mixed", global_batch=8, loss_scale=128.0)
