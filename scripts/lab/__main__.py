@@ -16,7 +16,8 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--hosts", type=int, default=2)
     sub.add_parser("down", help="stop the lab's daemons and remove everything it created (idempotent)")
     sub.add_parser("slurm", help="install (once) and start munged, slurmctld, slurmd; prints SLURM_CONF")
-    sub.add_parser("mpi", help="install OpenMPI (once)")
+    sub.add_parser("mpi", help="install an MPI (once)").add_argument(
+        "--kind", choices=mpi.KINDS, default="openmpi", help="openmpi (mpirun) or mpich (Hydra's mpiexec)")
     sub.add_parser("status", help="list the hosts and their addresses")
     net = sub.add_parser("net", help="shape every host's link (tc)")
     net.add_argument("--rate", help="e.g. 1gbit, 100mbit")
@@ -40,8 +41,8 @@ def main(argv: list[str] | None = None) -> int:
             node = slurm.up()
             print(f"export SLURM_CONF={slurm.conf_path()}  # node {node}; logs in {slurm.DIR}")
         elif args.cmd == "mpi":
-            mpi.up()
-            print(" ".join(mpi.mpirun(2)) + " ...")
+            mpi.up(args.kind)
+            print(" ".join(mpi.mpirun(2, args.kind)) + " ...")
         elif args.cmd == "status":
             for ns in hosts.hosts():
                 print(f"{ns} {hosts.addr(hosts.index(ns))}")

@@ -66,7 +66,7 @@ def lab_slurm():
 
 @pytest.fixture(scope="session")
 def lab_mpi():
-    """OpenMPI (installed once by apt-get)."""
+    """The lab's MPI module: OpenMPI installed (once, by apt-get); a test installs MPICH with ``up("mpich")``."""
     from scripts.lab import mpi
 
     if os.geteuid() != 0:

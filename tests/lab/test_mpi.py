@@ -1,6 +1,6 @@
-"""Real OpenMPI (``mpirun`` from Debian's openmpi-bin): ``mpirun -np 2 paratrain train`` reads its
-place from OpenMPI's variables and equals ``paratrain train --nproc-per-node 2``; the ``mpi``
-backend on a torch without MPI is refused in one line."""
+"""Real MPI launchers from Debian's packages, OpenMPI's ``mpirun`` and MPICH's Hydra ``mpiexec``:
+``mpirun -np 2 paratrain train`` reads its place from the launcher's variables and equals
+``paratrain train --nproc-per-node 2``; the ``mpi`` backend on a torch without MPI is refused in one line."""
 
 from __future__ import annotations
 
@@ -17,10 +17,10 @@ from clitools import ROOT, cli_env, killpg
 from labrun import TRAIN_ARGS, assert_same_run
 
 
-def mpirun(lab_mpi, args, timeout, *, options=()):
+def mpirun(lab_mpi, args, timeout, *, options=(), kind="openmpi"):
     # mpirun does not choose a rendezvous address: rank 0's host is loopback here, the port a free one
     env = cli_env(MASTER_PORT=str(free_port()))
-    p = subprocess.Popen([*lab_mpi.mpirun(2), *options, sys.executable, *args], env=env, cwd=ROOT, stdout=subprocess.PIPE,
+    p = subprocess.Popen([*lab_mpi.mpirun(2, kind), *options, sys.executable, *args], env=env, cwd=ROOT, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         out, err = p.communicate(timeout=timeout)
@@ -31,13 +31,15 @@ def mpirun(lab_mpi, args, timeout, *, options=()):
     return subprocess.CompletedProcess(args, p.returncode, out, err)
 
 
-@pytest.mark.timeout(200)
-def test_mpirun_two_ranks_read_openmpi_and_train_like_nproc_per_node_2(lab_mpi, nproc2_run, tmp_path):
-    where = mpirun(lab_mpi, ["-c", "import json, os, paratrain.env as e; os.write(1, (json.dumps(e.detect_process().__dict__) + chr(10)).encode())"], 60)
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kind", ["openmpi", "mpich"])
+def test_mpirun_two_ranks_read_their_place_and_train_like_nproc_per_node_2(lab_mpi, kind, nproc2_run, tmp_path):
+    lab_mpi.up(kind)
+    where = mpirun(lab_mpi, ["-c", "import json, os, paratrain.env as e; os.write(1, (json.dumps(e.detect_process().__dict__) + chr(10)).encode())"], 60, kind=kind)
     assert where.returncode == 0, where.stderr
     infos = sorted((json.loads(line) for line in where.stdout.splitlines()), key=lambda i: i["rank"])
     assert [(i["rank"], i["world_size"], i["local_rank"], i["source"]) for i in infos] == [(0, 2, 0, "mpi"), (1, 2, 1, "mpi")]
-    r = mpirun(lab_mpi, ["-m", "paratrain", "train", *TRAIN_ARGS, "--log-dir", str(tmp_path)], 150)
+    r = mpirun(lab_mpi, ["-m", "paratrain", "train", *TRAIN_ARGS, "--log-dir", str(tmp_path)], 150, kind=kind)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "ddp on 2 process(es)" in r.stdout + r.stderr
     assert_same_run(tmp_path, nproc2_run)
