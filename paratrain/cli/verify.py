@@ -29,7 +29,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=20, metavar="K", help="optimizer steps per run (default 20)")
     p.add_argument("--tol", type=float, default=1e-5, help="relative divergence that passes (default 1e-5)")
     p.add_argument("--check-accumulation", type=int, default=None, metavar="A",
-                   help="also run world size 1 with A accumulation steps (default 2; 0 to skip; not with --entry)")
+                   help="also run world size 1 with A accumulation steps (default 2, with --entry 0: your function "
+                        "gets A as the default of Parallel(accumulation=...); 0 to skip)")
     p.add_argument("--also-precision", default=None, metavar="P",
                    help="also run world size 1 in precision P (e.g. bf16-mixed), against --precision-tol")
     p.add_argument("--precision-tol", type=float, default=5e-2, help="tolerance of the precision run (default 5e-2)")
@@ -52,23 +53,21 @@ def _job_options_given(args: argparse.Namespace) -> list[str]:
     given = [flag for flag, (key, *_) in _train._FLAGS.items() if getattr(args, key, None) is not None]
     given += [flag for flag, value in (("--config", args.config), ("--set", args.overrides),
                                        ("--sync-bn", getattr(args, "parallel.sync_batchnorm")),
-                                       ("--also-precision", args.also_precision),
-                                       ("--check-accumulation", args.check_accumulation)) if value]
+                                       ("--also-precision", args.also_precision)) if value]
     return given
 
 
 def main(args: argparse.Namespace) -> int:
     from ..verify import VerifyOptions, format_report, verify_config, verify_entry
 
-    accumulation = 2 if args.check_accumulation is None else args.check_accumulation
     opts = VerifyOptions(world_size=args.nproc, steps=args.steps, tolerance=args.tol,
-                         accumulation=accumulation, precision=args.also_precision,
+                         accumulation=args.check_accumulation, precision=args.also_precision,
                          precision_tolerance=args.precision_tol, timeout=args.timeout)
     if args.entry:
         ignored = _job_options_given(args)
         if ignored:
-            raise ValueError(f"--entry runs your own train(steps), which sets its own strategy, model, precision and "
-                             f"accumulation: {', '.join(ignored)} would be ignored; drop {'it' if len(ignored) == 1 else 'them'}")
+            raise ValueError(f"--entry runs your own train(steps), which sets its own strategy, model and precision: "
+                             f"{', '.join(ignored)} would be ignored; drop {'it' if len(ignored) == 1 else 'them'}")
         report = verify_entry(args.entry, opts)
     else:
         report = verify_config(_train.build_config(args), opts)

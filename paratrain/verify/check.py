@@ -35,8 +35,10 @@ class VerifyOptions:
     """Optimizer steps per run."""
     tolerance: float = 1e-5
     """Largest relative divergence per tensor (and of the loss curve) that passes."""
-    accumulation: int = 2
-    """Also run world size 1 with this many accumulation steps (built-in configs; < 2: skip)."""
+    accumulation: int | None = None
+    """Also run world size 1 with this many accumulation steps (< 2: skip; None: 2 for a built-in
+    job, skip for a user's function). A user's function gets it as the default of
+    ``Parallel(accumulation=...)``; a run whose steps do not show that many micro-batches is an error."""
     precision: str | None = None
     """Also run world size 1 in this precision, against ``precision_tolerance``."""
     precision_tolerance: float = 5e-2
@@ -73,9 +75,11 @@ class VerifyReport:
             and not any(f.fail for f in self.findings)
 
 
-def _launch(name: str, nprocs: int, job: dict[str, Any], opts: VerifyOptions) -> RunView:
+def _launch(name: str, nprocs: int, job: dict[str, Any], opts: VerifyOptions,
+            env: dict[str, str] | None = None) -> RunView:
     try:
-        ranks = launch(run_job, nprocs, args=(job,), timeout=opts.timeout, env={"OMP_NUM_THREADS": str(opts.threads)})
+        ranks = launch(run_job, nprocs, args=(job,), timeout=opts.timeout,
+                       env={"OMP_NUM_THREADS": str(opts.threads), **(env or {})})
     except LaunchError as e:
         return RunView.merge(name, nprocs, None, error=str(e))
     return RunView.merge(name, nprocs, ranks)
@@ -138,9 +142,10 @@ def verify_config(cfg: TrainConfig, opts: VerifyOptions) -> VerifyReport:
     base = cfg.with_overrides({"log_dir": None, "progress": False, "checkpoint_every": 0, "checkpoint_dir": None,
                                "resume": False})
     p = cfg.parallel
+    accumulation = 2 if opts.accumulation is None else opts.accumulation
     BatchPlan.derive(p.global_batch, n, p.accumulation, p.micro_batch)  # one-line error if N does not divide it
-    if opts.accumulation > 1:
-        BatchPlan.derive(p.global_batch, 1, opts.accumulation)
+    if accumulation > 1:
+        BatchPlan.derive(p.global_batch, 1, accumulation)
 
     def job(**overrides: Any) -> dict[str, Any]:
         # the run's TrainConfig, validated here: a bad combination fails before any process starts
@@ -155,23 +160,18 @@ def verify_config(cfg: TrainConfig, opts: VerifyOptions) -> VerifyReport:
     main = _launch(f"world size {n} ({strategy})", n, job(**{"parallel.strategy": strategy}), opts)
     extra: list[tuple[RunView, float]] = []
     repeat: RunView
-    if opts.accumulation > 1:
-        repeat = _launch(f"world size 1, accumulation {opts.accumulation}", 1,
-                         job(**{**single, "parallel.accumulation": opts.accumulation}), opts)
+    if accumulation > 1:
+        repeat = _launch(f"world size 1, accumulation {accumulation}", 1,
+                         job(**{**single, "parallel.accumulation": accumulation}), opts)
     else:
         repeat = _launch("world size 1 (repeat)", 1, job(**single), opts)
     extra.append((repeat, opts.tolerance))
     if opts.precision is not None:
         extra.append((_launch(f"world size 1, {opts.precision}", 1,
                               job(**{**single, "parallel.precision": opts.precision}), opts), opts.precision_tolerance))
-    if opts.accumulation > 1 and ref.unsynced_bn:
-        # BatchNorm sees one micro-batch at a time: no setting makes accumulation equal a whole batch.
-        why = (f"BatchNorm normalises each micro-batch of {p.global_batch // opts.accumulation} samples, not the "
-               f"global batch of {p.global_batch}: accumulation changes a BatchNorm model's training "
-               "(SyncBatchNorm syncs ranks, not micro-steps)")
-        report_extra = {id(repeat): why}
-    else:
-        report_extra = {}
+    report_extra = {}
+    if accumulation > 1 and ref.unsynced_bn:
+        report_extra[id(repeat)] = _batchnorm_accumulation(p.global_batch, accumulation)
     title = (f"paratrain verify: {cfg.model} on {cfg.data.dataset}, global batch {p.global_batch}, {opts.steps} "
              f"optimizer steps, {strategy} at world size {n} against one process; tolerance {opts.tolerance:g}")
     report = _finish(title, ref, main, extra, repeat, opts)
@@ -191,9 +191,50 @@ def verify_entry(entry: str, opts: VerifyOptions) -> VerifyReport:
     ref = _launch("world size 1", 1, job(), opts)
     main = _launch(f"world size {n}", n, job(), opts)
     repeat = _launch("world size 1 (repeat)", 1, job(), opts)
+    extra = [(repeat, opts.tolerance)]
+    expected: dict[int, str] = {}
+    a = opts.accumulation or 0
+    if a > 1:
+        # The function sets up its own loop: the accumulation reaches it as a default of Parallel(),
+        # as `paratrain run --set parallel.accumulation=A` hands it over, and the probe checks it took.
+        accumulated = _launch(f"world size 1, accumulation {a}", 1, job(), opts, env=_launch_default("accumulation", a))
+        _check_micro_batches(accumulated, a)
+        extra.append((accumulated, opts.tolerance))
+        if ref.unsynced_bn and ref.samples:
+            expected[id(accumulated)] = _batchnorm_accumulation(ref.samples[0], a)
     title = (f"paratrain verify: {entry}, {opts.steps} optimizer steps at world size {n} against one process; "
              f"tolerance {opts.tolerance:g}")
-    return _finish(title, ref, main, [(repeat, opts.tolerance)], repeat, opts)
+    report = _finish(title, ref, main, extra, repeat, opts)
+    for comparison, (run, _) in zip(report.comparisons[1:], extra):
+        comparison.expected = expected.get(id(run))
+    return report
+
+
+def _launch_default(key: str, value: Any) -> dict[str, str]:
+    """The environment that makes ``value`` the default of ``Parallel(key=...)`` in the workers,
+    over the launch defaults this process was given."""
+    from ..env import defaults
+
+    table, sources = defaults.read()
+    return defaults.encode({**table, key: value}, {**sources, key: f"paratrain verify --check-{key}"})
+
+
+def _check_micro_batches(run: RunView, accumulation: int) -> None:
+    """Make ``run`` an error unless each of its optimizer steps ran ``accumulation`` micro-batches
+    (the probe counts the model's outermost forwards; a run it saw none of is left as it is)."""
+    seen = sorted(set(run.forwards) - {0})
+    if run.error or not seen or seen == [accumulation]:
+        return
+    run.error = (f"the function ran {'/'.join(map(str, seen))} micro-batch(es) per optimizer step, not {accumulation}: "
+                 "it does not take the accumulation from paratrain.Parallel's defaults (build Parallel without "
+                 "accumulation=, or drop --check-accumulation)")
+
+
+def _batchnorm_accumulation(global_batch: int, accumulation: int) -> str:
+    # BatchNorm sees one micro-batch at a time: no setting makes accumulation equal a whole batch.
+    return (f"BatchNorm normalises each micro-batch of {global_batch // accumulation} samples, not the global batch "
+            f"of {global_batch}: accumulation changes a BatchNorm model's training (SyncBatchNorm syncs ranks, not "
+            "micro-steps)")
 
 
 def format_report(report: VerifyReport, max_tensors: int = 40) -> str:

@@ -1,8 +1,12 @@
-"""Hand-written DDP training functions for ``paratrain verify --entry``: plain PyTorch, no paratrain.
+"""Training functions for ``paratrain verify --entry``.
 
-``grow_batch`` makes seed 000's mistake: the per-worker batch is fixed, so the global batch grows
-with the world size (and the learning rate stays the same). ``global_batch`` splits a fixed global
-batch over the workers, which ``DistributedSampler`` then makes identical to one process's.
+Hand-written DDP, plain PyTorch: ``grow_batch`` makes seed 000's mistake, the per-worker batch is
+fixed, so the global batch grows with the world size (and the learning rate stays the same);
+``global_batch`` splits a fixed global batch over the workers, which ``DistributedSampler`` then
+makes identical to one process's.
+
+``parallel_loop`` is the own-loop recipe with ``paratrain.Parallel``: it leaves the accumulation to
+Parallel's defaults, where ``verify --check-accumulation`` sets it.
 """
 
 import os
@@ -53,3 +57,28 @@ def grow_batch(steps):
 
 def global_batch(steps):
     return _train(steps, GLOBAL_BATCH // int(os.environ.get("WORLD_SIZE", "1")))
+
+
+def parallel_loop(steps):
+    import paratrain
+
+    torch.manual_seed(0)
+    pt = paratrain.Parallel(global_batch=GLOBAL_BATCH, seed=0)
+    model = nn.Sequential(nn.Linear(20, 32), nn.ReLU(), nn.Linear(32, 2))
+    model, optimizer = pt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    loader = pt.train_loader(_dataset())
+    losses, micro = [], []
+    while len(losses) < steps:
+        for x, y in loader:
+            optimizer.zero_grad()
+            loss = nn.functional.cross_entropy(model(x), y)
+            pt.backward(loss)
+            optimizer.step()
+            micro.append(loss.item())
+            if pt.micro_step:  # mid-accumulation
+                continue
+            losses.append(sum(micro) / len(micro))  # the global batch's loss: equal micro-batches
+            micro = []
+            if len(losses) == steps:
+                break
+    return pt.unwrap(model), losses

@@ -160,3 +160,24 @@ def test_verify_passes_on_a_script_that_keeps_the_global_batch():
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
     assert "result: PASS" in r.stdout and "ok: data order" in r.stdout
 
+
+
+def test_verify_checks_accumulation_in_a_parallel_loop_through_its_defaults():
+    r = run_cli(["verify", "--nproc", "2", "--steps", "4", "--entry", f"{ENTRY}:parallel_loop",
+                 "--check-accumulation", "2", *LIMIT], timeout=280)
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    assert "world size 1, accumulation 2 vs world size 1: largest relative divergence" in r.stdout
+    assert "result: PASS" in r.stdout and "FAIL" not in r.stdout
+
+
+def test_an_entry_that_does_not_take_the_accumulation_is_named():
+    from paratrain.verify.check import _check_micro_batches
+    from paratrain.verify.diagnose import RunView
+
+    plain = RunView(name="world size 1, accumulation 2", world_size=1, forwards=[1, 1, 1])
+    _check_micro_batches(plain, 2)  # a hand-written loop: one forward per optimizer step
+    assert plain.error.startswith("the function ran 1 micro-batch(es) per optimizer step, not 2: it does not take")
+    for forwards in ([2, 2, 2], [0, 0]):  # took it; or the probe saw no forward to count
+        run = RunView(name="r", world_size=1, forwards=forwards)
+        _check_micro_batches(run, 2)
+        assert run.error is None
