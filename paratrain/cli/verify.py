@@ -10,7 +10,9 @@ The job is a built-in task configured exactly like ``paratrain train`` (``--conf
 ``path/to/script.py:function``). The function is called as ``function(steps)`` in every process,
 with RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set as torchrun sets them; it trains ``steps``
 optimizer steps and returns the trained model, its ``state_dict()``, or ``(model, losses)``.
-Exit code 0 on PASS, 1 on FAIL.
+``--strategy`` (the run at N), ``--also-precision`` and ``--check-accumulation`` reach a function
+that builds ``paratrain.Parallel`` as defaults of ``Parallel()``; a run whose Parallel did not take
+them fails, naming why. Exit code 0 on PASS, 1 on FAIL.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="also run world size 1 with A accumulation steps (default 2, with --entry 0: your function "
                         "gets A as the default of Parallel(accumulation=...); 0 to skip)")
     p.add_argument("--also-precision", default=None, metavar="P",
-                   help="also run world size 1 in precision P (e.g. bf16-mixed), against --precision-tol")
+                   help="also run world size 1 in precision P (e.g. bf16-mixed), against --precision-tol (with "
+                        "--entry: the default of your Parallel(precision=...))")
     p.add_argument("--precision-tol", type=float, default=5e-2, help="tolerance of the precision run (default 5e-2)")
     p.add_argument("--entry", default=None, metavar="MODULE:FUNCTION",
                    help="verify your own train(steps) function instead of a built-in config")
@@ -48,12 +51,17 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
+_ENTRY_FLAGS = ("--strategy",)
+"""Job options that reach a user's function too, as defaults of its ``Parallel()`` (with
+``--also-precision`` and ``--check-accumulation``)."""
+
+
 def _job_options_given(args: argparse.Namespace) -> list[str]:
-    """The options given that configure a built-in job (meaningless with --entry)."""
-    given = [flag for flag, (key, *_) in _train._FLAGS.items() if getattr(args, key, None) is not None]
+    """The options given that configure a built-in job only (meaningless with --entry)."""
+    given = [flag for flag, (key, *_) in _train._FLAGS.items()
+             if getattr(args, key, None) is not None and flag not in _ENTRY_FLAGS]
     given += [flag for flag, value in (("--config", args.config), ("--set", args.overrides),
-                                       ("--sync-bn", getattr(args, "parallel.sync_batchnorm")),
-                                       ("--also-precision", args.also_precision)) if value]
+                                       ("--sync-bn", getattr(args, "parallel.sync_batchnorm"))) if value]
     return given
 
 
@@ -62,11 +70,12 @@ def main(args: argparse.Namespace) -> int:
 
     opts = VerifyOptions(world_size=args.nproc, steps=args.steps, tolerance=args.tol,
                          accumulation=args.check_accumulation, precision=args.also_precision,
-                         precision_tolerance=args.precision_tol, timeout=args.timeout)
+                         precision_tolerance=args.precision_tol, timeout=args.timeout,
+                         strategy=getattr(args, "parallel.strategy") if args.entry else None)
     if args.entry:
         ignored = _job_options_given(args)
         if ignored:
-            raise ValueError(f"--entry runs your own train(steps), which sets its own strategy, model and precision: "
+            raise ValueError(f"--entry runs your own train(steps), which builds its own model, data and loop: "
                              f"{', '.join(ignored)} would be ignored; drop {'it' if len(ignored) == 1 else 'them'}")
         report = verify_entry(args.entry, opts)
     else:

@@ -38,10 +38,14 @@ class VerifyOptions:
     accumulation: int | None = None
     """Also run world size 1 with this many accumulation steps (< 2: skip; None: 2 for a built-in
     job, skip for a user's function). A user's function gets it as the default of
-    ``Parallel(accumulation=...)``; a run whose steps do not show that many micro-batches is an error."""
+    ``Parallel(accumulation=...)``; a run whose Parallel does not show it is an error."""
     precision: str | None = None
-    """Also run world size 1 in this precision, against ``precision_tolerance``."""
+    """Also run world size 1 in this precision, against ``precision_tolerance`` (a user's function
+    gets it as the default of ``Parallel(precision=...)``)."""
     precision_tolerance: float = 5e-2
+    strategy: str | None = None
+    """A user's function only: the strategy of the run at world size N, as the default of
+    ``Parallel(strategy=...)`` (None: the function's own). A built-in job's is its config's."""
     timeout: float = 300.0
     """Seconds per run before its processes are killed."""
     threads: int = 1
@@ -59,6 +63,8 @@ class VerifyOptions:
             from ..precision import resolve
 
             self.precision = resolve(self.precision)
+        if self.strategy is not None:
+            _strategies.resolve(self.strategy)  # one line naming the known ones
 
 
 @dataclass(kw_only=True)
@@ -135,6 +141,9 @@ def _finish(title: str, ref: RunView, main: RunView, extra: list[tuple[RunView, 
 
 def verify_config(cfg: TrainConfig, opts: VerifyOptions) -> VerifyReport:
     """Verify a built-in job (a :class:`TrainConfig`, as ``paratrain train`` builds it)."""
+    if opts.strategy is not None:
+        raise ValueError(f"VerifyOptions(strategy={opts.strategy!r}) is for a user's function: a built-in job runs "
+                         "its config's strategy (parallel.strategy)")
     n = opts.world_size
     strategy = cfg.parallel.strategy
     if cfg.parallel.strategy_class.processes == "one":  # N processes need one that runs on N
@@ -188,46 +197,64 @@ def verify_entry(entry: str, opts: VerifyOptions) -> VerifyReport:
     def job() -> dict[str, Any]:
         return {"kind": "entry", "entry": entry, "steps": opts.steps, "threads": opts.threads, "timeout": opts.timeout}
 
-    ref = _launch("world size 1", 1, job(), opts)
-    main = _launch(f"world size {n}", n, job(), opts)
-    repeat = _launch("world size 1 (repeat)", 1, job(), opts)
+    def run(name: str, nprocs: int, **asked: Any) -> RunView:
+        # The function sets up its own loop: what verify asks of a run reaches it as Parallel's
+        # defaults (as `paratrain run --strategy S` hands them over), and its Parallel must show them.
+        view = _launch(name, nprocs, job(), opts, env=_launch_defaults(asked) if asked else None)
+        _check_taken(view, asked, n if nprocs > 1 else 1)
+        return view
+
+    strategy = f" ({opts.strategy})" if opts.strategy else ""
+    ref = run("world size 1", 1)
+    main = run(f"world size {n}{strategy}", n, **({"strategy": opts.strategy} if opts.strategy else {}))
+    repeat = run("world size 1 (repeat)", 1)
     extra = [(repeat, opts.tolerance)]
     expected: dict[int, str] = {}
     a = opts.accumulation or 0
     if a > 1:
-        # The function sets up its own loop: the accumulation reaches it as a default of Parallel(),
-        # as `paratrain run --set parallel.accumulation=A` hands it over, and the probe checks it took.
-        accumulated = _launch(f"world size 1, accumulation {a}", 1, job(), opts, env=_launch_default("accumulation", a))
-        _check_micro_batches(accumulated, a)
+        accumulated = run(f"world size 1, accumulation {a}", 1, accumulation=a)
         extra.append((accumulated, opts.tolerance))
         if ref.unsynced_bn and ref.samples:
             expected[id(accumulated)] = _batchnorm_accumulation(ref.samples[0], a)
-    title = (f"paratrain verify: {entry}, {opts.steps} optimizer steps at world size {n} against one process; "
-             f"tolerance {opts.tolerance:g}")
+    if opts.precision is not None:
+        extra.append((run(f"world size 1, {opts.precision}", 1, precision=opts.precision), opts.precision_tolerance))
+    title = (f"paratrain verify: {entry}, {opts.steps} optimizer steps{strategy} at world size {n} against one "
+             f"process; tolerance {opts.tolerance:g}")
     report = _finish(title, ref, main, extra, repeat, opts)
-    for comparison, (run, _) in zip(report.comparisons[1:], extra):
-        comparison.expected = expected.get(id(run))
+    for comparison, (view, _) in zip(report.comparisons[1:], extra):
+        comparison.expected = expected.get(id(view))
     return report
 
 
-def _launch_default(key: str, value: Any) -> dict[str, str]:
-    """The environment that makes ``value`` the default of ``Parallel(key=...)`` in the workers,
-    over the launch defaults this process was given."""
+_ASKED_BY = {"strategy": "--strategy", "precision": "--also-precision", "accumulation": "--check-accumulation"}
+"""The verify option that hands each of Parallel's defaults to a user's function."""
+
+
+def _launch_defaults(asked: dict[str, Any]) -> dict[str, str]:
+    """The environment that makes ``asked`` the defaults of ``Parallel(...)`` in the workers, over
+    the launch defaults this process was given."""
     from ..env import defaults
 
     table, sources = defaults.read()
-    return defaults.encode({**table, key: value}, {**sources, key: f"paratrain verify --check-{key}"})
+    return defaults.encode({**table, **asked}, {**sources, **{k: f"paratrain verify {_ASKED_BY[k]}" for k in asked}})
 
 
-def _check_micro_batches(run: RunView, accumulation: int) -> None:
-    """Make ``run`` an error unless each of its optimizer steps ran ``accumulation`` micro-batches
-    (the probe counts the model's outermost forwards; a run it saw none of is left as it is)."""
-    seen = sorted(set(run.forwards) - {0})
-    if run.error or not seen or seen == [accumulation]:
+def _check_taken(run: RunView, asked: dict[str, Any], world: int) -> None:
+    """Make ``run`` an error unless the ``paratrain.Parallel`` its function built ran what was asked."""
+    if run.error or not asked:
         return
-    run.error = (f"the function ran {'/'.join(map(str, seen))} micro-batch(es) per optimizer step, not {accumulation}: "
-                 "it does not take the accumulation from paratrain.Parallel's defaults (build Parallel without "
-                 "accumulation=, or drop --check-accumulation)")
+    flags = ", ".join(_ASKED_BY[k] for k in asked)
+    if not run.parallel:
+        run.error = (f"the function built no paratrain.Parallel, so {flags} could not reach it: {flags} apply "
+                     "to a loop built on Parallel(); drop them")
+        return
+    ran = run.parallel[-1]
+    want = {**asked, **({"strategy": _strategies.auto(world)} if asked.get("strategy") == _strategies.AUTO else {})}
+    wrong = {k: v for k, v in want.items() if ran[k] != v}
+    if wrong:
+        run.error = ("the function's Parallel ran " + ", ".join(f"{k} {ran[k]}, not {v}" for k, v in wrong.items())
+                     + f": it sets {', '.join(f'{k}=' for k in wrong)} itself (drop that, or "
+                     f"{', '.join(_ASKED_BY[k] for k in wrong)})")
 
 
 def _batchnorm_accumulation(global_batch: int, accumulation: int) -> str:

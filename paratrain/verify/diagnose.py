@@ -38,8 +38,8 @@ class RunView:
     rank_states: list[dict[str, torch.Tensor]] = field(default_factory=list)
     losses: list[float] | None = None
     samples: list[int] = field(default_factory=list)
-    forwards: list[int] = field(default_factory=list)
-    """Micro-batches (outermost training forwards) per optimizer step, rank 0's."""
+    parallel: list[dict[str, Any]] = field(default_factory=list)
+    """What each ``paratrain.Parallel`` built in a user's function ran (rank 0's): strategy, precision, accumulation."""
     fingerprints: list[list[float]] = field(default_factory=list)
     lrs: list[float] = field(default_factory=list)
     unused: list[str] = field(default_factory=list)
@@ -74,7 +74,7 @@ class RunView:
         steps = [r["probe"]["steps"] for r in ranks]
         n = min(len(s) for s in steps)
         view.samples = [sum(s[i]["samples"] for s in steps) for i in range(n)]
-        view.forwards = [steps[0][i].get("forwards", 0) for i in range(n)]
+        view.parallel = r0.get("parallel", [])
         view.fingerprints = [sorted(fp for s in steps for fp in s[i]["fingerprints"]) for i in range(n)]
         view.lrs = [steps[0][i]["lr"] for i in range(n)]
         view.unused = r0["probe"]["unused"] or []

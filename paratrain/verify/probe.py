@@ -6,8 +6,8 @@ Process-wide hooks, installed in the fresh worker process before the job builds 
   loop calls it, e.g. the DDP wrapper) and records its batch: how many samples, and one fingerprint
   per sample (a fixed random projection of the input), so the samples of every optimizer step can
   be compared across world sizes as a multiset;
-* a global optimizer step pre-hook on the main thread closes an optimizer step: samples, micro-batches
-  (forwards) and fingerprints since the previous step, the learning rate, and at the first step which parameters got no gradient and a
+* a global optimizer step pre-hook on the main thread closes an optimizer step: samples and fingerprints since the
+  previous step, the learning rate, and at the first step which parameters got no gradient and a
   checksum of the initial weights.
 """
 
@@ -46,7 +46,6 @@ class Probe:
         self.root: nn.Module | None = None
         self._depth = 0
         self._samples = 0
-        self._forwards = 0
         self._fingerprints: list[float] = []
         self._weights: dict[int, torch.Tensor] = {}
         self._handles: list[Any] = []
@@ -97,7 +96,6 @@ class Probe:
     def record_batch(self, x: torch.Tensor) -> None:
         """Count ``x`` (one micro-batch of inputs) towards the current optimizer step."""
         self._samples += int(x.shape[0])
-        self._forwards += 1
         self._fingerprints += self._fingerprint(x).tolist()
 
     def _pre_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -116,9 +114,9 @@ class Probe:
                     name = names.get(id(p), f"param[{i}]")
                     norm = float(_local(p.grad).double().norm().item())
                     self.grad_norms[name] = max(norm, self.grad_norms.get(name, 0.0))
-        self.steps.append({"samples": self._samples, "forwards": self._forwards,
-                           "fingerprints": sorted(self._fingerprints), "lr": float(optimizer.param_groups[0]["lr"])})
-        self._samples, self._forwards, self._fingerprints = 0, 0, []
+        self.steps.append({"samples": self._samples, "fingerprints": sorted(self._fingerprints),
+                           "lr": float(optimizer.param_groups[0]["lr"])})
+        self._samples, self._fingerprints = 0, []
 
     # --- helpers ---------------------------------------------------------------------------
     def _fingerprint(self, x: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,7 @@ import inspect
 import io
 import math
 import os
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -82,10 +82,12 @@ def run_job(local_rank: int, job: dict[str, Any]) -> dict[str, Any]:
     losses: list[float] | None = None
     model: nn.Module | None = None
     error = None
+    built: list[dict[str, Any]] = []
     try:
         with contextlib.redirect_stdout(io.StringIO()):  # the report is the output, not N processes' prints
             if job["kind"] == "entry":
-                state, losses, model = _run_entry(job)
+                with _recording_parallel(built):
+                    state, losses, model = _run_entry(job)
             else:
                 state, losses, model = _run_builtin(job, probe)
     except Exception as e:  # noqa: BLE001 - what the probe saw before the failure still names its cause
@@ -95,7 +97,7 @@ def run_job(local_rank: int, job: dict[str, Any]) -> dict[str, Any]:
         faulthandler.cancel_dump_traceback_later()
     model = model if model is not None else (_unwrap(probe.root) if probe.root is not None else None)
     return {"rank": int(os.environ.get("RANK", local_rank)), "world_size": int(os.environ.get("WORLD_SIZE", 1)),
-            "state": state, "losses": losses, "probe": probe.summary(), "error": error,
+            "state": state, "losses": losses, "probe": probe.summary(), "error": error, "parallel": built,
             "unsynced_bn": unsynced_batchnorm_layers(model), "dropout": dropout_layers(model)}
 
 
@@ -106,6 +108,26 @@ def dropout_layers(model: nn.Module | None) -> list[str]:
     from torch.nn.modules.dropout import _DropoutNd
 
     return [clean_name(n) for n, m in model.named_modules() if isinstance(m, _DropoutNd) and m.p > 0]
+
+
+@contextlib.contextmanager
+def _recording_parallel(built: list[dict[str, Any]]) -> Iterator[None]:
+    """Append what each ``paratrain.Parallel`` made in this block runs to ``built``: the options
+    verify hands a user's function as Parallel's defaults must show there."""
+    from ..parallel import Parallel
+
+    init = Parallel.__init__
+
+    def recorded(self: Parallel, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        built.append({"strategy": self.config.strategy, "precision": self.config.precision,
+                      "accumulation": self.accumulation})
+
+    Parallel.__init__ = recorded  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        Parallel.__init__ = init  # type: ignore[method-assign]
 
 
 def _run_entry(job: dict[str, Any]) -> tuple[dict[str, torch.Tensor], list[float] | None, nn.Module | None]:

@@ -119,10 +119,12 @@ def test_bad_values_are_one_line_errors():
     assert len(r.stderr.strip().splitlines()) == 1
     r = run_cli(["verify", "--nproc", "3", "--global-batch", "64"], timeout=60)
     assert r.returncode == 2 and "not divisible by world size 3" in r.stderr
-    r = run_cli(["verify", "--entry", f"{ENTRY}:global_batch", "--strategy", "fsdp", "--also-precision", "bf16-mixed"],
+    r = run_cli(["verify", "--entry", f"{ENTRY}:global_batch", "--model", "mlp", "--sync-bn"],
                 timeout=60)  # options of a built-in job would be silently ignored: refused instead
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
-    assert "--strategy, --also-precision would be ignored; drop them" in r.stderr
+    assert "--model, --sync-bn would be ignored; drop them" in r.stderr
+    r = run_cli(["verify", "--entry", f"{ENTRY}:global_batch", "--strategy", "nope"], timeout=60)
+    assert r.returncode == 2 and "strategy 'nope' is unknown" in r.stderr, r.stderr
 
 
 # ps: the server's own optimizer steps are not the loop's; tensor, pipeline: both ranks read the same batch
@@ -162,22 +164,31 @@ def test_verify_passes_on_a_script_that_keeps_the_global_batch():
 
 
 
-def test_verify_checks_accumulation_in_a_parallel_loop_through_its_defaults():
-    r = run_cli(["verify", "--nproc", "2", "--steps", "4", "--entry", f"{ENTRY}:parallel_loop",
-                 "--check-accumulation", "2", *LIMIT], timeout=280)
+def test_verify_hands_strategy_precision_and_accumulation_to_a_parallel_loop():
+    r = run_cli(["verify", "--nproc", "2", "--steps", "4", "--entry", f"{ENTRY}:parallel_loop", "--strategy", "fsdp",
+                 "--check-accumulation", "2", "--also-precision", "bf16-mixed", *LIMIT], timeout=280)
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
-    assert "world size 1, accumulation 2 vs world size 1: largest relative divergence" in r.stdout
+    for line in ("world size 2 (fsdp) vs world size 1: largest", "world size 1, accumulation 2 vs world size 1: largest",
+                 "world size 1, bf16-mixed vs world size 1: largest"):
+        assert line in r.stdout, r.stdout
     assert "result: PASS" in r.stdout and "FAIL" not in r.stdout
 
 
-def test_an_entry_that_does_not_take_the_accumulation_is_named():
-    from paratrain.verify.check import _check_micro_batches
+def test_a_function_that_does_not_take_what_verify_hands_it_is_named():
+    from paratrain.verify.check import _check_taken
     from paratrain.verify.diagnose import RunView
 
-    plain = RunView(name="world size 1, accumulation 2", world_size=1, forwards=[1, 1, 1])
-    _check_micro_batches(plain, 2)  # a hand-written loop: one forward per optimizer step
-    assert plain.error.startswith("the function ran 1 micro-batch(es) per optimizer step, not 2: it does not take")
-    for forwards in ([2, 2, 2], [0, 0]):  # took it; or the probe saw no forward to count
-        run = RunView(name="r", world_size=1, forwards=forwards)
-        _check_micro_batches(run, 2)
-        assert run.error is None
+    def checked(parallel, **asked):
+        run = RunView(name="r", world_size=2, parallel=parallel)
+        _check_taken(run, asked, 2)
+        return run.error
+
+    took = [{"strategy": "fsdp", "precision": "32", "accumulation": 1}]
+    assert checked(took, strategy="fsdp") is None
+    assert checked([{**took[0], "strategy": "ddp"}], strategy="auto") is None  # auto: ddp on 2 processes
+    assert checked([], strategy="fsdp", accumulation=2) == (
+        "the function built no paratrain.Parallel, so --strategy, --check-accumulation could not reach it: "
+        "--strategy, --check-accumulation apply to a loop built on Parallel(); drop them")
+    assert checked(took, strategy="fsdp", accumulation=2) == (
+        "the function's Parallel ran accumulation 1, not 2: it sets accumulation= itself (drop that, or "
+        "--check-accumulation)")
