@@ -1,9 +1,11 @@
 """The memory estimate (``paratrain estimate``) against measured peaks on this machine.
 
 What it measures
-    For two models (a wide MLP and a nanoGPT-style GPT with tied weights) and single, ddp, fsdp and
-    tensor at world sizes 1 and 2 (single at 1), fp32, AdamW: each rank's peak memory over three
-    training steps through ``Parallel``, from building the model on. On a CPU that is the peak
+    For two models (a wide MLP and a nanoGPT-style GPT with tied weights), AdamW: single, ddp, fsdp
+    and tensor at world sizes 1 and 2 (single at 1) and pipeline at 2 in fp32, and bf16-true (bf16
+    weights, fp32 masters) and bf16-mixed for single and ddp; each rank's peak memory over three
+    training steps through ``Parallel``, from building the model on, with ``BATCH`` samples per
+    data shard and forward. On a CPU that is the peak
     resident set (``VmHWM``, reset through ``/proc/self/clear_refs``) minus the resident set just
     before the model is built, after one untimed run of the same job in the same process (so
     code pages, thread stacks and the process group are in the baseline, not in the peak). On a
@@ -37,8 +39,12 @@ sys.path.insert(0, ROOT)
 
 import paratrain  # noqa: E402
 from paratrain.bench.memory import estimate, measure_model  # noqa: E402
+from paratrain.strategies import resolve  # noqa: E402
 
-CASES = [("single", 1), ("ddp", 1), ("ddp", 2), ("fsdp", 1), ("fsdp", 2), ("tensor", 1), ("tensor", 2)]
+CASES = [("single", 1, "32"), ("ddp", 1, "32"), ("ddp", 2, "32"), ("fsdp", 1, "32"), ("fsdp", 2, "32"),
+         ("tensor", 1, "32"), ("tensor", 2, "32"), ("pipeline", 2, "32"), ("single", 1, "bf16-true"),
+         ("ddp", 2, "bf16-true"), ("single", 1, "bf16-mixed"), ("ddp", 2, "bf16-mixed")]
+SMOKE = [("single", 1, "32"), ("fsdp", 2, "32"), ("tensor", 2, "32"), ("single", 1, "bf16-true")]
 SIZES = {  # model sizes: full run / --smoke
     "mlp": {"full": dict(width=2048, depth=3, inputs=1024), "smoke": dict(width=256, depth=2, inputs=128)},
     "gpt": {"full": dict(n_layer=4, n_embd=384, vocab=4096, block=64), "smoke": dict(n_layer=2, n_embd=64, vocab=256,
@@ -96,15 +102,18 @@ def _train(pt: Any, name: str, size: dict[str, int], steps: int) -> None:
     for _ in range(steps):
         x, y = batch(name, size, BATCH[name], pt.device)
         opt.zero_grad()
-        pt.backward(loss_fn(model(x), y))
+        pt.training_step(model, (x, y), loss_fn)  # forward and backward (a pipeline's stages: its schedule)
         opt.step()
     del model, opt
 
 
-def worker(rank: int, name: str, size: dict[str, int], strategy: str, steps: int) -> int:
+def worker(rank: int, name: str, size: dict[str, int], strategy: str, precision: str, steps: int) -> int:
     torch.set_num_threads(1)
+    shards = resolve(strategy).data_parallel_size_for(int(os.environ["WORLD_SIZE"]))  # tensor/pipeline: 1
+
     def parallel() -> Any:
-        return paratrain.Parallel(strategy=strategy, global_batch=BATCH[name] * int(os.environ["WORLD_SIZE"]))
+        return paratrain.Parallel(strategy=strategy, precision=precision, global_batch=BATCH[name] * shards,
+                                  micro_batch=BATCH[name])
 
     pt = parallel()
     cuda = pt.device.type == "cuda"
@@ -134,25 +143,26 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     mode = "smoke" if args.smoke else "full"
     os.environ.update(MALLOC)  # glibc reads them when a process starts: the workers inherit them
-    cases = [("single", 1), ("fsdp", 2), ("tensor", 2)] if args.smoke else CASES
+    cases = SMOKE if args.smoke else CASES
     rows = []
-    print(f"{'model':<5} {'strategy':<8} {'world':>5} {'measured MiB':>13} {'estimate MiB':>13} {'error':>7}")
+    print(f"{'model':<5} {'strategy':<8} {'world':>5} {'precision':<10} {'measured MiB':>13} {'estimate MiB':>13} "
+          f"{'error':>7}")
     for name in SIZES:
         size = SIZES[name][mode]
         facts = measure_model(builder(name, size), lambda k, name=name, size=size: batch(name, size, k)[0],
                               lambda out, k, name=name, size=size: loss_fn(out, batch(name, size, k)[1]))
-        for strategy, world in cases:
+        for strategy, world, precision in cases:
             if args.smoke and (name == "mlp") == (strategy == "tensor"):
                 continue  # smoke: each code path once (the mlp unsplit and sharded, the GPT's fused split)
-            peaks = paratrain.launch(worker, nprocs=world, args=(name, size, strategy, args.steps), timeout=600,
-                                     env={"OMP_NUM_THREADS": "1"})
+            peaks = paratrain.launch(worker, nprocs=world, args=(name, size, strategy, precision, args.steps),
+                                     timeout=600, env={"OMP_NUM_THREADS": "1"})
             measured = max(peaks)
-            est = estimate(facts, strategy, world, BATCH[name], optimizer="adamw").peak
+            est = estimate(facts, strategy, world, BATCH[name], precision=precision, optimizer="adamw").peak
             err = est / measured - 1 if measured > 0 else math.nan  # a tiny smoke model may not move the peak
-            rows.append({"model": name, "strategy": strategy, "world_size": world, "measured": measured,
-                         "estimate": est, "error": err, "params": facts.params})
-            print(f"{name:<5} {strategy:<8} {world:>5} {measured / 2**20:>13.1f} {est / 2**20:>13.1f} {err:>+7.1%}",
-                  flush=True)
+            rows.append({"model": name, "strategy": strategy, "world_size": world, "precision": precision,
+                         "measured": measured, "estimate": est, "error": err, "params": facts.params})
+            print(f"{name:<5} {strategy:<8} {world:>5} {precision:<10} {measured / 2**20:>13.1f} "
+                  f"{est / 2**20:>13.1f} {err:>+7.1%}", flush=True)
     worst = max((abs(r["error"]) for r in rows if math.isfinite(r["error"])), default=math.nan)
     print(f"largest error {worst:.1%} (target: within 15%{'; smoke sizes: not a check' if args.smoke else ''})")
     if args.json:

@@ -4,25 +4,28 @@ With ``P`` parameters, ``N`` ranks, a micro-batch of ``b`` samples per rank, and
 ``w`` bytes of weights, ``g`` of gradients, ``m`` of master weights and ``s`` of optimizer state:
 
 * **precision**: ``32``/``tf32`` and the ``*-mixed`` ones (autocast keeps fp32 weights): w = g = 4,
-  m = 0; ``bf16-true``/``fp16-true``: w = g = 2 and fp32 master weights m = 4;
+  m = 0; ``bf16-true``/``fp16-true``: w = g = 2 and fp32 master weights m = 4, whose fp32 gradients
+  replace the model's at the optimizer step (4 bytes there, as Megatron-LM's fp32 main gradients);
 * **optimizer**: Adam/AdamW s = 8 (two fp32 moments), SGD with momentum s = 4, plain SGD s = 0;
 * **model states** per rank:
 
   - ``single``, ``dp`` (the device that holds the model), ``ps`` workers: ``P(w + g + m + s)``;
-  - ``ddp``: the same plus DDP's gradient buckets, ``4P`` (``gradient_as_bucket_view`` off);
+  - ``ddp``: the same plus DDP's gradient buckets, ``gP`` (``gradient_as_bucket_view`` off);
   - ``fsdp`` (FSDP2, parameters resharded after forward: ZeRO-3): ``P(w + g + m + s)/N`` plus what
     is unsharded at once: the root group's ``R`` parameters (those outside every block) with their
     gradients, ``R(w + g)``, and two blocks in flight (one computing, one prefetched) of the
     largest block's ``B`` parameters, ``2B(w + g)``;
   - ``tensor`` (tp = N): the ``L`` parameters of the split Linear layers are divided, ``(L/N +
     P − L)(w + g + m + s)``;
-  - ``pipeline``: the largest stage's parameters ``S``, ``S(w + g + m + s)``;
+  - ``pipeline``: the largest stage's parameters ``S`` (cut as the strategy cuts the model),
+    ``S(w + g + m + s)``; on the CPU every rank also keeps the other stages' weights, ``(P − S)w``;
 
 * **activations**: what autograd saves for backward, ``b·a`` with ``a`` bytes per sample measured
   by one forward on the meta device (no memory, any model size). With **activation
   checkpointing** of the blocks only each block's input is kept, plus one block's internals while
   it is recomputed: ``b(a_out + Σ a_in(block) + max a_inside(block))``. Mixed precision halves the
-  saved tensors of autocast's low-precision ops; the estimate keeps them fp32 (an upper bound);
+  saved tensors of autocast's low-precision ops; the estimate keeps them fp32 (an upper bound). A
+  ``*-true`` model computes everything in its dtype: ``w/4`` of them;
 * **CPU offload** (fsdp): parameters, gradients and optimizer state live in host memory; the
   device holds the unsharded blocks in flight and the activations;
 * **building the model**: without sharded initialisation every rank first builds the whole model,
@@ -33,7 +36,8 @@ Adam with fp16 weights and gradients and fp32 masters and moments (``2 + 2 + 12 
 parameter): ``16P`` for DDP, ``4P + 12P/N`` for ZeRO-1, ``2P + 14P/N`` for ZeRO-2 and ``16P/N`` for
 ZeRO-3; :func:`zero_model_states` gives them for comparison. paratrain's ``*-mixed`` precisions keep
 fp32 weights and gradients (``4 + 4 + 8 = 16`` bytes per parameter with Adam, the same total),
-``bf16-true`` is the paper's layout (``2 + 2 + 4 + 8``).
+``bf16-true`` keeps the paper's layout (``2 + 2 + 4 + 8``) between steps and, at the step, the
+masters' fp32 gradients in place of the model's (``2 + 4 + 4 + 8``).
 """
 
 from __future__ import annotations
@@ -134,11 +138,11 @@ def memory_layout(strategy: str, world_size: int) -> str:
         return "replicas"
     if cls.plain_data_parallel:
         return "replicas with buckets"
+    if cls.stage_per_process:
+        return "stages"
     shards = cls.data_parallel_size_for(world_size)
     if cls.sharded_state:
         return "sharded" if shards == world_size else "split linears"
-    if cls.collective_forward and shards < world_size:
-        return "stages"
     return "replicas"
 
 
@@ -170,8 +174,10 @@ def estimate(facts: ModelFacts, strategy: str, world_size: int, micro_batch: int
     parts: dict[str, float] = {}
     kept = 0.0 if offload and sharded else local
     parts["weights, masters, optimizer state"] = kept * (b["w"] + b["m"] + b["s"])
+    if layout == "stages" and device == "cpu":  # the other stages stay where the model was built: here
+        parts["other stages' weights"] = (P - local) * b["w"]
     if layout == "replicas with buckets":
-        parts["gradient buckets"] = 4 * P
+        parts["gradient buckets"] = b["g"] * P  # in the gradients' dtype
     parts["buffers"] = facts.buffers_bytes
     in_flight_fwd = in_flight_bwd = 0.0
     if sharded:
@@ -180,8 +186,9 @@ def estimate(facts: ModelFacts, strategy: str, world_size: int, micro_batch: int
         in_flight_fwd = (facts.root_params + 2 * facts.largest_block) * b["w"]
         in_flight_bwd = (facts.root_params + facts.largest_block) * (b["w"] + b["g"])
     act = facts.checkpointed_activation_bytes if checkpointing else facts.activation_bytes
-    activations = (act + facts.largest_saved_bytes) * micro_batch
-    grads = kept * b["g"]
+    low = b["w"] / 4 if b["m"] else 1.0  # a *-true model saves its activations in its own dtype
+    activations = (act + facts.largest_saved_bytes) * micro_batch * low
+    grads = kept * (b["m"] or b["g"])  # at the step: the masters' fp32 gradients, else the model's
     temporaries = _step_temporaries(optimizer, kept, largest, device)
     # The peak comes either at the start of the backward (every saved activation alive) or at its
     # end and in the optimizer step (every gradient, and the step's temporaries).
@@ -294,7 +301,7 @@ def measure_model(build: Callable[[], nn.Module], sample: Callable[[int], Any],
     biggest = max((_numel(p) for p in params.values()), default=0)
     return ModelFacts(
         params=P, largest_block=max(sizes, default=0), root_params=root, linear_params=L,
-        largest_stage=_largest_stage(sizes, root, stages), activation_bytes=per_sample(small[0], big[0]),
+        largest_stage=_largest_stage(model, sizes, root, stages), activation_bytes=per_sample(small[0], big[0]),
         outside_bytes=per_sample(small[1], big[1]), block_input_bytes=per_sample(small[2], big[2]),
         largest_inside_bytes=max(inside, default=0.0), largest_saved_bytes=per_sample(small[4], big[4]),
         largest_param=biggest, largest_linear=any(p.numel() == biggest for m in split for p in m.parameters(recurse=False)),
@@ -302,9 +309,21 @@ def measure_model(build: Callable[[], nn.Module], sample: Callable[[int], Any],
         buffers_bytes=buffers)
 
 
-def _largest_stage(sizes: Sequence[int], root: int, stages: int) -> int:
-    """The largest stage when the blocks are cut into ``stages`` contiguous runs of nearly equal
-    size (the root's parameters, embeddings and head, split between the first and last stage)."""
+def _largest_stage(model: nn.Module, sizes: Sequence[int], root: int, stages: int) -> int:
+    """The largest of ``stages`` pipeline stages: cut as the pipeline strategy cuts ``model`` (its
+    top-level children, balanced by parameter count); a model it cuts between blocks instead (a
+    stack: a GPT, Llama): the blocks in ``stages`` contiguous runs of nearly equal size, the root's
+    parameters (embeddings and head) split between the first and last stage."""
+    from ..strategies._split import split_model
+    from ..strategies.base import NotApplicable
+
+    if stages > 1:
+        try:
+            parts = split_model(model, stages)
+        except NotApplicable:
+            pass
+        else:
+            return max(sum(_numel(p) for p in part.parameters()) for part in parts)
     if stages <= 1 or not sizes:
         return sum(sizes) + root
     per = math.ceil(len(sizes) / stages)

@@ -85,18 +85,21 @@ class MasterWeights:
         return [[m for _, m in self._pairs.values() if m.grad is not None]]
 
     def step(self, optimizer: torch.optim.Optimizer, clip: Callable[[], Any] | None = None) -> bool:
-        """Gradients to the masters (fp32), the mixed precision's step on them (``clip`` then clips
-        the masters: :meth:`clip_targets`), masters back into the model (rounded); the model's
-        gradients are cleared."""
+        """Gradients to the masters (fp32; the model's are cleared), the mixed precision's step on
+        them (``clip`` then clips the masters: :meth:`clip_targets`), masters back into the model
+        (rounded)."""
         for p, m in self._pairs.values():
+            # one parameter at a time, its low-precision gradient freed once copied (DDP's bucket
+            # views aside): the step holds the fp32 master gradients, not both (2 bytes a parameter)
             m.grad = None if p.grad is None else p.grad.to(torch.float32)
+            p.grad = None
         try:
             return super().step(optimizer, clip)  # type: ignore[misc]
         finally:
             with torch.no_grad():
                 for p, m in self._pairs.values():
                     p.copy_(m)
-                    p.grad = m.grad = None
+                    m.grad = None
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "masters": self.masters_state(),  # type: ignore[misc]

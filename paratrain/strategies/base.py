@@ -39,6 +39,7 @@ class Strategy:
     drives_all_local_devices: ClassVar[bool] = False  # one process uses every GPU it sees (dp)
     collective_forward: ClassVar[bool] = False  # does forward itself communicate (FSDP, TP, pipeline)?
     sharded_state: ClassVar[bool] = False  # checkpoint through torch.distributed.checkpoint (FSDP, TP)?
+    stage_per_process: ClassVar[bool] = False  # one consecutive part of the model per process (pipeline)?
     master_weights: ClassVar[bool] = False  # bf16-true/fp16-true: low-precision model + fp32 masters in the optimizer
     master_weights_hint: ClassVar[str] = "bf16-mixed or 32"  # what to use instead when master_weights is False
     local_overflow_skip: ClassVar[bool] = True  # fp16-mixed: can a rank skip an overflowing step without the others?

@@ -183,6 +183,7 @@ class PipelineStrategy(Strategy):
     name = "pipeline"
     collective_forward = True
     sharded_state = True  # each rank checkpoints its stage through DCP
+    stage_per_process = True
     local_overflow_skip = False
     options_class = PipelineOptions
 

@@ -52,10 +52,35 @@ def test_fsdp_tensor_pipeline_by_hand():
     assert off.training == max(forward, (100 + 300) * 8)
     tensor = estimate(f, "tensor", 2, micro_batch=1, optimizer="sgd")
     assert tensor.training == (800 / 2 + 200) * 4 + max(60, (800 / 2 + 200) * 4)
-    pipe = estimate(f, "pipeline", 2, micro_batch=1, optimizer="sgd")
+    pipe = estimate(f, "pipeline", 2, micro_batch=1, optimizer="sgd", device="cuda")
     assert pipe.training == 600 * 4 + max(60, 600 * 4)
+    on_cpu = estimate(f, "pipeline", 2, micro_batch=1, optimizer="sgd")  # the other stage's weights stay here too
+    assert on_cpu.training == pipe.training + (1000 - 600) * 4
     with pytest.raises(ValueError, match="offload is fsdp's"):
         estimate(f, "ddp", 2, 1, offload=True)
+
+
+def test_master_weights_by_hand():
+    f = facts()
+    e = estimate(f, "single", 1, micro_batch=4, optimizer="adamw")
+    true = estimate(f, "single", 1, micro_batch=4, precision="bf16-true", optimizer="adamw")
+    # bf16 weights, fp32 masters and moments; at the step the masters' fp32 gradients (the model's
+    # bf16 ones freed as they are copied) and Adam's temporaries; activations in bf16
+    assert true.training == 1000 * (2 + 4 + 8) + max((50 + 10) * 4 / 2, 1000 * 4 + 1600)
+    assert true.training - e.training == 1000 * 2
+    ddp = estimate(f, "ddp", 2, micro_batch=4, precision="bf16-true", optimizer="adamw")
+    assert ddp.training == true.training + 2 * 1000  # DDP's buckets hold bf16 gradients
+
+
+def test_pipeline_stages_are_cut_as_the_strategy_cuts():
+    from paratrain.strategies._split import split_model
+
+    def model():  # unequal layers: equal counts of children would not balance the parameters
+        return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 8))
+
+    f = measure_model(model, lambda k: torch.randn(k, 64))
+    cut = split_model(model(), 2)
+    assert f.largest_stage == max(sum(p.numel() for p in part.parameters()) for part in cut)
 
 
 def test_checkpointing_keeps_block_inputs_and_one_block():
