@@ -79,7 +79,7 @@ class ModelFacts:
     largest_inside_bytes: float = 0.0
     """The largest block's internal saved bytes per sample (recomputed one block at a time)."""
     largest_saved_bytes: float = 0.0
-    """The largest single saved tensor per sample (its gradient arrives while it is alive: the logits)."""
+    """The largest single saved tensor per sample (its gradients arrive while it is alive: the logits)."""
     largest_param: int = 0
     """Elements of the largest parameter tensor (the optimizer's per-tensor temporaries)."""
     largest_linear: bool = False
@@ -187,7 +187,9 @@ def estimate(facts: ModelFacts, strategy: str, world_size: int, micro_batch: int
         in_flight_bwd = (facts.root_params + facts.largest_block) * (b["w"] + b["g"])
     act = facts.checkpointed_activation_bytes if checkpointing else facts.activation_bytes
     low = b["w"] / 4 if b["m"] else 1.0  # a *-true model saves its activations in its own dtype
-    activations = (act + facts.largest_saved_bytes) * micro_batch * low
+    # plus two gradients the size of the largest saved tensor: a softmax's backward (the loss's, on
+    # the logits) holds the gradient of its output and of its input at once, with every activation
+    activations = (act + 2 * facts.largest_saved_bytes) * micro_batch * low
     grads = kept * (b["m"] or b["g"])  # at the step: the masters' fp32 gradients, else the model's
     temporaries = _step_temporaries(optimizer, kept, largest, device)
     # The peak comes either at the start of the backward (every saved activation alive) or at its
