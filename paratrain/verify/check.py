@@ -125,11 +125,14 @@ def _checks(ref: RunView, run: RunView, repeat: RunView | None, findings: list[F
 
 
 def _finish(title: str, ref: RunView, main: RunView, extra: list[tuple[RunView, float]], repeat: RunView | None,
-            opts: VerifyOptions) -> VerifyReport:
+            opts: VerifyOptions, expected: dict[int, str] | None = None) -> VerifyReport:
+    """The report: ``main`` and each ``extra`` run against ``ref``; ``expected`` (by ``id`` of a run)
+    says why that run differs by design (it is then not a failure)."""
     report = VerifyReport(title=title)
     report.comparisons.append(_compare(f"{main.name} vs {ref.name}", main, ref, opts.tolerance))
     for run, tol in extra:
         report.comparisons.append(_compare(f"{run.name} vs {ref.name}", run, ref, tol))
+        report.comparisons[-1].expected = (expected or {}).get(id(run))
     failed = {main.name} if not report.comparisons[0].passed else set()
     report.findings = diagnose(ref, [main], failed, repeat)
     for run, _ in extra:
@@ -183,10 +186,7 @@ def verify_config(cfg: TrainConfig, opts: VerifyOptions) -> VerifyReport:
         report_extra[id(repeat)] = _batchnorm_accumulation(p.global_batch, accumulation)
     title = (f"paratrain verify: {cfg.model} on {cfg.data.dataset}, global batch {p.global_batch}, {opts.steps} "
              f"optimizer steps, {strategy} at world size {n} against one process; tolerance {opts.tolerance:g}")
-    report = _finish(title, ref, main, extra, repeat, opts)
-    for comparison, (run, _) in zip(report.comparisons[1:], extra):
-        comparison.expected = report_extra.get(id(run))
-    return report
+    return _finish(title, ref, main, extra, repeat, opts, report_extra)
 
 
 def verify_entry(entry: str, opts: VerifyOptions) -> VerifyReport:
@@ -220,10 +220,7 @@ def verify_entry(entry: str, opts: VerifyOptions) -> VerifyReport:
         extra.append((run(f"world size 1, {opts.precision}", 1, precision=opts.precision), opts.precision_tolerance))
     title = (f"paratrain verify: {entry}, {opts.steps} optimizer steps{strategy} at world size {n} against one "
              f"process; tolerance {opts.tolerance:g}")
-    report = _finish(title, ref, main, extra, repeat, opts)
-    for comparison, (view, _) in zip(report.comparisons[1:], extra):
-        comparison.expected = expected.get(id(view))
-    return report
+    return _finish(title, ref, main, extra, repeat, opts, expected)
 
 
 _ASKED_BY = {"strategy": "--strategy", "precision": "--also-precision", "accumulation": "--check-accumulation"}
