@@ -82,7 +82,8 @@ class Probe:
         return next((v for k, v in kwargs.items() if isinstance(v, torch.Tensor) and k not in ("labels", "label")),
                     None)
 
-    def _post_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+    def _post_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                      output: Any = None) -> None:  # torch passes no output when the forward raised
         # The outermost forward (depth 1) of a training step: seen here, where keyword inputs are too.
         if self._depth == 1 and module.training and torch.is_grad_enabled():
             x = self._inputs(args, kwargs)

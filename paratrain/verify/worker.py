@@ -121,7 +121,7 @@ def _recording_parallel(built: list[dict[str, Any]]) -> Iterator[None]:
     def recorded(self: Parallel, *args: Any, **kwargs: Any) -> None:
         init(self, *args, **kwargs)
         built.append({"strategy": self.config.strategy, "precision": self.config.precision,
-                      "accumulation": self.accumulation})
+                      "accumulation": self.accumulation, "data_parallel_leader": self.data_parallel_leader})
 
     Parallel.__init__ = recorded  # type: ignore[method-assign]
     try:

@@ -192,3 +192,38 @@ def test_a_function_that_does_not_take_what_verify_hands_it_is_named():
     assert checked(took, strategy="fsdp", accumulation=2) == (
         "the function's Parallel ran accumulation 1, not 2: it sets accumulation= itself (drop that, or "
         "--check-accumulation)")
+
+
+def test_ranks_that_share_a_shard_count_its_samples_once():
+    # tensor/pipeline: both ranks' Parallel read the same batches; only the shard's leader counts them
+    def rank(r, leader):
+        step = {"samples": 32, "fingerprints": [float(r)], "lr": 0.1}
+        return {"rank": r, "state": {}, "losses": None, "probe": {"steps": [step], "unused": [], "init_checksum": 1.0},
+                "unsynced_bn": [], "parallel": [{"strategy": "tensor", "data_parallel_leader": leader}]}
+
+    view = RunView.merge("world size 2 (tensor)", 2, [rank(0, True), rank(1, False)])
+    assert view.samples == [32] and view.fingerprints == [[0.0]]
+    plain = RunView.merge("world size 2", 2, [{**rank(r, True), "parallel": []} for r in (0, 1)])
+    assert plain.samples == [64]  # a hand-written loop's ranks each read their own samples
+
+
+def test_the_probe_survives_a_forward_that_raises():
+    import warnings
+
+    from torch import nn
+
+    from paratrain.verify.probe import Probe
+
+    class Boom(nn.Module):
+        def forward(self, x):
+            raise RuntimeError("on purpose")
+
+    probe = Probe().install()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # torch warns when an always_call hook raises in the error path
+            with pytest.raises(RuntimeError, match="on purpose"):
+                nn.Sequential(nn.Linear(2, 2), Boom())(torch.ones(1, 2))
+    finally:
+        probe.remove()
+    assert probe._depth == 0
