@@ -12,7 +12,7 @@
 # Arguments go to the pytest runs (e.g. -x, -k NAME). PARATRAIN_SKIP_WHEEL=1 (or the older
 # PARATRAIN_SKIP_CUDA_WHEEL=1) skips step 3, PARATRAIN_SKIP_FLOOR=1 step 4;
 # `bash scripts/test.sh wheel [pytest arguments]` runs the set-up and step 3 alone.
-# Each pytest run has a hard limit (the full suite takes about 17-19 minutes on 2 cores, the lab included): a hang ends
+# Each pytest run has a hard limit (the full suite takes about 12-22 minutes on 2 cores, the lab included): a hang ends
 # as a failure with every thread's stack (tests/conftest.py), never as a stuck CI. `--foreground`
 # keeps pytest in the caller's process group (a terminal's foreground group stays its own), and its
 # stdin is /dev/null: nothing it starts (mpirun forwards stdin) may wait on input.
@@ -20,20 +20,43 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 only=
 if [ "${1:-}" = wheel ]; then only=wheel; shift; fi
+# the pytest runs use both cores (pytest-xdist; the lab's tests share one worker, tests/conftest.py);
+# PARATRAIN_TEST_WORKERS=0 runs them in one process
+workers=(-n "${PARATRAIN_TEST_WORKERS:-2}" --dist loadgroup)
+[ "${PARATRAIN_TEST_WORKERS:-2}" = 0 ] && workers=(-p no:xdist)
+stages=()  # "name seconds", printed at the end, failed or not
+stage_start=$SECONDS
+stage() {  # the stage that ends now took the time since the last call
+  stages+=("$1 $((SECONDS - stage_start))")
+  stage_start=$SECONDS
+}
+report() {
+  local rc=$?
+  rm -rf "${tmps[@]}"
+  local ended=""
+  [ "$rc" = 0 ] || ended="; $((SECONDS - stage_start)) s in the stage that failed"
+  echo "== stages (s):$(printf ' %s,' "${stages[@]}" | sed 's/,$//')$ended; $SECONDS s in all, exit $rc"
+}
+tmps=()
+trap report EXIT
 bash scripts/setup.sh cpu
 venv=${PARATRAIN_VENV:-.venv}
-tmps=()
-trap 'rm -rf "${tmps[@]}"' EXIT
+stage setup
 if [ -z "$only" ]; then
 echo "== static checks (ruff, mypy)"
 "$venv/bin/ruff" check paratrain tests scripts benchmarks docs
 "$venv/bin/mypy" paratrain
 # the checkout's own .pyc once (PYTHONDONTWRITEBYTECODE, set on this image, would have every process compile it)
 "$venv/bin/python" -m compileall -q -j 0 paratrain tests scripts benchmarks >/dev/null
+stage static
 echo "== full suite, torch $("$venv/bin/python" -c 'import torch; print(torch.__version__)')"
-timeout --foreground -k 30 45m "$venv/bin/python" -m pytest -q --durations=25 --ignore=tests/test_smoke.py "$@" </dev/null  # test_smoke.py is for the CUDA wheel (below)
+# test_smoke.py is for the CUDA wheel (below); the ten slowest tests are listed at the end
+timeout --foreground -k 30 45m "$venv/bin/python" -m pytest -q "${workers[@]}" --durations=10 \
+  --ignore=tests/test_smoke.py "$@" </dev/null
+stage suite
 echo "== docs: the site in strict mode, and every code block of its pages run"
 bash scripts/docs.sh  # in $venv, whose lock holds the docs tools; about 2-4 minutes on 2 cores
+stage docs
 fi
 if [ "$only" = wheel ] || { [ "${PARATRAIN_SKIP_WHEEL:-0}" != 1 ] && [ "${PARATRAIN_SKIP_CUDA_WHEEL:-0}" != 1 ]; }; then
   wtmp=$(mktemp -d); tmps+=("$wtmp")
@@ -47,7 +70,7 @@ if [ "$only" = wheel ] || { [ "${PARATRAIN_SKIP_WHEEL:-0}" != 1 ] && [ "${PARATR
   # hash-checked by the lock; nothing from the checkout
   build/uv/bin/uv pip install --quiet --compile-bytecode --python "$wtmp/venv/bin/python" \
     --index-strategy unsafe-best-match \
-    ${sources[@]+"${sources[@]}"} -c requirements/lock-cuda.txt "$wheel" pytest pytest-timeout \
+    ${sources[@]+"${sources[@]}"} -c requirements/lock-cuda.txt "$wheel" pytest pytest-timeout pytest-xdist \
     torchvision  # its wheel for that torch, as users add it: tests/test_torchvision.py
   mkdir "$wtmp/t"  # tests/ (its helpers too) and the pytest settings, nothing else of the checkout
   tar -c --exclude=__pycache__ tests pyproject.toml | tar -x -C "$wtmp/t"
@@ -57,7 +80,10 @@ if [ "$only" = wheel ] || { [ "${PARATRAIN_SKIP_WHEEL:-0}" != 1 ] && [ "${PARATR
 print("== the installed wheel:", paratrain.__file__, "| torch", torch.__version__, "cuda available:", torch.cuda.is_available())' \
     && "$wtmp/venv/bin/paratrain" --version)
   echo "== (sdist, wheel and the fresh venv: $((SECONDS - start)) s) smoke suite: ${smoke[*]}"
-  (cd "$wtmp/t" && timeout --foreground -k 30 20m "$wpy" -m pytest -q -m smoke -p no:cacheprovider "${smoke[@]}" "$@" </dev/null)
+  stage wheel-install
+  (cd "$wtmp/t" && timeout --foreground -k 30 20m "$wpy" -m pytest -q "${workers[@]}" --durations=5 -m smoke \
+    -p no:cacheprovider "${smoke[@]}" "$@" </dev/null)
+  stage wheel-smoke
 fi
 if [ -z "$only" ] && [ "${PARATRAIN_SKIP_FLOOR:-0}" != 1 ]; then
   bash scripts/setup.sh floor
@@ -68,4 +94,5 @@ if [ -z "$only" ] && [ "${PARATRAIN_SKIP_FLOOR:-0}" != 1 ]; then
   PYTHONPATH="$PWD" timeout --foreground -k 30 3m "$fpy" -m paratrain train --strategy ddp --nproc-per-node 2 --max-steps 1 \
     --no-progress --log-dir "$ftmp/ddp" </dev/null
   PYTHON="$fpy" timeout --foreground -k 30 5m bash scripts/device_check.sh --dry-run --python "$fpy" --out "$ftmp/device_check" </dev/null
+  stage floor
 fi

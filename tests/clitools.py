@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from pace import scaled
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -45,7 +46,9 @@ def killpg(proc: subprocess.Popen) -> None:
 
 
 def finish(proc: subprocess.Popen, timeout: float) -> subprocess.CompletedProcess:
-    """Wait for ``proc``; past ``timeout`` seconds SIGKILL its whole process group and fail."""
+    """Wait for ``proc``; past ``timeout`` seconds (with this machine's room, tests/pace.py) SIGKILL its
+    whole process group and fail."""
+    timeout = scaled(timeout)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

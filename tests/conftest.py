@@ -8,6 +8,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, os.path.dirname(__file__))
 
 import fastlaunch  # noqa: E402
+import pace  # noqa: E402
 
 fastlaunch.install()  # multi-process tests fork their workers from a server that has imported torch
 
@@ -23,6 +24,12 @@ def pytest_configure(config):
     global _STDERR_FD
     _STDERR_FD = os.dup(sys.stderr.fileno())
     faulthandler.register(signal.SIGTERM, file=_STDERR_FD, all_threads=True, chain=True)
+    pace.pace()  # measured once, before pytest-xdist starts its workers (they inherit it)
+
+
+def pytest_report_header(config):
+    return (f"paratrain: this machine's pace {pace.pace():.2f} (a fresh import of torch against the reference "
+            f"{pace.REFERENCE_IMPORT_S} s): real time limits get that much more room (tests/pace.py)")
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -37,3 +44,24 @@ def pytest_runtest_protocol(item, nextitem):
         yield
     finally:
         faulthandler.cancel_dump_traceback_later()
+
+
+_ONE_WORKER = {"lab": "tests/lab/", "package": "tests/test_package.py"}
+"""Tests that share a machine-wide resource run in one pytest-xdist worker, one after another: the
+lab's network namespaces, Slurm and MPI daemons (session fixtures that two workers would both bring
+up); the package's builds, which write build/ and paratrain.egg-info/ in the checkout. scripts/test.sh
+runs the suite with ``-n 2 --dist loadgroup``."""
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which reads the groups
+def pytest_collection_modifyitems(config, items):
+    room = pace.pace()
+    for item in items:
+        if room > 1:  # each test's hard limit (pytest-timeout's, and the stack dump above) with the machine's room
+            marker = item.get_closest_marker("timeout")
+            limit = float(marker.args[0]) if marker is not None and marker.args else float(config.getini("timeout"))
+            item.add_marker(pytest.mark.timeout(limit * room), append=False)
+        path = item.nodeid.replace("\\", "/")
+        for group, prefix in _ONE_WORKER.items():
+            if path.startswith(prefix):
+                item.add_marker(pytest.mark.xdist_group(group))

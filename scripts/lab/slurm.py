@@ -20,6 +20,7 @@ DIR = LAB_DIR / "slurm"
 MUNGE_DIR = LAB_DIR / "munge"
 MUNGE_SOCKET = MUNGE_DIR / "munge.socket.2"
 PORTS = (6917, 6918)  # slurmctld, slurmd: away from Slurm's defaults, so a real install is not hit
+SRUN_PORTS = (61100, 61400)
 
 
 def conf_path() -> Path:
@@ -37,6 +38,9 @@ ClusterName=paratrain-lab
 SlurmctldHost={node}(127.0.0.1)
 SlurmctldPort={PORTS[0]}
 SlurmdPort={PORTS[1]}
+# srun listens outside the kernel's ephemeral range (32768-60999): a port another process picked with
+# bind(0) and let go (a test's MASTER_PORT) is never srun's, so no client of that port reaches srun
+SrunPortRange={SRUN_PORTS[0]}-{SRUN_PORTS[1]}
 SlurmUser=root
 AuthType=auth/munge
 AuthInfo=socket={MUNGE_SOCKET}

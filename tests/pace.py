@@ -1,0 +1,47 @@
+"""This machine's pace: how much slower than the reference machine it starts Python and torch.
+
+The suite's real time limits (a CLI run's hard limit, a selftest's budget, "ends within N s")
+were set on a quiet 2-core machine. A slower or busier one of the same kind (``import torch``
+taking 3.7 s instead of 1.3 s) would fail them without anything being wrong. So the session
+measures, once before the first test, what every multi-process test pays most: starting a fresh
+interpreter that imports torch; :data:`PACE` is that time over the reference machine's, never
+below 1. :func:`scaled` gives a limit room in proportion. The measurement is handed to pytest-xdist's
+workers and to every child process through ``PARATRAIN_TEST_PACE`` (set it to skip the measurement).
+
+A limit that states what the product promises (e.g. "the job ends within timeout_s + 15 s") keeps
+its product term and scales only the allowance for the machine.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+ENV = "PARATRAIN_TEST_PACE"
+REFERENCE_IMPORT_S = 1.5
+"""``python -c 'import torch'`` (the CPU build, bytecode compiled) on the reference 2-core machine, quiet."""
+MAX_PACE = 4.0
+
+
+def measure() -> float:
+    """The fastest of three fresh ``import torch`` over the reference, clamped to [1, MAX_PACE]."""
+    took = []
+    for _ in range(3):
+        t0 = time.monotonic()
+        subprocess.run([sys.executable, "-c", "import torch"], check=True, capture_output=True, timeout=120)
+        took.append(time.monotonic() - t0)
+    return min(MAX_PACE, max(1.0, min(took) / REFERENCE_IMPORT_S))
+
+
+def pace() -> float:
+    """``PARATRAIN_TEST_PACE``, measured (and set) by the first caller when absent."""
+    if ENV not in os.environ:
+        os.environ[ENV] = f"{measure():.2f}"
+    return float(os.environ[ENV])
+
+
+def scaled(seconds: float) -> float:
+    """``seconds`` of a real limit set on the reference machine, with this machine's room."""
+    return seconds * pace()
