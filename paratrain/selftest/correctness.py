@@ -134,19 +134,20 @@ def run_correctness(report: Report, checks: list[Check], deadline: Deadline, dat
             continue
         key = (check.precision, check.accelerator)
         cost = RUN_SECONDS[check.accelerator] * (1 if key in refs else 2)
-        if not deadline.allows(cost):
+        if not deadline.allows(cost, "correctness"):
             report.add("correctness", check.label, SKIPPED, f"budget: {deadline.left:.0f} s left, a run takes "
-                                                            f"about {cost:.0f} s")
+                                                            f"about {deadline.expect(cost, 'correctness'):.0f} s here")
             continue
-        timeout = max(30.0, 4 * cost)
+        timeout = max(30.0, 4 * deadline.expect(cost, "correctness"))
 
-        if key not in refs:
-            progress(f"reference: single {check.precision} ({check.accelerator})")
-            refs[key] = _launch(1, _job(check, _strategies.reference(), data, timeout), timeout)
-        ref = refs[key]
-        progress(check.label)
-        nprocs = 1 if _strategies.resolve(check.strategy).processes == "one" else check.world_size
-        run = _launch(nprocs, _job(check, check.strategy, data, timeout), timeout)
+        with deadline.part(cost, "correctness"):
+            if key not in refs:
+                progress(f"reference: single {check.precision} ({check.accelerator})")
+                refs[key] = _launch(1, _job(check, _strategies.reference(), data, timeout), timeout)
+            ref = refs[key]
+            progress(check.label)
+            nprocs = 1 if _strategies.resolve(check.strategy).processes == "one" else check.world_size
+            run = _launch(nprocs, _job(check, check.strategy, data, timeout), timeout)
         tolerance = _tolerance(check)
         if run.error or ref.error:
             why = run.error or f"the one-process reference failed: {ref.error}"

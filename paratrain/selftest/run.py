@@ -13,7 +13,8 @@ from .report import OK, SKIPPED, Report
 __all__ = ["SECTIONS", "SelftestOptions", "run_selftest"]
 
 SECTIONS = ("correctness", "collectives", "speed", "memory", "resnet50", "compile")
-"""In the order they run; each takes a share of the time left when it starts (``SHARES``)."""
+"""In the order they run; each takes a share of the time left when it starts (``SHARES``), the last
+one run all of it."""
 COLLECTIVES_AT_LEAST_S = 15.0  # a backend's collectives need 10 s to start and report (collectives.py), then sizes
 SHARES = {"correctness": 0.45, "collectives": 0.15, "speed": 0.3, "memory": 0.35, "resnet50": 0.75, "compile": 1.0}
 
@@ -60,10 +61,10 @@ def run_selftest(opts: SelftestOptions, progress: Callable[[str], None] | None =
     accelerator = "cuda" if gpus else "cpu"
     report.facts = device_facts()
     report.facts["processes"] = world
-    for name in SECTIONS:
-        if name not in opts.sections:
-            continue
-        deadline = budget.section(SHARES[name])
+    chosen = [name for name in SECTIONS if name in opts.sections]
+    for name in chosen:
+        share = 1.0 if name == chosen[-1] else SHARES[name]  # the last section chosen has what is left
+        deadline = budget.section(share)
         say(f"{name} ({deadline.left:.0f} s)")
         if name == "correctness":
             from .correctness import plan_checks, run_correctness
@@ -77,7 +78,7 @@ def run_selftest(opts: SelftestOptions, progress: Callable[[str], None] | None =
             if not gpus or world > gpus:
                 backends.append(("gloo", "cpu", world))
             for i, (backend, device, n) in enumerate(backends):
-                run_collectives(report, n, backend, device, budget.section(SHARES[name] / (len(backends) - i),
+                run_collectives(report, n, backend, device, budget.section(share / (len(backends) - i),
                                                                            at_least=COLLECTIVES_AT_LEAST_S))
         elif name == "speed":
             from .speed import run_speed

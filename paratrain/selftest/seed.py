@@ -87,14 +87,15 @@ def run_seed_table(report: Report, world: int, gpus: int, deadline: Deadline,
     cost = _cell_seconds(cfg, gpus)
     results = []
     for cell in cells:
-        if cell.skip or not deadline.allows(cost):
+        if cell.skip or not deadline.allows(cost, "seed"):
             from ..bench.runner import CellResult
 
-            why = cell.skip or f"budget: {deadline.left:.0f} s left, a cell takes about {cost:.0f} s"
+            why = cell.skip or f"budget: {deadline.left:.0f} s left, a cell takes about {deadline.expect(cost, 'seed'):.0f} s here"
             results.append(CellResult(cell=cell, status="skipped", reason=why))
             continue
         progress(f"seed table: {cell.label}")
-        results += run_cells([cell], spec, cfg, data, progress=False)
+        with deadline.part(cost, "seed"):
+            results += run_cells([cell], spec, cfg, data, progress=False)
     _derive(results)
     steps = CIFAR10_TRAIN // cfg.parallel.global_batch
     report.seed_note = (f"ResNet-50 on CIFAR-shaped synthetic data, global batch {cfg.parallel.global_batch}; "

@@ -33,6 +33,11 @@ FABRIC_DDP = "ddp"
 FRAMEWORKS = {"accelerate": "accelerate", "lightning": "lightning"}
 """The other loops' names and the module each needs."""
 
+SPEED_SECONDS = 15.0
+"""What the interleaved loops take on a CPU, start-up included: they are not started when less is left."""
+MEMORY_CELL_SECONDS = 5.0
+"""What one strategy's step-time and memory cell takes, start-up included."""
+
 
 def accelerate_steps(net: nn.Module, trainset: Any, batch_size: int, device: torch.device, lr: float = 0.001,
                      momentum: float = 0.9) -> Generator[Any, None, None]:
@@ -134,8 +139,9 @@ def run_speed(report: Report, world: int, accelerator: str, deadline: Deadline, 
             report.add("speed", f"{name} ddp x{world}", SKIPPED, f"{module} is not installed (pip install {module})")
         else:
             frameworks.append(name)
-    if deadline.left < 15:
-        report.add("speed", f"overhead ddp x{world}", SKIPPED, f"budget: {deadline.left:.0f} s left")
+    if not deadline.allows(SPEED_SECONDS, "speed"):
+        report.add("speed", f"overhead ddp x{world}", SKIPPED, f"budget: {deadline.left:.0f} s left, the loops "
+                                                               f"take about {deadline.expect(SPEED_SECONDS, 'speed'):.0f} s here")
         return
     job = {**job_data, "accelerator": accelerator, "frameworks": frameworks, "steps": steps, "block": 5,
            "warmup": 3}
@@ -143,10 +149,11 @@ def run_speed(report: Report, world: int, accelerator: str, deadline: Deadline, 
     # picking and binding it, a worker that dies) gets one more try while the budget allows it.
     errors: list[str] = []
     ranks: list[Any] | None = None
-    while ranks is None and len(errors) < 2 and (not errors or deadline.left >= 15):
+    while ranks is None and len(errors) < 2 and (not errors or deadline.allows(SPEED_SECONDS, "speed")):
         try:
-            ranks = launch(speed_worker, world, args=(job,), timeout=max(60.0, deadline.left * 2),
-                           env={"OMP_NUM_THREADS": "1"})
+            with deadline.part(SPEED_SECONDS, "speed"):
+                ranks = launch(speed_worker, world, args=(job,), timeout=max(60.0, deadline.left * 2),
+                               env={"OMP_NUM_THREADS": "1"})
         except LaunchError as e:
             errors.append(str(e))
     if ranks is None:
@@ -185,10 +192,12 @@ def run_strategy_cells(report: Report, cfg: Any, strategies: list[str], world: i
         if cell.skip:
             report.add("memory", cell.label, SKIPPED, cell.skip)
             continue
-        if not deadline.allows(5):
-            report.add("memory", cell.label, SKIPPED, f"budget: {deadline.left:.0f} s left")
+        if not deadline.allows(MEMORY_CELL_SECONDS, "memory"):
+            report.add("memory", cell.label, SKIPPED, f"budget: {deadline.left:.0f} s left, a cell takes about "
+                                                      f"{deadline.expect(MEMORY_CELL_SECONDS, 'memory'):.0f} s here")
             continue
-        (r,) = run_cells([cell], spec, cfg, data, progress=False)
+        with deadline.part(MEMORY_CELL_SECONDS, "memory"):
+            (r,) = run_cells([cell], spec, cfg, data, progress=False)
         if r.status != "ok":
             report.add("memory", cell.label, FAIL if r.status == "failed" else SKIPPED, r.reason or r.status)
             continue
