@@ -8,6 +8,7 @@ import dataclasses
 import inspect
 import math
 import numbers
+import sys
 import textwrap
 import typing
 from dataclasses import dataclass, field
@@ -16,10 +17,11 @@ from typing import Any, Mapping
 from .. import precision as _precision
 from .. import strategies as _strategies
 from ..data.sampler import BatchPlan
+from ..env import defaults as launch_defaults
 from ..env.detect import detect_process
 from .files import as_integer, from_dict
 
-__all__ = ["ParallelConfig", "BACKENDS", "ACCELERATORS"]
+__all__ = ["ParallelConfig", "BACKENDS", "ACCELERATORS", "over_launch_defaults"]
 
 
 BACKENDS = ("auto", "gloo", "nccl", "mpi", "xccl", "hccl")
@@ -158,8 +160,6 @@ class ParallelConfig:
         unknown = sorted(set(options) - known)
         if unknown:
             raise ValueError(f"unknown Parallel option {unknown[0]!r}: known options are {', '.join(sorted(known))}")
-        from .launch import over_launch_defaults  # it builds ParallelConfigs itself
-
         return config or cls(**over_launch_defaults(options))
 
     @property
@@ -209,3 +209,53 @@ def _field_docs(cls: type) -> dict[str, str]:
     return {node.target.id: " ".join(after.value.value.split()) for node, after in zip(body, body[1:])
             if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(after, ast.Expr)
             and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)}
+
+
+_NOTICED: set[str] = set()  # notices printed by this process (a loop building Parallel() again says nothing new)
+
+
+def over_launch_defaults(options: Mapping[str, Any]) -> dict[str, Any]:
+    """``Parallel``'s keyword ``options`` over the defaults set at launch (the code wins); where the
+    two disagree, one line on the main process names both values and where the default came from."""
+    table, sources = launch_defaults.read()
+    if not table:
+        return dict(options)
+    try:
+        chosen = from_dict(ParallelConfig, table, "parallel")
+    except ValueError as e:
+        origin = sorted(set(sources.values()) - {launch_defaults.VARIABLE})
+        raise ValueError(f"{e} (in the defaults set at launch, {launch_defaults.VARIABLE}"
+                         + (f": from {', '.join(origin)})" if origin else ")")) from None
+    defaults = {key: ({k: getattr(getattr(chosen, key), k) for k in value} if isinstance(value, Mapping)
+                      else getattr(chosen, key)) for key, value in table.items()}
+    merged, differ = dict(defaults), []
+    for key, value in options.items():
+        default = defaults.get(key)
+        if isinstance(default, dict):  # a section: the code's keys over the launch's
+            whole = dataclasses.is_dataclass(value) and not isinstance(value, type)  # an Options object
+            given = dataclasses.asdict(value) if whole else value  # type: ignore[arg-type]
+            merged[key] = {**default, **value} if isinstance(value, Mapping) else value
+            if isinstance(given, Mapping):
+                differ += [(f"{key}.{k}", given[k], v) for k, v in default.items() if k in given and given[k] != v]
+            continue
+        merged[key] = value
+        if key in defaults and not _same(key, value, default):
+            differ.append((key, value, default))
+    if differ and detect_process().rank == 0:
+        line = (f"paratrain: Parallel({', '.join(f'{k}={v!r}' for k, v, _ in differ)}) in the code wins over the "
+                f"default{'s' if len(differ) > 1 else ''} set at launch: "
+                + ", ".join(f"{k}={d!r} ({sources.get(k, launch_defaults.VARIABLE)})" for k, _, d in differ))
+        if line not in _NOTICED:
+            _NOTICED.add(line)
+            print(line, file=sys.stderr, flush=True)
+    return merged
+
+
+def _same(key: str, given: Any, default: Any) -> bool:
+    """Whether the code's ``given`` value of ``key`` is the launch's ``default`` (a precision's alias too)."""
+    if key == "precision":
+        try:
+            return _precision.resolve(given) == default
+        except ValueError:
+            return False
+    return bool(given == default)
