@@ -69,7 +69,7 @@ class ModelFacts:
     linear_params: int
     """L: parameters of the Linear layers tensor parallelism splits (its plan's)."""
     largest_stage: int
-    """S: parameters of the largest of ``stages`` pipeline stages cut at block boundaries."""
+    """S: parameters of the largest of ``stages`` pipeline stages, cut as the pipeline strategy cuts the model."""
     activation_bytes: float
     """a: bytes saved for backward per sample (fp32)."""
     outside_bytes: float = 0.0
@@ -303,7 +303,7 @@ def measure_model(build: Callable[[], nn.Module], sample: Callable[[int], Any],
     biggest = max((_numel(p) for p in params.values()), default=0)
     return ModelFacts(
         params=P, largest_block=max(sizes, default=0), root_params=root, linear_params=L,
-        largest_stage=_largest_stage(model, sizes, root, stages), activation_bytes=per_sample(small[0], big[0]),
+        largest_stage=_largest_stage(model, stages), activation_bytes=per_sample(small[0], big[0]),
         outside_bytes=per_sample(small[1], big[1]), block_input_bytes=per_sample(small[2], big[2]),
         largest_inside_bytes=max(inside, default=0.0), largest_saved_bytes=per_sample(small[4], big[4]),
         largest_param=biggest, largest_linear=any(p.numel() == biggest for m in split for p in m.parameters(recurse=False)),
@@ -311,28 +311,21 @@ def measure_model(build: Callable[[], nn.Module], sample: Callable[[int], Any],
         buffers_bytes=buffers)
 
 
-def _largest_stage(model: nn.Module, sizes: Sequence[int], root: int, stages: int) -> int:
-    """The largest of ``stages`` pipeline stages: cut as the pipeline strategy cuts ``model`` (its
-    top-level children, balanced by parameter count); a model it cuts between blocks instead (a
-    stack: a GPT, Llama): the blocks in ``stages`` contiguous runs of nearly equal size, the root's
-    parameters (embeddings and head) split between the first and last stage."""
-    from ..strategies._split import split_model
+def _largest_stage(model: nn.Module, stages: int) -> int:
+    """Parameters of the largest of ``stages`` pipeline stages, cut by the pipeline strategy's own
+    rule (:func:`paratrain.strategies.pipeline.cut_stages`: top-level children, or a stack of
+    blocks cut between blocks); the whole model where it cannot cut it (or ``stages`` is 1)."""
     from ..strategies.base import NotApplicable
+    from ..strategies.pipeline import cut_stages
 
-    if stages > 1:
-        try:
-            parts = split_model(model, stages)
-        except NotApplicable:
-            pass
-        else:
-            return max(sum(_numel(p) for p in part.parameters()) for part in parts)
-    if stages <= 1 or not sizes:
-        return sum(sizes) + root
-    per = math.ceil(len(sizes) / stages)
-    runs = [sum(sizes[i:i + per]) for i in range(0, len(sizes), per)]
-    runs[0] += root // 2
-    runs[-1] += root - root // 2
-    return max(runs)
+    whole = sum(_numel(p) for p in {id(p): p for p in model.parameters()}.values())
+    if stages <= 1:
+        return whole
+    try:
+        parts = cut_stages(model, stages)
+    except NotApplicable:
+        return whole
+    return max(sum(_numel(p) for p in part.parameters()) for part in parts)
 
 
 # --------------------------------------------------------------------------- report

@@ -42,10 +42,28 @@ from torch import nn
 
 from ..env.process import Dist
 from ._split import check_sequential, parse_split_points, split_model
-from ._stack import split_stack
+from ._stack import StackStage, split_stack
 from .base import NotApplicable, Strategy
 
-__all__ = ["PipelineOptions", "PipelineStrategy", "PipelineModule"]
+__all__ = ["PipelineOptions", "PipelineStrategy", "PipelineModule", "cut_stages"]
+
+
+def cut_stages(model: nn.Module, n_stages: int, rank: int = 0, split_points: Sequence[str] = (),
+               distributed: bool = False) -> list[nn.Module]:
+    """The pipeline's one rule for cutting ``model`` into ``n_stages`` stages: its top-level
+    children in consecutive runs (``split_model``: at ``split_points``, or balanced by parameter
+    count), or, for a model whose children are no sequence (a GPT, Llama: a stack of blocks),
+    between its blocks (``split_stack``; with ``distributed``, a collective that makes the groups
+    of tied parameters, ``rank``'s included). ``NotApplicable`` when neither cuts it. The
+    strategy's setup and the memory estimate (:mod:`paratrain.bench.memory`) both cut here."""
+    try:
+        return list(split_model(model, n_stages, split_points, "pipeline"))
+    except NotApplicable:
+        stacked = split_stack(model, n_stages, rank, split_points, distributed)
+        if stacked is None:
+            raise
+        return list(stacked)
+
 
 SCHEDULES = ("gpipe", "1f1b")
 
@@ -233,15 +251,12 @@ class PipelineStrategy(Strategy):
     def wrap(self, model: nn.Module) -> nn.Module:
         o: PipelineOptions = self.options
         distributed = self.proc.backend is not None and self.proc.world_size > 1
-        try:
-            parts: Sequence[nn.Module] = split_model(model, self.proc.world_size, o.split_points, "pipeline")
-            parts[self.proc.rank].to(self.device)  # only this stage lives on this rank's device
-        except NotApplicable:  # no sequence of children: a stack of blocks (a GPT, Llama), cut between blocks
-            stacked = split_stack(model, self.proc.world_size, self.proc.rank, o.split_points, distributed)
-            if stacked is None:
-                raise
-            stacked[self.proc.rank].place(self.device)
-            parts = stacked
+        parts = cut_stages(model, self.proc.world_size, self.proc.rank, o.split_points, distributed)
+        stage = parts[self.proc.rank]  # only this stage lives on this rank's device
+        if isinstance(stage, StackStage):
+            stage.place(self.device)  # with the buffers its blocks share with the whole model
+        else:
+            stage.to(self.device)
         pipe = PipelineModule(parts, self.proc.rank, model, self.device, o, self.proc.backend is not None)
         self._pipes[id(model)] = pipe
         return pipe

@@ -84,6 +84,19 @@ def test_pipeline_stages_are_cut_as_the_strategy_cuts():
     assert f.largest_stage == max(sum(p.numel() for p in part.parameters()) for part in cut)
 
 
+def test_a_stack_model_is_cut_between_its_blocks_as_the_strategy_cuts():
+    import zoo
+
+    from paratrain.strategies._stack import split_stack
+
+    # a GPT: no sequence of children; the strategy cuts its blocks, the embeddings on the first
+    # stage, the final norm and the (tied) head on the last
+    f = measure_model(lambda: zoo.GPT(n_layer=4), lambda k: torch.randint(0, zoo.VOCAB, (k, zoo.LENGTH)))
+    stages = split_stack(zoo.GPT(n_layer=4), 2, 0, distributed=False)
+    assert stages is not None
+    assert f.largest_stage == max(sum(p.numel() for p in stage.parameters()) for stage in stages)
+
+
 def test_checkpointing_keeps_block_inputs_and_one_block():
     f = facts(outside_bytes=5.0, block_input_bytes=8.0, largest_inside_bytes=12.0, blocks=3)
     assert f.checkpointed_activation_bytes == 25.0
