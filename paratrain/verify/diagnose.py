@@ -39,8 +39,9 @@ class RunView:
     losses: list[float] | None = None
     samples: list[int] = field(default_factory=list)
     parallel: list[dict[str, Any]] = field(default_factory=list)
-    """What each ``paratrain.Parallel`` built in a user's function ran (rank 0's): strategy, precision,
-    accumulation, and whether the rank leads its data shard (the one whose samples count)."""
+    """What each ``paratrain.Parallel`` built in the run ran (rank 0's; a built-in job's one, or
+    those of a user's function): strategy, precision, accumulation, and whether the rank leads its
+    data shard (the one whose samples count)."""
     fingerprints: list[list[float]] = field(default_factory=list)
     lrs: list[float] = field(default_factory=list)
     unused: list[str] = field(default_factory=list)
@@ -72,8 +73,9 @@ class RunView:
         curves = [r["losses"] for r in ranks if r["losses"]]
         if curves:  # an entry's losses are per rank: the job's loss is their mean
             view.losses = [sum(v) / len(v) for v in zip(*curves)]
-        # The samples of a step: those of one rank per data shard. Ranks whose Parallel shares one
-        # shard's batches (tensor, pipeline) each see all of it; a rank without one reads its own.
+        # The samples of a step: those of one rank per data shard, the one place that rule lives
+        # for built-in jobs and users' functions alike. Ranks whose Parallel shares one shard's
+        # batches (tensor, pipeline) each see all of it; a rank without one reads its own.
         readers = [r for r in ranks if (r.get("parallel") or [{}])[-1].get("data_parallel_leader", True)]
         steps = [r["probe"]["steps"] for r in readers or ranks]
         n = min(len(s) for s in steps)

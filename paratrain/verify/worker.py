@@ -85,11 +85,11 @@ def run_job(local_rank: int, job: dict[str, Any]) -> dict[str, Any]:
     built: list[dict[str, Any]] = []
     try:
         with contextlib.redirect_stdout(io.StringIO()):  # the report is the output, not N processes' prints
-            if job["kind"] == "entry":
-                with _recording_parallel(built):
+            with _recording_parallel(built):  # both kinds: RunView.merge reads it to count each shard once
+                if job["kind"] == "entry":
                     state, losses, model = _run_entry(job)
-            else:
-                state, losses, model = _run_builtin(job, probe)
+                else:
+                    state, losses, model = _run_builtin(job, probe)
     except Exception as e:  # noqa: BLE001 - what the probe saw before the failure still names its cause
         error = f"{type(e).__name__}: {next((ln for ln in str(e).splitlines() if ln.strip()), '')}".strip()
     finally:
@@ -113,7 +113,9 @@ def dropout_layers(model: nn.Module | None) -> list[str]:
 @contextlib.contextmanager
 def _recording_parallel(built: list[dict[str, Any]]) -> Iterator[None]:
     """Append what each ``paratrain.Parallel`` made in this block runs to ``built``: the options
-    verify hands a user's function as Parallel's defaults must show there."""
+    verify hands a user's function as Parallel's defaults must show there, and whether this rank
+    leads its data shard, from which :meth:`~paratrain.verify.diagnose.RunView.merge` counts a
+    shard's samples once (for a built-in job and a user's function alike)."""
     from ..parallel import Parallel
 
     init = Parallel.__init__
@@ -187,15 +189,15 @@ def _run_builtin(job: dict[str, Any], probe: Probe) -> tuple[dict[str, torch.Ten
         if train_set is None:
             train_set = cfg.dataset(train=True)
         model, optimizer, scheduler = setup_task(pt, cfg, job["steps"])
-        # Count the micro-batches paratrain hands to the strategy, on one rank per data shard: the
-        # ranks of a tensor-parallel group or of a pipeline read the same batch, and a pipeline's
-        # stages run forwards on micro-batches and activations, not on the inputs.
+        # Count the micro-batches paratrain hands to the strategy, on every rank: a pipeline's
+        # stages run forwards on micro-batches and activations, not on the inputs. The ranks of a
+        # tensor-parallel group or of a pipeline read the same batch: RunView.merge keeps one rank
+        # per data shard, from the Parallel _recording_parallel saw.
         probe.count_forwards = False
-        step, leader = pt.training_step, pt.data_parallel_leader
+        step = pt.training_step
 
         def counted_step(model: Any, batch: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-            if leader:
-                probe.record_batch(batch[0])
+            probe.record_batch(batch[0])
             return step(model, batch, *args, **kwargs)
 
         pt.training_step = counted_step  # type: ignore[method-assign]
