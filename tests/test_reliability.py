@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from clitools import killpg, run_cli, start_cli
+from pace import scaled
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -288,7 +289,7 @@ def test_a_rank_that_does_not_arrive_is_named_and_ends_the_job_within_timeout_pl
     try:
         header = proc.stdout.readline()  # rank 0's layout line: training starts, the fault fires at step 3
         started = time.monotonic()
-        _, err = proc.communicate(timeout=timeout_s + 60)
+        _, err = proc.communicate(timeout=timeout_s + scaled(60))
         ended = time.monotonic() - started
     finally:
         killpg(proc)
@@ -297,7 +298,8 @@ def test_a_rank_that_does_not_arrive_is_named_and_ends_the_job_within_timeout_pl
     assert proc.returncode == 2 and len(lines) == 1, err[-3000:]
     assert lines[0].startswith("paratrain train: error: rank 1 did not arrive at a collective"), lines[0]
     assert "rank 0 waited for it" in lines[0]
-    assert ended <= timeout_s + 15, f"the job took {ended:.1f}s to end after the fault (timeout_s={timeout_s})"
+    # the promise is timeout_s plus what the launcher needs to see it and stop the job, which a slower machine stretches
+    assert ended <= timeout_s + scaled(15), f"the job took {ended:.1f}s to end after the fault (timeout_s={timeout_s})"
 
 
 def test_a_rank_that_never_starts_is_one_line_at_start_up(tmp_path: Path) -> None:
