@@ -20,9 +20,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 only=
 if [ "${1:-}" = wheel ]; then only=wheel; shift; fi
-# the pytest runs use both cores (pytest-xdist; the lab's tests share one worker, tests/conftest.py);
-# PARATRAIN_TEST_WORKERS=0 runs them in one process
-workers=(-n "${PARATRAIN_TEST_WORKERS:-2}" --dist loadgroup)
+# the pytest runs use both cores (pytest-xdist; tests/conftest.py says what shares one worker: the lab's
+# tests, a module's tests that share a trained fixture); PARATRAIN_TEST_WORKERS=0 runs them in one process
+workers=(-n "${PARATRAIN_TEST_WORKERS:-2}")
 [ "${PARATRAIN_TEST_WORKERS:-2}" = 0 ] && workers=(-p no:xdist)
 stages=()  # "name seconds", printed at the end, failed or not
 stage_start=$SECONDS
