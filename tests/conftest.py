@@ -1,9 +1,7 @@
 import faulthandler
 import os
-import re
 import signal
 import sys
-from pathlib import Path
 
 # Multi-process tests run several workers on 2 cores: one intra-op thread each keeps them fast.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -17,7 +15,6 @@ fastlaunch.install()  # multi-process tests fork their workers from a server tha
 
 import pytest  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 _STDERR_FD = -1  # a copy of stderr made before pytest captures output: where the stacks go
 
 
@@ -49,47 +46,19 @@ def pytest_runtest_protocol(item, nextitem):
         faulthandler.cancel_dump_traceback_later()
 
 
-_ONE_WORKER = {"lab": "tests/lab/", "package": "tests/test_package.py"}
-"""Tests that share a machine-wide resource run in one pytest-xdist worker, one after another: the
-lab's network namespaces, Slurm and MPI daemons (session fixtures that two workers would both bring
-up); the package's builds, which write build/ and paratrain.egg-info/ in the checkout."""
-
-
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     room = pace.pace()
     if room > 1:  # each test's hard limit (pytest-timeout's, and the stack dump above) with the machine's room
         for item in items:
             marker = item.get_closest_marker("timeout")
-            limit = float(marker.args[0]) if marker is not None and marker.args else float(config.getini("timeout"))
-            item.add_marker(pytest.mark.timeout(limit * room), append=False)
+            args, kwargs = (list(marker.args), dict(marker.kwargs)) if marker is not None else ([], {})
+            limit = args.pop(0) if args else kwargs.pop("timeout", None)
+            limit = float(limit if limit is not None else config.getini("timeout"))
+            item.add_marker(pytest.mark.timeout(limit * room, *args, **kwargs), append=False)  # method= kept
 
 
-def work_unit(nodeid: str) -> str:
-    """What one pytest-xdist worker runs as a whole: a group of :data:`_ONE_WORKER`, a module with a
-    module-scoped fixture (a trained reference run, a built wheel: split across two workers, each
-    would build it), or else the test alone."""
-    path = nodeid.replace("\\", "/").split("::")[0]
-    group = next((g for g, prefix in _ONE_WORKER.items() if path.startswith(prefix)), None)
-    if group is not None:
-        return group
-    return path if _has_module_fixture(path) else nodeid
-
-
-_MODULE_FIXTURE = re.compile(r"""@pytest\.fixture\(.*scope=["'](module|session)["']""")
-_module_fixtures: dict[str, bool] = {}
-
-
-def _has_module_fixture(path: str) -> bool:
-    if path not in _module_fixtures:
-        try:
-            text = (ROOT / path).read_text()
-        except OSError:
-            text = ""
-        _module_fixtures[path] = bool(_MODULE_FIXTURE.search(text))
-    return _module_fixtures[path]
-
-
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: unknown where xdist is absent or -p no:xdist
 def pytest_xdist_make_scheduler(config, log):
     """``-n 2`` (``scripts/test.sh``): xdist's load-scope scheduler over :func:`work_unit` (largest
     units first). pytest-xdist's own ``--dist loadgroup`` cannot be used: it renames a test's
@@ -98,6 +67,8 @@ def pytest_xdist_make_scheduler(config, log):
 
     if config.getvalue("dist") not in ("load", "loadgroup", "loadscope"):
         return None  # --dist each, loadfile, worksteal: as asked
+
+    from workunits import work_unit
 
     class WorkUnits(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
