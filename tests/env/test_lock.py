@@ -140,4 +140,5 @@ def test_parallel_in_a_users_loop_holds_its_folders(tmp_path: Path) -> None:
         assert not (tmp_path / "logs" / LOCK_FILE).exists() and not (tmp_path / "mine" / LOCK_FILE).exists()
     finally:
         _end(proc)
-    assert lock._HELD == {}
+    # none of this test's folders is still held (another test of the same worker may hold its own)
+    assert not [k for k in lock._HELD if k.startswith(str(tmp_path))], lock._HELD
