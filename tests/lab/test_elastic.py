@@ -16,11 +16,15 @@ import pytest
 from labrun import TRAIN_ARGS, assert_same_run, finish_all, start
 
 
-def wait_for(path, procs, timeout=120):
+def wait_for_checkpoint(ckpt, step, procs, timeout=120):
+    """Until ``latest`` names step ``step``'s checkpoint: it is replaced after the checkpoint's files and
+    digests, and it is what a resume takes (its ``.sha256`` appears earlier, and a busy machine can
+    stretch the gap)."""
+    latest, want = ckpt / "latest", f"step-{step:08d}"
     deadline = time.monotonic() + timeout
-    while not path.exists():
+    while not (latest.exists() and want in latest.read_text()):
         if any(p.poll() is not None for p in procs) or time.monotonic() > deadline:
-            raise AssertionError(f"no {path.name}: exit codes {[p.poll() for p in procs]}")
+            raise AssertionError(f"latest never named {want}: exit codes {[p.poll() for p in procs]}")
         time.sleep(0.2)
 
 
@@ -41,7 +45,7 @@ def test_lost_host_shrinks_to_one_and_ends_on_the_uninterrupted_weights(fresh_la
     # whenever the cut comes; c10d numbers the ranks on arrival, so `*`: whichever rank host 1 has
     procs = [start(lab, k, [*args, "--log-dir", str(tmp_path / f"h{k}")], **({"PARATRAIN_TEST_HANG_AT": "*:25"} if k else {}))
              for k in range(2)]
-    wait_for(ckpt / "step-00000020.sha256", procs)
+    wait_for_checkpoint(ckpt, 20, procs)
     lab.cut(1)
     for pid in lab.pids(lab.name(1)):  # the host is lost, not just silent: its processes go too
         os.kill(pid, 9)
@@ -63,7 +67,7 @@ def test_joining_host_grows_one_to_two_and_ends_on_the_uninterrupted_weights(fre
     # agent restart its worker (a membership change, not a failure: no restart is spent)
     args = [*elastic_args(lab, ckpt, "lab-grow"), "--rdzv-conf", "last_call_timeout=2"]
     first = start(lab, 0, [*args, "--log-dir", str(tmp_path / "h0")], PARATRAIN_TEST_WAIT_ALONE_AT="25")
-    wait_for(ckpt / "step-00000020.sha256", [first])
+    wait_for_checkpoint(ckpt, 20, [first])
     second = start(lab, 1, [*args, "--log-dir", str(tmp_path / "h1")])
     grown, joined = finish_all([first, second], 200)
     for p in (grown, joined):
