@@ -77,6 +77,7 @@ class Parallel(process.OnProcess, tracking.TrackedRun):
                  tensor: TensorOptions | Mapping[str, Any] | None = None,
                  pipeline: PipelineOptions | Mapping[str, Any] | None = None,
                  devices: DevicesOptions | Mapping[str, Any] | None = None, ps: PSOptions | Mapping[str, Any] | None = None,
+                 mesh: strategies.MeshOptions | Mapping[str, Any] | str | None = None,
                  log_to: str | Iterable[str | tracking.Tracker] | None = None, log_dir: str | None = None,
                  loggers: Iterable[tracking.Tracker] = (), plan: BatchPlan | None = None) -> None:
         given = locals()  # the options given (not None): ParallelConfig's fields, named one by one above
@@ -117,8 +118,8 @@ class Parallel(process.OnProcess, tracking.TrackedRun):
 
     def describe(self) -> dict[str, Any]:
         """Where this job runs: world and data-parallel size, strategy, backend, device (a run's provenance)."""
-        return {"world_size": self.world_size, "data_parallel_size": self.plan.world_size,
-                "strategy": self.config.strategy, "backend": self.dist.backend, "device": str(self.device)}
+        return {"world_size": self.world_size, "data_parallel_size": self.plan.world_size, "strategy": self.config.strategy,
+                "mesh": self.config.mesh_name(self.world_size), "backend": self.dist.backend, "device": str(self.device)}
 
     def report(self) -> dict[str, Any]:
         """Strategy-specific numbers for a run's summary (e.g. the parameter server's updates)."""

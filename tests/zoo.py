@@ -187,8 +187,9 @@ def train_parallel(make: Callable[[], nn.Module], strategy: str, *, steps: int, 
 
 
 def train_plain(make: Callable[[], nn.Module], *, steps: int, global_batch: int, seed: int, data: Tokens,
-                lr: float = 0.5) -> dict[str, torch.Tensor]:
-    """The same in plain PyTorch, one process, over paratrain's documented sample order."""
+                lr: float = 0.5, clip_grad_norm: float | None = None) -> dict[str, torch.Tensor]:
+    """The same in plain PyTorch, one process, over paratrain's documented sample order (clipping
+    the gradient's norm to ``clip_grad_norm`` when given)."""
     from parity import global_batches
 
     torch.manual_seed(seed)
@@ -197,5 +198,7 @@ def train_plain(make: Callable[[], nn.Module], *, steps: int, global_batch: int,
     for idx in global_batches(len(data), global_batch, seed, steps):
         opt.zero_grad()
         loss_of(model(data.ids[idx]), data.target[idx]).backward()
+        if clip_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)
         opt.step()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}

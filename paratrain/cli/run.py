@@ -157,6 +157,8 @@ def add_default_arguments(p: argparse.ArgumentParser) -> None:
     """``--strategy``, ``--precision``, ``--set`` and ``--config``: the defaults of the script's ``Parallel()``."""
     g = p.add_argument_group("defaults of Parallel() in the script (its own arguments win)")
     g.add_argument("--strategy", default=None, metavar="S", help=f"{', '.join(strategies.STRATEGIES)}")
+    g.add_argument("--mesh", default=None, metavar="DIM=N,...",
+                   help="the layout as mesh sizes, e.g. dp_replicate=2,dp_shard=2 (pp, dp_replicate, dp_shard, tp)")
     g.add_argument("--precision", default=None, metavar="P", help=f"{', '.join(precision.PRECISIONS)}")
     g.add_argument("--set", dest="overrides", action="append", default=[], metavar="parallel.KEY=VALUE",
                    help="any other field of Parallel's config, e.g. --set parallel.seed=3 "
@@ -171,7 +173,7 @@ def defaults_environment(args: argparse.Namespace) -> dict[str, str]:
     validated here, before any worker starts; empty when nothing sets one."""
     overrides = parse_set(args.overrides)
     labels = {key: f"paratrain run --set {key}" for key in overrides}
-    for flag in ("strategy", "precision"):
+    for flag in ("strategy", "mesh", "precision"):
         if getattr(args, flag) is not None:
             overrides[f"parallel.{flag}"] = getattr(args, flag)
             labels[f"parallel.{flag}"] = f"paratrain run --{flag}"

@@ -48,6 +48,8 @@ _FLAGS: dict[str, tuple[str, Any, str]] = {
                   "factory as file.py:function or module:function"),
     "--data-dir": ("data.data_dir", str, "folder holding cifar-10-batches-py"),
     "--strategy": ("parallel.strategy", str, _one_of([AUTO, *STRATEGIES])),  # the registry's names
+    "--mesh": ("parallel.mesh", str, "the layout as mesh sizes, e.g. dp_replicate=2,dp_shard=2 or pp=2,tp=2 (pp, "
+               "dp_replicate, dp_shard, tp; one may be -1: the rest)"),
     "--precision": ("parallel.precision", str, "32, tf32, fp16-mixed, bf16-mixed, bf16-true, fp16-true, O0-O3"),
     "--global-batch": ("parallel.global_batch", int, "samples per optimizer step over all workers"),
     "--accumulation": ("parallel.accumulation", int, "micro-steps per optimizer step"),

@@ -77,6 +77,9 @@ def from_dict(cls: type, data: Mapping[str, Any], where: str = "config") -> Any:
         tp = hints[key]
         name = f"{where}.{key}".removeprefix("config.")  # as --set spells it: parallel.seed
         if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+            if isinstance(value, str) and hasattr(tp, "parse"):  # a section with a one-line spelling: --mesh tp=2
+                kwargs[key] = tp.parse(value)
+                continue
             if not isinstance(value, Mapping):  # [parallel] given as `parallel = 5`, or --set parallel=x
                 raise ValueError(f"{name} is a section of settings, not a value ({value!r}): set its keys, "
                                  f"e.g. --set {name}.<key>=<value>")

@@ -87,6 +87,9 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         for name, strategy in _strategies.STRATEGIES.items():
             section = getattr(self, name, None)
+            if strategy.options_class is not None and isinstance(section, str) and hasattr(strategy.options_class, "parse"):
+                section = strategy.options_class.parse(section)  # --mesh pp=2,dp_shard=2
+                setattr(self, name, section)
             if strategy.options_class is not None and isinstance(section, Mapping):
                 setattr(self, name, from_dict(strategy.options_class, section, f"parallel.{name}"))
         if self.strategy != _strategies.AUTO and self.strategy not in _strategies.STRATEGIES:
@@ -126,6 +129,9 @@ class ParallelConfig:
         if self.loss_scale is not None and not _precision.lookup(self.precision).scales_loss:
             scaled = " or ".join(n for n, c in _precision.PRECISIONS.items() if c.scales_loss)
             raise ValueError(f"loss_scale {self.loss_scale} only applies to precision {scaled}, not {self.precision}")
+        if self.mesh.given and not _strategies.agrees_with_mesh(self.strategy, self.mesh):
+            raise ValueError(f"strategy {self.strategy!r} and mesh {self.mesh} are both set: the mesh says the layout "
+                             f"({_strategies.describe_layout(self.strategy)}); give one of them")
         self.strategy_class.validate(self)
 
     @classmethod
@@ -170,19 +176,35 @@ class ParallelConfig:
 
     def strategy_options(self) -> Any:
         """The options section of the configured strategy (``self.ddp`` for ddp...), or None."""
-        return getattr(self, self._named(), None)
+        return self.strategy_class.options_of(self)
 
     def for_world(self, world: int) -> ParallelConfig:
         """This config on ``world`` processes: ``strategy="auto"`` replaced by the strategy it stands
         for there (:func:`paratrain.strategies.auto`); any other config as it is."""
+        if self.mesh.given:
+            self.mesh.sizes(world)  # a one-line error for a layout that does not make this world
         if self.strategy != _strategies.AUTO:
             return self
-        return dataclasses.replace(self, strategy=_strategies.auto(world))
+        return dataclasses.replace(self, strategy=self._named(world))
 
-    def _named(self) -> str:
+    def _named(self, world: int | None = None) -> str:
         if self.strategy != _strategies.AUTO:
             return self.strategy
-        return _strategies.auto(detect_process().world_size)  # the world this process was started in
+        if self.mesh.given:
+            return _strategies.for_mesh(self.mesh)
+        if world is None:
+            world = detect_process().world_size  # the world this process was started in
+        return _strategies.auto(world)
+
+    def layout(self, world: int) -> dict[str, int]:
+        """The mesh this config lays ``world`` processes out on (``{"dp_shard": 2, "tp": 2}``; :mod:`..strategies.mesh`)."""
+        return self.for_world(world).strategy_class.layout_for(world, self.for_world(world).strategy_options())
+
+    def mesh_name(self, world: int) -> str:
+        """The layout on ``world`` processes as the run's log and ``result.json`` name it: ``"dp_replicate=2,dp_shard=2"``."""
+        from ..strategies.mesh import describe
+
+        return describe(self.layout(world))
 
     def data_parallel_size(self, world: int) -> int:
         """Data shards for ``world`` processes under the configured strategy (tensor/pipeline share batches)."""

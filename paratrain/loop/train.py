@@ -81,7 +81,8 @@ def run_training(cfg: TrainConfig, plan: BatchPlan | None = None) -> dict[str, A
         pt.trackers.config = {**dataclasses.asdict(cfg), "provenance": made_by}  # the trackers' run config
         logger = RunLogger(cfg.log_dir, enabled=pt.is_main_process, append=resumed is not None, trackers=pt.trackers)
         logger.write_text("config.toml", to_toml(cfg.as_new_run()))  # `paratrain train --config <run>/config.toml` re-runs it
-        pt.print(f"paratrain: {pt.describe()['strategy']} on {pt.world_size} process(es), {pt.device}, "
+        where = pt.describe()
+        pt.print(f"paratrain: {where['strategy']} on {pt.world_size} process(es) (mesh {where['mesh']}), {pt.device}, "
                  f"precision {cfg.parallel.precision}; global batch {pt.plan}")
         loader_kwargs = {"num_workers": d.num_workers, "pin_memory": d.pin_memory,
                          "persistent_workers": d.persistent_workers}
@@ -105,6 +106,7 @@ def run_training(cfg: TrainConfig, plan: BatchPlan | None = None) -> dict[str, A
         summary = {
             "config": dataclasses.asdict(cfg),
             "world_size": pt.world_size,
+            "mesh": where["mesh"],  # the layout, "dp_replicate=2,dp_shard=2" ("1": one process)
             "resumed_from_step": resumed,
             "steps": result.steps,
             "train_loss": train_loss if math.isfinite(train_loss) else None,

@@ -11,14 +11,15 @@ from .ddp import DDPOptions, DDPStrategy
 from .devices import DevicesStrategy, DevicesOptions
 from .dp import DataParallelStrategy
 from .fsdp import FSDPOptions, FSDPStrategy
+from .mesh import MeshOptions, MeshStrategy
 from .pipeline import PipelineStrategy, PipelineOptions
 from .ps import ParameterServerStrategy, PSOptions
 from .single import SingleDeviceStrategy
 from .tensor import TensorOptions, TensorParallelStrategy
 
 __all__ = ["Strategy", "STRATEGIES", "DDPOptions", "FSDPOptions", "TensorOptions", "PipelineOptions",
-           "DevicesOptions", "PSOptions", "build", "resolve", "reference", "data_parallel_reference",
-           "bench_defaults", "StrategyName", "AUTO", "auto"]
+           "DevicesOptions", "PSOptions", "MeshOptions", "build", "resolve", "reference", "data_parallel_reference",
+           "bench_defaults", "for_mesh", "agrees_with_mesh", "describe_layout", "StrategyName", "AUTO", "auto"]
 
 STRATEGIES: dict[str, type[Strategy]] = {
     "single": SingleDeviceStrategy,
@@ -29,10 +30,11 @@ STRATEGIES: dict[str, type[Strategy]] = {
     "pipeline": PipelineStrategy,
     "devices": DevicesStrategy,
     "ps": ParameterServerStrategy,
+    "mesh": MeshStrategy,
 }
 
 # The names above and AUTO as a type, for editors' completion of ``Parallel(strategy=...)`` (a test keeps it equal).
-StrategyName = Literal["auto", "single", "dp", "ddp", "fsdp", "tensor", "pipeline", "devices", "ps"]
+StrategyName = Literal["auto", "single", "dp", "ddp", "fsdp", "tensor", "pipeline", "devices", "ps", "mesh"]
 
 AUTO = "auto"  # the default: the reference strategy in one process, plain data parallel in several (:func:`auto`)
 
@@ -63,6 +65,24 @@ def auto(world_size: int) -> str:
     return data_parallel_reference() if world_size > 1 else reference()
 
 
+def for_mesh(layout: MeshOptions) -> str:
+    """The strategy that runs ``layout``: pipeline for ``pp`` alone, else the mesh strategy."""
+    alone = all(getattr(layout, d) in (None, 1) for d in ("dp_replicate", "dp_shard", "tp"))
+    return PipelineStrategy.name if alone and layout.pp not in (None, 1) else MeshStrategy.name
+
+
+def agrees_with_mesh(name: str, layout: MeshOptions) -> bool:
+    """Whether ``strategy=name`` may be given beside ``mesh=layout``: auto, the mesh strategy, or the one that runs it."""
+    return name in (AUTO, MeshStrategy.name, for_mesh(layout))
+
+
+def describe_layout(name: str, world: str = "N") -> str:
+    """``"ddp is mesh dp_replicate=N"``: a strategy's shorthand, for messages."""
+    spelled = {"ddp": "dp_replicate=N", "fsdp": "dp_shard=N", "tensor": "dp_shard=N/k,tp=k (tp_size k)",
+               "pipeline": "pp=N"}
+    return f"{name} is mesh {spelled[name]}" if name in spelled else f"{name} is no mesh layout"
+
+
 def bench_defaults(quick: bool = False) -> list[str]:
     """Strategies in paratrain bench's default matrix (``--quick``: the fast subset), registry order."""
     tiers = ("quick",) if quick else ("quick", "full")
@@ -84,5 +104,5 @@ def build(cfg: Any, dist_info: Dist, precision: Precision | None = None) -> Stra
     cls = resolve(cfg.strategy)
     if precision is None:
         precision = build_precision(cfg.precision, dist_info.device, cfg.loss_scale)
-    return cls(dist_info, cfg.sync_batchnorm, getattr(cfg, cls.name, None), precision=precision,
+    return cls(dist_info, cfg.sync_batchnorm, cls.options_of(cfg), precision=precision,
                max_grad_norm=cfg.clip_grad_norm, activation_checkpointing=getattr(cfg, "activation_checkpointing", None))

@@ -85,9 +85,20 @@ class Strategy:
                              "use --strategy ddp, or drop --nproc-per-node/--nnodes")
 
     @classmethod
+    def options_of(cls, cfg: Any) -> Any:
+        """What this strategy is built with from a ``ParallelConfig``: its own section (``cfg.ddp``...)."""
+        return getattr(cfg, cls.name, None)
+
+    @classmethod
     def data_parallel_size_for(cls, world: int, options: Any = None) -> int:
         """How many data shards a world of ``world`` processes reads (the batch is split that many ways)."""
         return world
+
+    @classmethod
+    def layout_for(cls, world: int, options: Any = None) -> dict[str, int]:
+        """This strategy's layout on ``world`` processes as mesh dimensions (:mod:`.mesh`): ``{"dp_replicate": N}``
+        for plain data parallel; ``{}`` for a strategy that is no mesh (one process, a parameter server)."""
+        return {"dp_replicate": world} if cls.processes != "one" and world > 1 else {}
 
     # --- data layout ----------------------------------------------------------------------
     @property

@@ -316,6 +316,10 @@ class FSDPStrategy(DTensorStrategy):
     bench_default = "quick"
     options_class = FSDPOptions
 
+    @classmethod
+    def layout_for(cls, world: int, options: Any = None) -> dict[str, int]:
+        return {"dp_shard": world}
+
     def __init__(self, dist_info: Dist, sync_batchnorm: bool = False, options: Any = None, **common: Any) -> None:
         super().__init__(dist_info, sync_batchnorm, options or FSDPOptions(), **common)
 

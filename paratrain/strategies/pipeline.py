@@ -219,6 +219,10 @@ class PipelineStrategy(Strategy):
     def data_parallel_size_for(cls, world: int, options: Any = None) -> int:
         return 1  # one replica: every stage sees the same batch
 
+    @classmethod
+    def layout_for(cls, world: int, options: Any = None) -> dict[str, int]:
+        return {"pp": world}
+
     def __init__(self, dist_info: Dist, sync_batchnorm: bool = False, options: PipelineOptions | None = None, **common: Any) -> None:
         super().__init__(dist_info, sync_batchnorm, options or PipelineOptions(), **common)
         self._pipes: dict[int, PipelineModule] = {}  # id(user's model) -> its stage

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -151,7 +151,7 @@ class TensorParallelStrategy(DTensorStrategy):
 
     name = "tensor"
     bench_default = "full"  # a --quick run stays a couple of minutes on 2 CPU cores
-    options_class = TensorOptions
+    options_class: ClassVar[type | None] = TensorOptions
 
     @classmethod
     def validate(cls, cfg: Any) -> None:
@@ -175,6 +175,16 @@ class TensorParallelStrategy(DTensorStrategy):
                              f"use a tp_size that divides {world}")
         self.dp = world // self.tp
         self._mesh: Any = None
+
+    @classmethod
+    def layout_for(cls, world: int, options: Any = None) -> dict[str, int]:
+        tp = getattr(options, "tp_size", None) or world
+        return {"dp_shard": max(1, world // tp), "tp": tp}
+
+    @property
+    def tensor_options(self) -> TensorOptions:
+        """The ``[parallel.tensor]`` section: the plan."""
+        return self.options
 
     # --- data layout: the ranks of one tp group read the same batch ---------------------------
     @property
@@ -205,8 +215,8 @@ class TensorParallelStrategy(DTensorStrategy):
             raise NotApplicable(f"tensor: the model ({type(model).__name__}) has no nn.Linear layer to "
                              "parallelize: use fsdp or ddp")
         own = model_plan(model)
-        if self.options.plan:
-            plan = expand_plan(model, self.options.plan)
+        if self.tensor_options.plan:
+            plan = expand_plan(model, self.tensor_options.plan)
         elif own is not None:
             plan = expand_plan(model, own)
         elif _is_huggingface(model):

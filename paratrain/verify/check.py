@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import strategies as _strategies
+from ..strategies.mesh import describe as describe_mesh
 from ..config import TrainConfig
 from ..data.sampler import BatchPlan
 from ..launch.spawn import LaunchError, launch
@@ -84,8 +85,11 @@ class VerifyReport:
 def _launch(name: str, nprocs: int, job: dict[str, Any], opts: VerifyOptions,
             env: dict[str, str] | None = None) -> RunView:
     try:
+        # forked from a server that imported torch once (its runs are 1 + N + 1 processes, each of
+        # which would otherwise start python and import torch): as selftest's and bench's runs
         ranks = launch(run_job, nprocs, args=(job,), timeout=opts.timeout,
-                       env={"OMP_NUM_THREADS": str(opts.threads), **(env or {})})
+                       env={"OMP_NUM_THREADS": str(opts.threads), **(env or {})},
+                       start_method="forkserver", preload=["paratrain.verify.worker"])
     except LaunchError as e:
         return RunView.merge(name, nprocs, None, error=str(e))
     return RunView.merge(name, nprocs, ranks)
@@ -167,9 +171,12 @@ def verify_config(cfg: TrainConfig, opts: VerifyOptions) -> VerifyReport:
     data = None
     if cfg.data.dataset in _SMALL_DATA:  # built once here instead of in every process
         data = cfg.dataset(train=True)
-    single = {"parallel.strategy": _strategies.reference(), "parallel.accumulation": None, "parallel.micro_batch": None}
+    single: dict[str, Any] = {"parallel.strategy": _strategies.reference(), "parallel.accumulation": None, "parallel.micro_batch": None,
+              "parallel.mesh": {}}  # one process: no layout
     ref = _launch("world size 1", 1, job(**single), opts)
-    main = _launch(f"world size {n} ({strategy})", n, job(**{"parallel.strategy": strategy}), opts)
+    if p.mesh.given:
+        strategy = f"mesh {describe_mesh(p.layout(n))}"  # the layout is the config's mesh
+    main = _launch(f"world size {n} ({strategy})", n, job(**({} if p.mesh.given else {"parallel.strategy": strategy})), opts)
     extra: list[tuple[RunView, float]] = []
     repeat: RunView
     if accumulation > 1:

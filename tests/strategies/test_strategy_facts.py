@@ -70,6 +70,7 @@ FACTS = [  # name, processes, drives all local devices, reference, plain data pa
     ("pipeline", "any", False, False, False, False, "full", True),
     ("devices", "one", False, False, False, False, "full", True),
     ("ps", "any", False, False, False, False, "full", True),
+    ("mesh", "any", False, False, False, False, "no", True),
 ]
 
 

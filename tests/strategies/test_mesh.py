@@ -1,0 +1,138 @@
+"""``mesh``: one way to say the layout (``Parallel(mesh=...)``, ``--mesh``, ``[parallel] mesh``), its
+one-line refusals, and every data-parallel x tensor-parallel composition at world size 4 in float64
+against plain PyTorch in one process (issue 35): HSDP 2x2, dp_shard 2 x tp 2, dp_replicate 2 x tp 2,
+plain replication, on a tiny HuggingFace Llama (untied) and nanoGPT's GPT (tied embeddings)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import zoo
+from parity import assert_same_state
+
+import paratrain
+from paratrain.config.parallel import ParallelConfig
+from paratrain.strategies.mesh import MeshOptions, describe
+
+pytestmark = pytest.mark.timeout(300)
+GLOBAL_BATCH, STEPS, SEED, N = 8, 3, 5, 24
+LAYOUTS = {
+    "hsdp": {"dp_replicate": 2, "dp_shard": 2},
+    "dp_shard2_tp2": {"dp_shard": 2, "tp": 2},
+    "dp_replicate2_tp2": {"dp_replicate": 2, "tp": -1},
+    "replicate": {"dp_replicate": 4},
+}
+KINDS = ("llama", "gpt")
+
+
+def build(kind: str) -> torch.nn.Module:
+    return zoo.GPT() if kind == "gpt" else zoo.hf_model(kind)
+
+
+# --------------------------------------------------------------------------- the spelling
+
+
+def test_the_layout_is_said_as_sizes_that_make_the_world():
+    assert MeshOptions.parse("pp=2, dp_shard=2,tp=2") == MeshOptions(pp=2, dp_shard=2, tp=2)
+    assert MeshOptions(tp=2).sizes(8) == {"pp": 1, "dp_replicate": 1, "dp_shard": 4, "tp": 2}  # dp_shard: the rest
+    assert MeshOptions(dp_replicate=-1, dp_shard=2).sizes(8)["dp_replicate"] == 4
+    assert describe(MeshOptions(dp_replicate=2, dp_shard=2).sizes(4)) == "dp_replicate=2,dp_shard=2"
+    assert not MeshOptions().given and MeshOptions(tp=1).given
+
+
+@pytest.mark.parametrize("mesh, world, words", [
+    ("tp=3", 4, "do not divide the world size 4"),
+    ("dp_replicate=2,dp_shard=2,tp=2", 4, "makes 8 processes, not the world size 4"),
+    ("tp=-1,dp_shard=-1", 4, "only one dimension may be -1"),
+    ("cp=2", 4, "is not NAME=SIZE with NAME one of pp, dp_replicate, dp_shard, tp"),
+    ("tp=0", 4, "must be a whole number >= 1, or -1"),
+    ("pp=2,tp=2", 4, "pipeline (pp) does not compose with tp yet"),
+])
+def test_a_bad_layout_is_one_line_before_any_worker(mesh, world, words):
+    with pytest.raises(ValueError) as e:
+        ParallelConfig(mesh=mesh).for_world(world)
+    assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_the_strategy_names_are_shorthands_for_layouts():
+    for strategy, options, layout in [("ddp", {}, {"dp_replicate": 4}), ("fsdp", {}, {"dp_shard": 4}),
+                                      ("tensor", {"tensor": {"tp_size": 2}}, {"dp_shard": 2, "tp": 2}),
+                                      ("pipeline", {}, {"pp": 4}), ("single", {}, {})]:
+        world = 1 if strategy == "single" else 4
+        assert ParallelConfig(strategy=strategy, **options).layout(world) == layout, strategy
+    assert ParallelConfig(mesh={"pp": 4}).for_world(4).strategy == "pipeline"
+    assert ParallelConfig(mesh="dp_shard=2,tp=2").for_world(4).strategy == "mesh"
+    with pytest.raises(ValueError, match="strategy 'ddp' and mesh tp=2 are both set"):
+        ParallelConfig(strategy="ddp", mesh="tp=2")
+    # the batch is split over dp_replicate x dp_shard: the same samples per step in every layout
+    assert ParallelConfig(mesh="dp_replicate=2,dp_shard=2").batch_plan(4).world_size == 4
+    assert ParallelConfig(mesh="dp_replicate=2,tp=2").batch_plan(4).world_size == 2
+
+
+# --------------------------------------------------------------------------- world size 4
+
+
+def worker(rank: int) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for name, mesh in LAYOUTS.items():
+        for kind in KINDS:
+            out[f"{name}/{kind}"] = zoo.train_parallel(lambda kind=kind: build(kind), "auto", steps=STEPS, global_batch=GLOBAL_BATCH,
+                                                       seed=SEED, data=zoo.Tokens(N), mesh=mesh, clip_grad_norm=0.05)
+    pt = paratrain.Parallel(mesh=LAYOUTS["hsdp"])
+    out["describe"] = pt.describe()
+    pt.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def world4():
+    pytest.importorskip("transformers")
+    return paratrain.launch(worker, nprocs=4, timeout=240)[0]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_each_layout_equals_one_process(world4, layout, kind):
+    ref = zoo.train_plain(lambda: build(kind), steps=STEPS, global_batch=GLOBAL_BATCH, seed=SEED, data=zoo.Tokens(N),
+                          clip_grad_norm=0.05)
+    got = world4[f"{layout}/{kind}"]
+    assert_same_state({k: got[k] for k in ref}, ref, rtol=1e-9)
+
+
+def test_the_run_names_its_mesh(world4):
+    d = world4["describe"]
+    assert d["strategy"] == "mesh" and d["mesh"] == "dp_replicate=2,dp_shard=2" and d["data_parallel_size"] == 4
+
+
+# --------------------------------------------------------------------------- the command line, the config file
+
+
+def _parsed(argv: list[str]):
+    from paratrain.cli.main import build_parser
+
+    return build_parser().parse_args(argv)
+
+
+def test_the_command_line_and_paratrain_toml_say_the_mesh(tmp_path, monkeypatch):
+    from paratrain.cli import run as run_cli_module
+    from paratrain.cli.train import build_config
+    from paratrain.env import defaults
+
+    cfg = build_config(_parsed(["train", "--mesh", "dp_replicate=2,tp=-1"]))
+    assert cfg.parallel.mesh == MeshOptions(dp_replicate=2, tp=-1) and cfg.parallel.layout(4)["tp"] == 2
+    (tmp_path / "job.toml").write_text('[parallel]\nmesh = {dp_shard = 2, tp = 2}\n')
+    cfg = build_config(_parsed(["train", "--config", str(tmp_path / "job.toml")]))
+    assert cfg.parallel.mesh == MeshOptions(dp_shard=2, tp=2)
+    # paratrain run hands it to the script's Parallel() as a default
+    env = run_cli_module.defaults_environment(_parsed(["run", "--mesh", "dp_replicate=2,dp_shard=2", "x.py"]))
+    monkeypatch.setenv(defaults.VARIABLE, env[defaults.VARIABLE])
+    assert ParallelConfig.of(None, {}).mesh == MeshOptions(dp_replicate=2, dp_shard=2)
+
+
+def test_verify_proves_a_layout_against_one_process():
+    from clitools import run_cli
+
+    r = run_cli(["verify", "--nproc", "4", "--steps", "3", "--model", "mlp", "--mesh", "dp_replicate=2,dp_shard=2",
+                 "--check-accumulation", "0"], timeout=240)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "world size 4 (mesh dp_replicate=2,dp_shard=2) vs world size 1" in r.stdout and "result: PASS" in r.stdout
