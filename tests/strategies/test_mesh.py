@@ -136,3 +136,37 @@ def test_verify_proves_a_layout_against_one_process():
                  "--check-accumulation", "0"], timeout=240)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "world size 4 (mesh dp_replicate=2,dp_shard=2) vs world size 1" in r.stdout and "result: PASS" in r.stdout
+
+
+# --------------------------------------------------------------------------- checkpoints across layouts
+
+
+def resume_worker(rank: int, mesh: dict[str, int] | None, directory: str, save_at: int | None) -> dict[str, torch.Tensor]:
+    """Train the Llama under ``mesh`` (None: one process) to step ``save_at`` and save, or load the newest
+    checkpoint of ``directory`` and train on to ``STEPS``; the full state dict."""
+    pt = paratrain.Parallel(global_batch=GLOBAL_BATCH, seed=SEED, **({"mesh": mesh} if mesh else {}))
+    model = build("llama").double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    model, opt = pt.setup(model, opt)
+    if save_at is None:
+        pt.load_checkpoint(directory, model, opt)
+    for ids, target in pt.train_loader(zoo.Tokens(N)):
+        if pt.global_step == (save_at or STEPS):
+            break
+        opt.zero_grad()
+        pt.backward(zoo.loss_of(model(ids), target))
+        opt.step()
+    if save_at is not None:
+        pt.save_checkpoint(directory, model, opt)
+    state = pt.full_state_dict(model)
+    pt.close()
+    return state
+
+
+@pytest.mark.parametrize("saved, resumed", [(LAYOUTS["hsdp"], {"dp_shard": 2, "tp": 2}), ({"dp_shard": 2, "tp": 2}, None)])
+def test_a_checkpoint_of_one_layout_resumes_under_another(tmp_path, saved, resumed):
+    pytest.importorskip("transformers")
+    paratrain.launch(resume_worker, nprocs=4, args=(saved, str(tmp_path), 1), timeout=120)
+    got = paratrain.launch(resume_worker, nprocs=4 if resumed else 1, args=(resumed, str(tmp_path), None), timeout=120)[0]
+    ref = zoo.train_plain(lambda: build("llama"), steps=STEPS, global_batch=GLOBAL_BATCH, seed=SEED, data=zoo.Tokens(N))
+    assert_same_state({k: got[k] for k in ref}, ref, rtol=1e-9)
