@@ -197,8 +197,12 @@ class ParallelConfig:
         return _strategies.auto(world)
 
     def layout(self, world: int) -> dict[str, int]:
-        """The mesh this config lays ``world`` processes out on (``{"dp_shard": 2, "tp": 2}``; :mod:`..strategies.mesh`)."""
-        return self.for_world(world).strategy_class.layout_for(world, self.for_world(world).strategy_options())
+        """The mesh this config lays ``world`` processes out on (``{"dp_shard": 2, "tp": 2}``; :mod:`..strategies.mesh`):
+        the ``mesh`` given, else the strategy's shorthand (ddp: ``{"dp_replicate": world}``...)."""
+        if self.mesh.given:
+            return self.mesh.sizes(world)
+        on_world = self.for_world(world)
+        return on_world.strategy_class.layout_for(world, on_world.strategy_options())
 
     def mesh_name(self, world: int) -> str:
         """The layout on ``world`` processes as the run's log and ``result.json`` name it: ``"dp_replicate=2,dp_shard=2"``."""
@@ -208,6 +212,9 @@ class ParallelConfig:
 
     def data_parallel_size(self, world: int) -> int:
         """Data shards for ``world`` processes under the configured strategy (tensor/pipeline share batches)."""
+        if self.mesh.given:  # the batch is split over dp_replicate x dp_shard, whichever strategy runs the layout
+            sizes = self.mesh.sizes(world)
+            return sizes["dp_replicate"] * sizes["dp_shard"]
         return self.strategy_class.data_parallel_size_for(world, self.strategy_options())
 
     def batch_plan(self, world: int, given: BatchPlan | None = None) -> BatchPlan:

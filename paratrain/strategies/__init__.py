@@ -66,9 +66,9 @@ def auto(world_size: int) -> str:
 
 
 def for_mesh(layout: MeshOptions) -> str:
-    """The strategy that runs ``layout``: pipeline for ``pp`` alone, else the mesh strategy."""
-    alone = all(getattr(layout, d) in (None, 1) for d in ("dp_replicate", "dp_shard", "tp"))
-    return PipelineStrategy.name if alone and layout.pp not in (None, 1) else MeshStrategy.name
+    """The strategy that runs ``layout``: pipeline where it has ``pp`` (its stages then replicated or
+    sharded over the data-parallel dimensions), else the mesh strategy."""
+    return PipelineStrategy.name if layout.pp not in (None, 1) else MeshStrategy.name
 
 
 def agrees_with_mesh(name: str, layout: MeshOptions) -> bool:
@@ -104,5 +104,5 @@ def build(cfg: Any, dist_info: Dist, precision: Precision | None = None) -> Stra
     cls = resolve(cfg.strategy)
     if precision is None:
         precision = build_precision(cfg.precision, dist_info.device, cfg.loss_scale)
-    return cls(dist_info, cfg.sync_batchnorm, cls.options_of(cfg), precision=precision,
+    return cls(dist_info, cfg.sync_batchnorm, cls.options_of(cfg), precision=precision, layout=cfg.layout(dist_info.world_size),
                max_grad_norm=cfg.clip_grad_norm, activation_checkpointing=getattr(cfg, "activation_checkpointing", None))

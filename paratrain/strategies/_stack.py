@@ -136,6 +136,7 @@ class StackStage(nn.Module):
         self._stack_name, self._start, self._end, self._first, self._last = stack_name, start, end, first, last
         self._stand_ins = stand_ins  # embeddings this stage does not own -> their width
         self._shared: list[tuple[nn.Parameter, Any]] = []  # (parameter another stage owns too, their group)
+        self._counted_elsewhere: list[nn.Parameter] = []  # shared parameters an earlier stage counts in the norm
 
     def place(self, device: torch.device) -> None:
         """Move this stage to ``device``, with the buffers of the parameter-free modules outside the
@@ -198,18 +199,35 @@ class StackStage(nn.Module):
         for (param, group), old in zip(self._shared, before):
             grad = param.grad if param.grad is not None else torch.zeros_like(param)
             added = grad - old if old is not None else grad.clone()
-            dist.all_reduce(added, group=group)
+            # a stage sharded over its data-parallel ranks (FSDP2) holds a DTensor: each owner's shard
+            # is the same slice of the parameter, so the local shards are summed
+            dist.all_reduce(added.to_local() if hasattr(added, "to_local") else added, group=group)
             param.grad = added if old is None else old + added
+
+    def blocks(self) -> list[nn.Module]:
+        """The stack's blocks this stage runs (FSDP2 shards each as a unit)."""
+        return list(self._whole.get_submodule(self._stack_name).children())[self._start:self._end]
 
     def shared_grads(self) -> list[torch.Tensor | None]:
         return [None if p.grad is None else p.grad.detach().clone() for p, _ in self._shared]
 
+    def follow(self, swapped: Any) -> None:
+        """The shared parameters after sharding replaced them (``swapped``: a :class:`~.fsdp.ParameterSwap`)."""
+        self._shared = [(swapped.lookup(p), group) for p, group in self._shared]
+        self._counted_elsewhere = [swapped.lookup(p) for p in self._counted_elsewhere]  # type: ignore[misc]
+
+    def counted_elsewhere(self) -> list[nn.Parameter]:
+        """Shared (tied) parameters whose gradient an earlier stage holds too: the whole model's
+        gradient norm counts each once, there."""
+        return list(self._counted_elsewhere)
+
 
 def split_stack(model: nn.Module, n_stages: int, rank: int, split_points: Sequence[str] = (),
-                distributed: bool = True) -> list[StackStage] | None:
+                distributed: bool = True, replicas: int = 1, replica: int = 0) -> list[StackStage] | None:
     """The ``n_stages`` stages of a stack model (None when it has no stack of blocks), and on
     every rank the groups that sum a shared parameter's gradients (a collective when
-    ``distributed``: every rank calls it)."""
+    ``distributed``: every rank calls it). ``rank`` is this process's stage; with ``replicas``
+    pipelines (data parallel), stage ``s`` of replica ``r`` is global rank ``s * replicas + r``."""
     found = find_stack(model)
     if found is None:
         return None
@@ -241,13 +259,13 @@ def split_stack(model: nn.Module, n_stages: int, rank: int, split_points: Sequen
         owned = [*(before if first else []), *names[a:b], *(after if last else [])]
         stand_ins = {} if first else {n: widths[n] for n in before if n in widths}
         stages.append(StackStage(model, stack_name, a, b, first, last, owned, stand_ins))
-    _share(stages, rank, distributed)
+    _share(stages, rank, distributed, replicas, replica)
     return stages
 
 
-def _share(stages: list[StackStage], rank: int, distributed: bool) -> None:
-    """Parameters owned by several stages (tied weights): one process group per set of owners,
-    made on every rank in the same order."""
+def _share(stages: list[StackStage], rank: int, distributed: bool, replicas: int = 1, replica: int = 0) -> None:
+    """Parameters owned by several stages (tied weights): one process group per set of owners (in
+    each pipeline replica), made on every rank in the same order."""
     owners: dict[int, list[int]] = {}
     params: dict[int, nn.Parameter] = {}
     for i, stage in enumerate(stages):
@@ -257,6 +275,9 @@ def _share(stages: list[StackStage], rank: int, distributed: bool) -> None:
     for pid, ranks in owners.items():
         if len(ranks) < 2:
             continue
-        group = dist.new_group(ranks) if distributed else None
-        if rank in ranks and distributed:
-            stages[rank]._shared.append((params[pid], group))
+        for r in range(replicas):
+            group = dist.new_group([s * replicas + r for s in ranks]) if distributed else None
+            if rank in ranks and distributed and r == replica:
+                stages[rank]._shared.append((params[pid], group))
+                if rank != ranks[0]:
+                    stages[rank]._counted_elsewhere.append(params[pid])

@@ -51,7 +51,7 @@ class Strategy:
     options_class: ClassVar[type | None] = None  # the dataclass of its [parallel.<name>] config section; None: none
     def __init__(self, dist_info: Dist, sync_batchnorm: bool = False, options: Any = None, *,
                  precision: Precision | None = None, max_grad_norm: float | None = None,
-                 activation_checkpointing: Any = None) -> None:
+                 activation_checkpointing: Any = None, layout: dict[str, int] | None = None) -> None:
         """``dist_info``: this process's place in the job; ``options``: the strategy's own section
         of the config; ``precision``: the run's precision (default: plain fp32, changing no setting);
         ``max_grad_norm``: clip_grad_norm (ps clips on its server); ``activation_checkpointing``:
@@ -64,6 +64,8 @@ class Strategy:
         self.sync_batchnorm = sync_batchnorm
         self.options = options
         self.check_world(dist_info.world_size)
+        # the mesh sizes this process is part of (ParallelConfig.layout: the mesh given, else the shorthand's)
+        self.layout = layout if layout is not None else self.layout_for(dist_info.world_size, options)
 
     # --- what the strategy can run (asked before any process starts) -----------------------
     @classmethod

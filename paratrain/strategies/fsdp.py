@@ -159,8 +159,10 @@ def _blocks(model: nn.Module, wrap_classes: list[str], min_params: int) -> list[
     return _tie_safe(model, blocks)
 
 
-def shard_model(model: nn.Module, mesh: Any, options: FSDPOptions, precision: Precision | None = None) -> nn.Module:
-    """``fully_shard`` each block of ``model`` over ``mesh``, then the root; returns ``model``."""
+def shard_model(model: nn.Module, mesh: Any, options: FSDPOptions, precision: Precision | None = None,
+                blocks: list[nn.Module] | None = None) -> nn.Module:
+    """``fully_shard`` each block of ``model`` over ``mesh`` (``blocks``, else those :func:`_blocks`
+    finds), then the root; returns ``model``."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     missing = sorted(set(options.wrap_classes) - {type(m).__name__ for m in model.modules()})
@@ -184,7 +186,7 @@ def shard_model(model: nn.Module, mesh: Any, options: FSDPOptions, precision: Pr
             if isinstance(m, nn.modules.batchnorm._BatchNorm) and m is not model and m.affine:
                 fully_shard(m, mp_policy=fp32, **kwargs)
                 done.add(id(m))
-    for block in _blocks(model, options.wrap_classes, options.min_params):
+    for block in blocks if blocks is not None else _blocks(model, options.wrap_classes, options.min_params):
         if id(block) not in done:
             fully_shard(block, mp_policy=policy, **kwargs)
     fully_shard(model, mp_policy=policy, **kwargs)
@@ -227,7 +229,8 @@ class ParameterSwap:
             if name in old and old[name] is not p:
                 self._new[id(old[name])] = (weakref.ref(old[name]), p)
 
-    def _lookup(self, p: torch.Tensor) -> torch.Tensor:
+    def lookup(self, p: torch.Tensor) -> torch.Tensor:
+        """The parameter that replaced ``p`` (``p`` itself if none did)."""
         entry = self._new.get(id(p))
         return entry[1] if entry is not None and entry[0]() is p else p
 
@@ -238,7 +241,7 @@ class ParameterSwap:
         ``setup`` and not passed to it, the user's own reference) keeps acting on the one that
         steps; each ``params`` list is refilled rather than replaced (LBFGS keeps a reference to it).
         """
-        new = [[self._lookup(p) for p in g["params"]] for g in optimizer.param_groups]
+        new = [[self.lookup(p) for p in g["params"]] for g in optimizer.param_groups]
         if all(n is o for ps, g in zip(new, optimizer.param_groups) for n, o in zip(ps, g["params"])):
             return optimizer  # built after setup: already over the sharded parameters
         if optimizer.state:

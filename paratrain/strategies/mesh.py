@@ -15,8 +15,8 @@ gradient all-reduce crosses the slower links between nodes.
   replication, DDP's numbers);
 * ``... x tp``: the Linear layers split over ``tp`` first (tensor's plan), then the above over the
   data-parallel dimensions;
-* ``pp`` alone is the pipeline strategy. ``pp`` with another dimension is refused in one line: the
-  pipeline does not compose yet.
+* a layout with ``pp`` is the pipeline strategy's: each stage replicated or sharded (FSDP2) over the
+  data-parallel dimensions; ``pp`` with ``tp`` is refused in one line (not composed yet).
 
 The batch is split over ``dp_replicate x dp_shard`` ranks (the ``tp`` ranks of a group read the
 same samples), so the global batch and its samples are the same in every layout.
@@ -145,10 +145,9 @@ class MeshStrategy(TensorParallelStrategy):
     @classmethod
     def validate(cls, cfg: Any) -> None:
         layout: MeshOptions = cfg.mesh
-        others = [d for d in DIMS[1:] if getattr(layout, d) not in (None, 1)]
-        if layout.pp not in (None, 1) and others:
-            raise ValueError(f"mesh {layout}: pipeline (pp) does not compose with {', '.join(others)} yet: use pp alone "
-                             "(the pipeline strategy) or a layout without pp")
+        if layout.pp not in (None, 1):
+            raise ValueError(f"strategy 'mesh' runs no pipeline, and mesh {layout} has pp: leave strategy auto "
+                             "(the pipeline strategy runs a layout with pp)")
         if layout.tp in (None, 1):
             super(TensorParallelStrategy, cls).validate(cfg)  # fsdp's rules: no tensor-parallel gradients to scale
         else:

@@ -43,23 +43,26 @@ from torch import nn
 from ..env.process import Dist
 from ._split import check_sequential, parse_split_points, split_model
 from ._stack import StackStage, split_stack
+from ..checkpoint.sharded import full_state_dict as sharded_full_state_dict
 from .base import NotApplicable, Strategy
+from .fsdp import FSDPOptions, ParameterSwap, shard_model
 
 __all__ = ["PipelineOptions", "PipelineStrategy", "PipelineModule", "cut_stages"]
 
 
 def cut_stages(model: nn.Module, n_stages: int, rank: int = 0, split_points: Sequence[str] = (),
-               distributed: bool = False) -> list[nn.Module]:
+               distributed: bool = False, replicas: int = 1, replica: int = 0) -> list[nn.Module]:
     """The pipeline's one rule for cutting ``model`` into ``n_stages`` stages: its top-level
     children in consecutive runs (``split_model``: at ``split_points``, or balanced by parameter
     count), or, for a model whose children are no sequence (a GPT, Llama: a stack of blocks),
     between its blocks (``split_stack``; with ``distributed``, a collective that makes the groups
-    of tied parameters, ``rank``'s included). ``NotApplicable`` when neither cuts it. The
+    of tied parameters, ``rank``'s included; ``replicas`` pipelines side by side, this one
+    ``replica``). ``NotApplicable`` when neither cuts it. The
     strategy's setup and the memory estimate (:mod:`paratrain.bench.memory`) both cut here."""
     try:
         return list(split_model(model, n_stages, split_points, "pipeline"))
     except NotApplicable:
-        stacked = split_stack(model, n_stages, rank, split_points, distributed)
+        stacked = split_stack(model, n_stages, rank, split_points, distributed, replicas, replica)
         if stacked is None:
             raise
         return list(stacked)
@@ -117,7 +120,7 @@ class PipelineModule(nn.Module):
     parts: Sequence[nn.Module]
 
     def __init__(self, parts: Sequence[nn.Module], index: int, original: nn.Module, device: torch.device,
-                 options: PipelineOptions, distributed: bool) -> None:
+                 options: PipelineOptions, distributed: bool, group: Any = None) -> None:
         super().__init__()
         self.module = parts[index]
         # Not submodules (no duplicate parameters): the stage's runner, the whole model, all parts.
@@ -126,6 +129,7 @@ class PipelineModule(nn.Module):
         object.__setattr__(self, "parts", parts)
         self.index, self.n_stages, self.device, self.options = index, len(parts), device, options
         self.distributed = distributed  # False: a world of one, no process group: plain micro-batching
+        self.group = group  # the stages' process group (None: every rank is a stage of one pipeline)
         self._schedules: dict[tuple, Any] = {}
         self._loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
         self._checked = False
@@ -158,7 +162,7 @@ class PipelineModule(nn.Module):
         if key not in self._schedules:
             from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-            stage = PipelineStage(self.stage, self.index, self.n_stages, self.device)
+            stage = PipelineStage(self.stage, self.index, self.n_stages, self.device, group=self.group)
             cls = Schedule1F1B if training and self.options.schedule == "1f1b" else ScheduleGPipe
             loss_fn = self._micro_loss if training else None
             self._schedules[key] = cls(stage, n, loss_fn=loss_fn, scale_grads=False)
@@ -208,7 +212,10 @@ class PipelineStrategy(Strategy):
     @classmethod
     def validate(cls, cfg: Any) -> None:
         super().validate(cfg)
-        # The pipeline is one data-parallel replica: a step's batch is global_batch / accumulation.
+        if cfg.mesh.tp not in (None, 1):
+            raise ValueError(f"mesh {cfg.mesh}: pipeline (pp) does not compose with tp yet: use pp with dp_replicate "
+                             "and dp_shard, or a layout without pp")
+        # One pipeline's step batch is global_batch / accumulation (its share of it, with data parallel pipelines).
         n = cfg.pipeline.n_microbatches
         step_batch = cfg.micro_batch or cfg.global_batch // (cfg.accumulation or 1)
         if step_batch % n:
@@ -226,20 +233,48 @@ class PipelineStrategy(Strategy):
     def __init__(self, dist_info: Dist, sync_batchnorm: bool = False, options: PipelineOptions | None = None, **common: Any) -> None:
         super().__init__(dist_info, sync_batchnorm, options or PipelineOptions(), **common)
         self._pipes: dict[int, PipelineModule] = {}  # id(user's model) -> its stage
+        # The mesh (pp, dp_replicate, dp_shard), row-major: stage s of pipeline replica r is rank s * dp + r.
+        self.stages = self.layout.get("pp", dist_info.world_size)
+        self.dp = self.layout.get("dp_replicate", 1) * self.layout.get("dp_shard", 1)
+        self.stage_index, self.replica = divmod(dist_info.rank, self.dp)
+        self.swap = ParameterSwap()
+        self._meshes: tuple[Any, Any] | None = None
 
-    # --- data layout: one replica; every stage sees the same batch ------------------------
+    # --- data layout: the stages of one pipeline see the same batch -------------------------
+    @property
+    def data_parallel_size(self) -> int:
+        return self.dp
+
     @property
     def data_parallel_rank(self) -> int:
-        return 0
+        return self.replica
 
     @property
     def data_parallel_leader(self) -> bool:
-        return self.proc.rank == 0
+        return self.stage_index == 0
+
+    def _mesh(self) -> tuple[Any, Any]:
+        """``(pp x dp_replicate x dp_shard mesh, (pp, dp) mesh)`` for pipelines side by side (made on every rank)."""
+        if self._meshes is None:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            names = ("pp", "dp_replicate", "dp_shard")
+            whole = init_device_mesh(self.device.type, tuple(self.layout.get(d, 1) for d in names), mesh_dim_names=names)
+            flat = init_device_mesh(self.device.type, (self.stages, self.dp), mesh_dim_names=("pp", "dp"))
+            self._meshes = (whole, flat)
+        return self._meshes
+
+    @property
+    def _stage_group(self) -> Any:
+        return self._mesh()[1]["pp"].get_group() if self.dp > 1 else None  # None: the world is one pipeline
+
+    def _last_stage_rank(self) -> int:
+        return (self.stages - 1) * self.dp + self.replica
 
     # --- model ----------------------------------------------------------------------------
     def setup_model(self, model: nn.Module) -> nn.Module:
         n = self.options.n_microbatches
-        stages = self.proc.world_size
+        stages = self.stages
         if self.options.schedule == "1f1b" and stages > 1 and n < stages:  # torch refuses it at the first step
             raise ValueError(f"pipeline schedule 1f1b needs at least one micro-batch per stage: n_microbatches={n} "
                              f"< {stages} stages; set n_microbatches >= {stages}, or schedule gpipe")
@@ -255,13 +290,27 @@ class PipelineStrategy(Strategy):
     def wrap(self, model: nn.Module) -> nn.Module:
         o: PipelineOptions = self.options
         distributed = self.proc.backend is not None and self.proc.world_size > 1
-        parts = cut_stages(model, self.proc.world_size, self.proc.rank, o.split_points, distributed)
-        stage = parts[self.proc.rank]  # only this stage lives on this rank's device
+        if distributed and self.dp > 1:
+            self._mesh()  # its groups, on every rank in the same order, before the tied parameters' groups
+        parts = cut_stages(model, self.stages, self.stage_index, o.split_points, distributed, self.dp, self.replica)
+        stage = parts[self.stage_index]  # only this stage lives on this rank's device
         if isinstance(stage, StackStage):
             stage.place(self.device)  # with the buffers its blocks share with the whole model
         else:
             stage.to(self.device)
-        pipe = PipelineModule(parts, self.proc.rank, model, self.device, o, self.proc.backend is not None)
+        if distributed and self.dp > 1:  # the stage replicated or sharded over its data-parallel ranks (FSDP2, HSDP)
+            whole = self._mesh()[0]
+            dp_mesh = whole["dp_replicate", "dp_shard"] if self.layout.get("dp_replicate", 1) > 1 else whole["dp_shard"]
+            old = self.swap.before(stage)
+            shard_model(stage, dp_mesh, FSDPOptions(), self.precision,
+                        stage.blocks() if isinstance(stage, StackStage) else None)
+            self.swap.after(stage, old)
+            if isinstance(stage, StackStage):
+                stage.follow(self.swap)
+        pipe = PipelineModule(parts, self.stage_index, model, self.device, o, self.proc.backend is not None,
+                              self._stage_group if distributed else None)
+        if self.dp > 1:
+            pipe._checked = True  # the whole model's forward would gather other stages' shards: not checked
         self._pipes[id(model)] = pipe
         return pipe
 
@@ -277,6 +326,7 @@ class PipelineStrategy(Strategy):
         """Keep only this stage's parameters in ``optimizer`` (built over the whole model): the
         others are trained on other ranks, and the optimizer's state then names only the stage's
         parameters, which is what its checkpoint holds."""
+        optimizer = self.swap.rebuild(optimizer, self.name)  # over a sharded stage's DTensor parameters
         mine = {id(p) for p in self._pipeline(model).module.parameters()}
         for group in optimizer.param_groups:
             group["params"] = [p for p in group["params"] if id(p) in mine]
@@ -335,23 +385,31 @@ class PipelineStrategy(Strategy):
 
     # --- collectives ----------------------------------------------------------------------
     def _from_last_stage(self, tensor: torch.Tensor) -> torch.Tensor:
-        if self.proc.backend is not None and self.proc.world_size > 1:
-            dist.broadcast(tensor, src=self.proc.world_size - 1)
+        if self.proc.backend is not None and self.stages > 1:
+            dist.broadcast(tensor, src=self._last_stage_rank(), group=self._stage_group)
         return tensor
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sum over data-parallel replicas. There is one, and its metrics (losses, eval totals)
-        are computed on the last stage: every rank gets the last stage's values."""
-        return self._from_last_stage(tensor)
+        """Sum over data-parallel replicas (pipelines side by side), whose metrics (losses, eval
+        totals) are computed on their last stage: every rank gets the sum of the last stages' values."""
+        self._from_last_stage(tensor)
+        if self.proc.backend is not None and self.dp > 1:
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self._mesh()[1]["dp"].get_group())
+        return tensor
 
     def clip_grad_norm(self, parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
         """Clip by the norm of the whole model's gradient: the stages' squared norms are summed."""
         params = [p for p in parameters if p.grad is not None]
-        total = torch.nn.utils.get_total_norm([g for p in params if (g := p.grad) is not None]).to(self.device, torch.float32) ** 2
-        if self.proc.backend is not None and self.proc.world_size > 1:
-            dist.all_reduce(total, op=dist.ReduceOp.SUM)
+        twice = {id(p) for pipe in self._pipes.values() for p in getattr(pipe.module, "counted_elsewhere", list)()}
+        norm = torch.nn.utils.get_total_norm([g for p in params if (g := p.grad) is not None and id(p) not in twice])
+        if hasattr(norm, "full_tensor"):  # a stage sharded over its data-parallel ranks: the norm of the whole stage
+            norm = norm.full_tensor()
+        total = norm.to(self.device, torch.promote_types(norm.dtype, torch.float32)) ** 2  # float64 stays float64
+        if self.proc.backend is not None and self.stages > 1:
+            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self._stage_group)
         total = total.sqrt()
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        torch._foreach_mul_([g for p in params if (g := p.grad) is not None], coef)
         return total
 
     # --- checkpoints ----------------------------------------------------------------------
@@ -359,7 +417,10 @@ class PipelineStrategy(Strategy):
         """The whole trained model's state dict (CPU tensors, the user's keys) on every rank:
         each stage contributes its own entries. A collective: call it on all ranks."""
         pipe = self._pipeline(model)
-        local = {k: v.detach().cpu() for k, v in pipe.module.state_dict().items()}
+        if self.dp > 1:  # a sharded stage: its whole tensors first (a collective over its data-parallel ranks)
+            local = {k: v.detach().cpu() for k, v in sharded_full_state_dict(pipe.module).items()}
+        else:
+            local = {k: v.detach().cpu() for k, v in pipe.module.state_dict().items()}
         gathered = [local]
         if self.proc.backend is not None and self.proc.world_size > 1:
             gathered = [{} for _ in range(self.proc.world_size)]

@@ -1,0 +1,81 @@
+"""Pipelines side by side (issue 35): ``pp x dp_shard`` and ``pp x dp_replicate`` at world size 4,
+through ``pt.train_loader`` and ``pt.training_step``, in float64 against plain PyTorch in one process,
+on a tiny HuggingFace Llama (untied, with gradient clipping: one norm over every stage and shard) and
+nanoGPT's GPT (tied embeddings on the first and last stages); and a checkpoint of ``pp2 x dp_shard2``
+resumed under ``dp_shard=4``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import zoo
+from parity import assert_same_state
+
+import paratrain
+
+pytestmark = pytest.mark.timeout(300)
+GLOBAL_BATCH, STEPS, SEED, N = 8, 3, 5, 24
+LAYOUTS = {"pp2_dp_shard2": {"pp": 2, "dp_shard": 2}, "pp2_dp_replicate2": {"pp": 2, "dp_replicate": 2}}
+CLIP = {"llama": 0.05, "gpt": 0.05}
+
+
+def build(kind: str) -> torch.nn.Module:
+    return zoo.GPT() if kind == "gpt" else zoo.hf_model(kind)
+
+
+def train(mesh: dict[str, int] | None, kind: str, steps: int = STEPS, save: str | None = None,
+          load: str | None = None) -> dict[str, torch.Tensor]:
+    pt = paratrain.Parallel(global_batch=GLOBAL_BATCH, seed=SEED, clip_grad_norm=CLIP[kind], **({"mesh": mesh} if mesh else {}))
+    model = build(kind).double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    model, opt = pt.setup(model, opt)
+    if load:
+        pt.load_checkpoint(load, model, opt)
+    for batch in pt.train_loader(zoo.Tokens(N)):
+        if pt.global_step == steps:
+            break
+        opt.zero_grad()
+        pt.training_step(model, batch, zoo.loss_of)
+        opt.step()
+    if save:
+        pt.save_checkpoint(save, model, opt)
+    state = pt.full_state_dict(model)
+    pt.close()
+    return state
+
+
+def worker(rank: int, folder: str) -> dict[str, object]:
+    out: dict[str, object] = {f"{name}/{kind}": train(mesh, kind) for name, mesh in LAYOUTS.items() for kind in CLIP}
+    train(LAYOUTS["pp2_dp_shard2"], "llama", steps=1, save=folder)
+    return out
+
+
+def resume_worker(rank: int, folder: str) -> dict[str, torch.Tensor]:
+    return train({"dp_shard": 4}, "llama", load=folder)
+
+
+@pytest.fixture(scope="module")
+def world4(tmp_path_factory):
+    pytest.importorskip("transformers")
+    folder = str(tmp_path_factory.mktemp("pp") / "checkpoints")
+    out = paratrain.launch(worker, nprocs=4, args=(folder,), timeout=240)[0]
+    out["resumed"] = paratrain.launch(resume_worker, nprocs=4, args=(folder,), timeout=120)[0]
+    return out
+
+
+def reference(kind: str) -> dict[str, torch.Tensor]:
+    return zoo.train_plain(lambda: build(kind), steps=STEPS, global_batch=GLOBAL_BATCH, seed=SEED, data=zoo.Tokens(N),
+                           clip_grad_norm=CLIP[kind])
+
+
+@pytest.mark.parametrize("kind", list(CLIP))
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_pipelines_side_by_side_equal_one_process(world4, layout, kind):
+    ref = reference(kind)
+    got = world4[f"{layout}/{kind}"]
+    assert_same_state({k: got[k] for k in ref}, ref, rtol=1e-9)
+
+
+def test_a_checkpoint_of_pp2_dp_shard2_resumes_under_dp_shard4(world4):
+    ref = reference("llama")
+    assert_same_state({k: world4["resumed"][k] for k in ref}, ref, rtol=1e-9)
