@@ -254,29 +254,45 @@ class ParameterSwap:
         return optimizer
 
 
-@torch.no_grad()
-def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-    """``torch.nn.utils.clip_grad_norm_`` for DTensor gradients that may live on several meshes.
-
-    The norm of each mesh's gradients is computed locally and reduced once (``full_tensor``);
-    plain gradients are replicated, so their local norm is already the global one.
-    """
+def _by_mesh(grads: Iterable[torch.Tensor]) -> dict[Any, list[torch.Tensor]]:
     from torch.distributed.tensor import DTensor
 
-    params = [p for p in parameters if p.grad is not None]
     by_mesh: dict[Any, list[torch.Tensor]] = {}
-    for p in params:
-        by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p.grad)
+    for g in grads:
+        by_mesh.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(g)
+    return by_mesh
+
+
+@torch.no_grad()
+def total_norm(grads: Iterable[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
+    """The norm of ``grads``, DTensors that may live on several meshes among them: each mesh's
+    norm is computed locally and reduced once (``full_tensor``); plain gradients are replicated,
+    so their local norm is already the global one."""
+    from torch.distributed.tensor import DTensor
+
     norms = []
-    for grads in by_mesh.values():
-        norm = torch.nn.utils.get_total_norm(grads, norm_type)
+    for group in _by_mesh(grads).values():
+        norm = torch.nn.utils.get_total_norm(group, norm_type)
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
     if not norms:
         return torch.zeros(())
-    total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
+    return torch.linalg.vector_norm(torch.stack(norms), norm_type)
+
+
+@torch.no_grad()
+def scale_grads_(grads: Iterable[torch.Tensor], total: torch.Tensor, max_norm: float) -> None:
+    """Scale ``grads`` (their norm ``total``) to a norm of at most ``max_norm``, as ``clip_grad_norm_`` does."""
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for grads in by_mesh.values():
-        torch._foreach_mul_(grads, coef.to(grads[0].device))
+    for group in _by_mesh(grads).values():
+        torch._foreach_mul_(group, coef.to(group[0].device))
+
+
+@torch.no_grad()
+def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` for DTensor gradients that may live on several meshes."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    total = total_norm(grads, norm_type)
+    scale_grads_(grads, total, max_norm)
     return total
 
 

@@ -196,11 +196,11 @@ class MeshStrategy(TensorParallelStrategy):
             return model
         from torch.distributed.tensor.parallel import parallelize_module
 
-        from .tensor import _parallel_style
+        from .tensor import parallel_style
 
         old = self.swap.before(model)
         if self.tp > 1:
-            parallelize_module(model, self.device_mesh["tp"], {fqn: _parallel_style(s) for fqn, s in plan.items()})
+            parallelize_module(model, self.device_mesh["tp"], {fqn: parallel_style(s) for fqn, s in plan.items()})
         if self.dp > 1:
             replicas = self.sizes["dp_replicate"] > 1
             dp_mesh = self.device_mesh["dp_replicate", "dp_shard"] if replicas else self.device_mesh["dp_shard"]

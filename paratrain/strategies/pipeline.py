@@ -41,11 +41,13 @@ import torch.distributed as dist
 from torch import nn
 
 from ..env.process import Dist
+from ..precision import lookup as precision_class
 from ._split import check_sequential, parse_split_points, split_model
 from ._stack import StackStage, split_stack
 from ..checkpoint.sharded import full_state_dict as sharded_full_state_dict
 from .base import NotApplicable, Strategy
-from .fsdp import FSDPOptions, ParameterSwap, shard_model
+from .fsdp import FSDPOptions, ParameterSwap, scale_grads_, shard_model, total_norm
+from .tensor import TensorOptions, checked_plan, parallel_style
 
 __all__ = ["PipelineOptions", "PipelineStrategy", "PipelineModule", "cut_stages"]
 
@@ -69,6 +71,20 @@ def cut_stages(model: nn.Module, n_stages: int, rank: int = 0, split_points: Seq
 
 
 SCHEDULES = ("gpipe", "1f1b")
+
+
+@dataclass
+class PipelineParts:
+    """What the pipeline strategy is built with: its own section, and those of the parts it composes
+    with in a mesh (``tensor``'s plan for ``tp``, ``fsdp``'s sharding settings for ``dp_shard``)."""
+
+    pipeline: "PipelineOptions"
+    tensor: Any = None
+    fsdp: Any = None
+
+    def __post_init__(self) -> None:
+        self.tensor = self.tensor if self.tensor is not None else TensorOptions()
+        self.fsdp = self.fsdp if self.fsdp is not None else FSDPOptions()
 
 
 @dataclass(kw_only=True)
@@ -212,15 +228,18 @@ class PipelineStrategy(Strategy):
     @classmethod
     def validate(cls, cfg: Any) -> None:
         super().validate(cfg)
-        if cfg.mesh.tp not in (None, 1):
-            raise ValueError(f"mesh {cfg.mesh}: pipeline (pp) does not compose with tp yet: use pp with dp_replicate "
-                             "and dp_shard, or a layout without pp")
+        if cfg.mesh.tp not in (None, 1) and precision_class(cfg.precision).scales_loss and cfg.loss_scale is None:
+            raise ValueError(f"precision {cfg.precision} is not supported with mesh {cfg.mesh}: use bf16-mixed or 32")
         # One pipeline's step batch is global_batch / accumulation (its share of it, with data parallel pipelines).
         n = cfg.pipeline.n_microbatches
         step_batch = cfg.micro_batch or cfg.global_batch // (cfg.accumulation or 1)
         if step_batch % n:
             raise ValueError(f"pipeline n_microbatches={n} does not divide the batch of {step_batch} samples per step "
                              f"(global_batch {cfg.global_batch}): use a global batch that is a multiple of {n}")
+
+    @classmethod
+    def options_of(cls, cfg: Any) -> PipelineParts:
+        return PipelineParts(cfg.pipeline, cfg.tensor, cfg.fsdp)
 
     @classmethod
     def data_parallel_size_for(cls, world: int, options: Any = None) -> int:
@@ -230,13 +249,19 @@ class PipelineStrategy(Strategy):
     def layout_for(cls, world: int, options: Any = None) -> dict[str, int]:
         return {"pp": world}
 
-    def __init__(self, dist_info: Dist, sync_batchnorm: bool = False, options: PipelineOptions | None = None, **common: Any) -> None:
-        super().__init__(dist_info, sync_batchnorm, options or PipelineOptions(), **common)
+    def __init__(self, dist_info: Dist, sync_batchnorm: bool = False, options: PipelineParts | PipelineOptions | None = None,
+                 **common: Any) -> None:
+        parts = options if isinstance(options, PipelineParts) else PipelineParts(options or PipelineOptions())
+        super().__init__(dist_info, sync_batchnorm, parts.pipeline, **common)
+        self.parts = parts
         self._pipes: dict[int, PipelineModule] = {}  # id(user's model) -> its stage
-        # The mesh (pp, dp_replicate, dp_shard), row-major: stage s of pipeline replica r is rank s * dp + r.
+        # The mesh (pp, dp_replicate, dp_shard, tp), row-major: rank = stage * (dp * tp) + column, where the
+        # column (data-parallel replica, tp slice) is the same for the stages of one pipeline.
         self.stages = self.layout.get("pp", dist_info.world_size)
         self.dp = self.layout.get("dp_replicate", 1) * self.layout.get("dp_shard", 1)
-        self.stage_index, self.replica = divmod(dist_info.rank, self.dp)
+        self.tp = self.layout.get("tp", 1)
+        self.stage_index, self.column = divmod(dist_info.rank, self.dp * self.tp)
+        self.replica, self.tp_rank = divmod(self.column, self.tp)
         self.swap = ParameterSwap()
         self._meshes: tuple[Any, Any] | None = None
 
@@ -251,25 +276,29 @@ class PipelineStrategy(Strategy):
 
     @property
     def data_parallel_leader(self) -> bool:
-        return self.stage_index == 0
+        return self.stage_index == 0 and self.tp_rank == 0
+
+    @property
+    def _composed(self) -> bool:
+        return self.dp * self.tp > 1  # pipelines side by side, or stages split over tp
 
     def _mesh(self) -> tuple[Any, Any]:
-        """``(pp x dp_replicate x dp_shard mesh, (pp, dp) mesh)`` for pipelines side by side (made on every rank)."""
+        """``(pp x dp_replicate x dp_shard x tp mesh, (pp, dp, tp) mesh)`` for a composed pipeline (made on every rank)."""
         if self._meshes is None:
             from torch.distributed.device_mesh import init_device_mesh
 
-            names = ("pp", "dp_replicate", "dp_shard")
+            names = ("pp", "dp_replicate", "dp_shard", "tp")
             whole = init_device_mesh(self.device.type, tuple(self.layout.get(d, 1) for d in names), mesh_dim_names=names)
-            flat = init_device_mesh(self.device.type, (self.stages, self.dp), mesh_dim_names=("pp", "dp"))
+            flat = init_device_mesh(self.device.type, (self.stages, self.dp, self.tp), mesh_dim_names=("pp", "dp", "tp"))
             self._meshes = (whole, flat)
         return self._meshes
 
     @property
     def _stage_group(self) -> Any:
-        return self._mesh()[1]["pp"].get_group() if self.dp > 1 else None  # None: the world is one pipeline
+        return self._mesh()[1]["pp"].get_group() if self._composed else None  # None: the world is one pipeline
 
     def _last_stage_rank(self) -> int:
-        return (self.stages - 1) * self.dp + self.replica
+        return self.proc.rank + (self.stages - 1 - self.stage_index) * self.dp * self.tp
 
     # --- model ----------------------------------------------------------------------------
     def setup_model(self, model: nn.Module) -> nn.Module:
@@ -290,26 +319,37 @@ class PipelineStrategy(Strategy):
     def wrap(self, model: nn.Module) -> nn.Module:
         o: PipelineOptions = self.options
         distributed = self.proc.backend is not None and self.proc.world_size > 1
-        if distributed and self.dp > 1:
+        if distributed and self._composed:
             self._mesh()  # its groups, on every rank in the same order, before the tied parameters' groups
-        parts = cut_stages(model, self.stages, self.stage_index, o.split_points, distributed, self.dp, self.replica)
+        plan = checked_plan(model, self.tp, self.parts.tensor.plan) if self.tp > 1 else {}  # the whole model's
+        parts = cut_stages(model, self.stages, self.stage_index, o.split_points, distributed, self.dp * self.tp,
+                           self.column)
         stage = parts[self.stage_index]  # only this stage lives on this rank's device
         if isinstance(stage, StackStage):
             stage.place(self.device)  # with the buffers its blocks share with the whole model
         else:
             stage.to(self.device)
-        if distributed and self.dp > 1:  # the stage replicated or sharded over its data-parallel ranks (FSDP2, HSDP)
+        if distributed and self._composed:
             whole = self._mesh()[0]
-            dp_mesh = whole["dp_replicate", "dp_shard"] if self.layout.get("dp_replicate", 1) > 1 else whole["dp_shard"]
             old = self.swap.before(stage)
-            shard_model(stage, dp_mesh, FSDPOptions(), self.precision,
-                        stage.blocks() if isinstance(stage, StackStage) else None)
+            if self.tp > 1:  # the stage's part of the plan over its tp ranks, then FSDP2 over the data-parallel ones
+                from torch.distributed.tensor.parallel import parallelize_module
+
+                names = {id(m): n for n, m in stage.named_modules()}
+                mine = {names[id(model.get_submodule(fqn))]: s for fqn, s in plan.items()
+                        if id(model.get_submodule(fqn)) in names}
+                if mine:
+                    parallelize_module(stage, whole["tp"], {n: parallel_style(s) for n, s in mine.items()})
+            if self.dp > 1:  # the stage replicated or sharded over its data-parallel ranks (FSDP2, HSDP)
+                dp_mesh = whole["dp_replicate", "dp_shard"] if self.layout.get("dp_replicate", 1) > 1 else whole["dp_shard"]
+                shard_model(stage, dp_mesh, self.parts.fsdp, self.precision,
+                            stage.blocks() if isinstance(stage, StackStage) else None)
             self.swap.after(stage, old)
             if isinstance(stage, StackStage):
                 stage.follow(self.swap)
         pipe = PipelineModule(parts, self.stage_index, model, self.device, o, self.proc.backend is not None,
                               self._stage_group if distributed else None)
-        if self.dp > 1:
+        if self._composed:
             pipe._checked = True  # the whole model's forward would gather other stages' shards: not checked
         self._pipes[id(model)] = pipe
         return pipe
@@ -393,7 +433,7 @@ class PipelineStrategy(Strategy):
         """Sum over data-parallel replicas (pipelines side by side), whose metrics (losses, eval
         totals) are computed on their last stage: every rank gets the sum of the last stages' values."""
         self._from_last_stage(tensor)
-        if self.proc.backend is not None and self.dp > 1:
+        if self.proc.backend is not None and self.dp > 1:  # the tp ranks of a replica hold the same values
             dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self._mesh()[1]["dp"].get_group())
         return tensor
 
@@ -401,15 +441,13 @@ class PipelineStrategy(Strategy):
         """Clip by the norm of the whole model's gradient: the stages' squared norms are summed."""
         params = [p for p in parameters if p.grad is not None]
         twice = {id(p) for pipe in self._pipes.values() for p in getattr(pipe.module, "counted_elsewhere", list)()}
-        norm = torch.nn.utils.get_total_norm([g for p in params if (g := p.grad) is not None and id(p) not in twice])
-        if hasattr(norm, "full_tensor"):  # a stage sharded over its data-parallel ranks: the norm of the whole stage
-            norm = norm.full_tensor()
+        # the whole stage's norm (its shards and tensor-parallel slices reduced: fsdp's total_norm)
+        norm = total_norm([g for p in params if (g := p.grad) is not None and id(p) not in twice])
         total = norm.to(self.device, torch.promote_types(norm.dtype, torch.float32)) ** 2  # float64 stays float64
         if self.proc.backend is not None and self.stages > 1:
             dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self._stage_group)
         total = total.sqrt()
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        torch._foreach_mul_([g for p in params if (g := p.grad) is not None], coef)
+        scale_grads_([g for p in params if (g := p.grad) is not None], total, max_norm)
         return total
 
     # --- checkpoints ----------------------------------------------------------------------
@@ -417,7 +455,7 @@ class PipelineStrategy(Strategy):
         """The whole trained model's state dict (CPU tensors, the user's keys) on every rank:
         each stage contributes its own entries. A collective: call it on all ranks."""
         pipe = self._pipeline(model)
-        if self.dp > 1:  # a sharded stage: its whole tensors first (a collective over its data-parallel ranks)
+        if self._composed:  # a sharded or split stage: its whole tensors first (a collective over its dp and tp ranks)
             local = {k: v.detach().cpu() for k, v in sharded_full_state_dict(pipe.module).items()}
         else:
             local = {k: v.detach().cpu() for k, v in pipe.module.state_dict().items()}

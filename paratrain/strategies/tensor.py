@@ -27,7 +27,8 @@ from ..precision import lookup as precision_class
 from .base import NotApplicable
 from .fsdp import DTensorStrategy, FSDPOptions, format_bytes, parameter_bytes, shard_model
 
-__all__ = ["TensorOptions", "TensorParallelStrategy", "auto_plan", "model_plan", "expand_plan", "STYLES"]
+__all__ = ["TensorOptions", "TensorParallelStrategy", "auto_plan", "model_plan", "expand_plan", "checked_plan",
+           "parallel_style", "STYLES"]
 
 STYLES = ("colwise", "rowwise", "colwise_rep", "rowwise_rep", "colwise_gather_output", "embedding_rowwise")
 """Plan styles, in torch's ``parallelize_module`` terms (HuggingFace's ``base_model_tp_plan`` uses them):
@@ -124,7 +125,50 @@ def expand_plan(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
     return out
 
 
-def _parallel_style(style: str) -> Any:
+def checked_plan(model: nn.Module, tp: int, given: dict[str, str] | None = None) -> dict[str, str]:
+    """The checked plan for ``model`` split over ``tp`` ranks: ``given`` (``*`` patterns allowed), else
+    the model's own (HuggingFace's ``base_model_tp_plan``), else :func:`auto_plan`. A HuggingFace
+    model without a plan is refused: its forwards are not followed by pairing Linears up."""
+    modules = dict(model.named_modules())
+    linears = {n: m for n, m in modules.items() if isinstance(m, nn.Linear)}
+    if not linears:
+        raise NotApplicable(f"tensor: the model ({type(model).__name__}) has no nn.Linear layer to "
+                         "parallelize: use fsdp or ddp")
+    own = model_plan(model)
+    if given:
+        plan = expand_plan(model, given)
+    elif own is not None:
+        plan = expand_plan(model, own)
+    elif _is_huggingface(model):
+        first = next(iter(linears))
+        raise NotApplicable(
+            f"tensor: cannot split {type(model).__name__}'s {first!r}: the model has no tensor-parallel plan "
+            f"(config.base_model_tp_plan); give one as tensor={{'plan': {{'{first}': 'colwise', ...}}}} or use fsdp")
+    else:
+        plan = auto_plan(model)
+    if not plan:
+        raise NotApplicable(f"tensor: found no Linear -> activation -> Linear pair among {len(linears)} Linear "
+                         "layers: give an explicit plan in the tensor options")
+    for fqn, style in plan.items():
+        if style not in STYLES:
+            raise NotApplicable(f"tensor: the plan's style {style!r} for {fqn!r} is not supported: use one of "
+                                f"{', '.join(STYLES)}")
+        module = modules.get(fqn)
+        if isinstance(module, nn.Embedding) and style in ("rowwise", "rowwise_rep", "embedding_rowwise"):
+            dim, size = "num_embeddings", module.num_embeddings
+        elif isinstance(module, nn.Linear):
+            # colwise splits the output features over the tp ranks, rowwise the input features
+            dim = "out_features" if style.startswith("colwise") else "in_features"
+            size = getattr(module, dim)
+        else:
+            raise ValueError(f"tensor plan names {fqn!r}, which is not an nn.Linear of the model")
+        if size % tp:
+            raise NotApplicable(f"tensor: {type(module).__name__} {fqn!r} ({style}) has {dim} {size}, "
+                                f"not divisible by tp_size {tp}")
+    return plan
+
+
+def parallel_style(style: str) -> Any:
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
@@ -206,46 +250,8 @@ class TensorParallelStrategy(DTensorStrategy):
 
     # --- model ----------------------------------------------------------------------------------
     def plan_for(self, model: nn.Module) -> dict[str, str]:
-        """The checked plan for ``model``: the options' (``*`` patterns allowed), else the model's
-        own (HuggingFace's ``base_model_tp_plan``), else :func:`auto_plan`. A HuggingFace model
-        without a plan is refused: its forwards are not followed by pairing Linears up."""
-        modules = dict(model.named_modules())
-        linears = {n: m for n, m in modules.items() if isinstance(m, nn.Linear)}
-        if not linears:
-            raise NotApplicable(f"tensor: the model ({type(model).__name__}) has no nn.Linear layer to "
-                             "parallelize: use fsdp or ddp")
-        own = model_plan(model)
-        if self.tensor_options.plan:
-            plan = expand_plan(model, self.tensor_options.plan)
-        elif own is not None:
-            plan = expand_plan(model, own)
-        elif _is_huggingface(model):
-            first = next(iter(linears))
-            raise NotApplicable(
-                f"tensor: cannot split {type(model).__name__}'s {first!r}: the model has no tensor-parallel plan "
-                f"(config.base_model_tp_plan); give one as tensor={{'plan': {{'{first}': 'colwise', ...}}}} or use fsdp")
-        else:
-            plan = auto_plan(model)
-        if not plan:
-            raise NotApplicable(f"tensor: found no Linear -> activation -> Linear pair among {len(linears)} Linear "
-                             "layers: give an explicit plan in the tensor options")
-        for fqn, style in plan.items():
-            if style not in STYLES:
-                raise NotApplicable(f"tensor: the plan's style {style!r} for {fqn!r} is not supported: use one of "
-                                    f"{', '.join(STYLES)}")
-            module = modules.get(fqn)
-            if isinstance(module, nn.Embedding) and style in ("rowwise", "rowwise_rep", "embedding_rowwise"):
-                dim, size = "num_embeddings", module.num_embeddings
-            elif isinstance(module, nn.Linear):
-                # colwise splits the output features over the tp ranks, rowwise the input features
-                dim = "out_features" if style.startswith("colwise") else "in_features"
-                size = getattr(module, dim)
-            else:
-                raise ValueError(f"tensor plan names {fqn!r}, which is not an nn.Linear of the model")
-            if size % self.tp:
-                raise NotApplicable(f"tensor: {type(module).__name__} {fqn!r} ({style}) has {dim} {size}, "
-                                    f"not divisible by tp_size {self.tp}")
-        return plan
+        """The checked plan for ``model`` over this strategy's ``tp`` ranks (:func:`checked_plan`)."""
+        return checked_plan(model, self.tp, self.tensor_options.plan)
 
     def wrap(self, model: nn.Module) -> nn.Module:
         plan = self.plan_for(model)  # checked even in a world of one: the error shows up early
@@ -255,7 +261,7 @@ class TensorParallelStrategy(DTensorStrategy):
 
         old = self.swap.before(model)
         if self.tp > 1:
-            parallelize_module(model, self.mesh["tp"], {fqn: _parallel_style(s) for fqn, s in plan.items()})
+            parallelize_module(model, self.mesh["tp"], {fqn: parallel_style(s) for fqn, s in plan.items()})
         if self.dp > 1:
             shard_model(model, self.mesh["dp"], FSDPOptions(), self.precision)
         self.swap.after(model, old)

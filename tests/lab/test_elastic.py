@@ -14,6 +14,7 @@ import pytest
 
 
 from labrun import TRAIN_ARGS, assert_same_run, finish_all, start
+from pace import scaled
 
 
 def wait_for_checkpoint(ckpt, step, procs, timeout=120):
@@ -38,9 +39,10 @@ def elastic_args(lab, ckpt, rdzv_id: str) -> list[str]:
 def test_lost_host_shrinks_to_one_and_ends_on_the_uninterrupted_weights(fresh_lab, nproc2_run, tmp_path):
     lab = fresh_lab
     ckpt = tmp_path / "ckpt"  # one folder both hosts see (a cluster's shared file system)
-    # last_call_timeout=2: the survivor's new round closes 2 s after it has its one node (torch's default waits 30 s
-    # for more)
-    args = [*elastic_args(lab, ckpt, "lab-elastic"), "--rdzv-conf", "last_call_timeout=2"]
+    # last_call_timeout: the first round waits that long for host 1 after host 0 arrived, and the survivor's
+    # new round closes that long after it has its one node (torch's default waits 30 s). 2 s was too short
+    # on a busy machine: host 1's agent came later, host 0 trained the whole run alone and nothing was cut.
+    args = [*elastic_args(lab, ckpt, "lab-elastic"), "--rdzv-conf", f"last_call_timeout={round(scaled(8))}"]
     # host 1's rank stops at step 25 (first attempt), so the job is mid-run, past the step-20 checkpoint,
     # whenever the cut comes; c10d numbers the ranks on arrival, so `*`: whichever rank host 1 has
     procs = [start(lab, k, [*args, "--log-dir", str(tmp_path / f"h{k}")], **({"PARATRAIN_TEST_HANG_AT": "*:25"} if k else {}))

@@ -46,11 +46,19 @@ def test_the_layout_is_said_as_sizes_that_make_the_world():
     ("tp=-1,dp_shard=-1", 4, "only one dimension may be -1"),
     ("cp=2", 4, "is not NAME=SIZE with NAME one of pp, dp_replicate, dp_shard, tp"),
     ("tp=0", 4, "must be a whole number >= 1, or -1"),
-    ("pp=2,tp=2", 4, "pipeline (pp) does not compose with tp yet"),
+    ("pp=2,dp_shard=3", 4, "makes 6 processes, not the world size 4"),
 ])
 def test_a_bad_layout_is_one_line_before_any_worker(mesh, world, words):
     with pytest.raises(ValueError) as e:
         ParallelConfig(mesh=mesh).for_world(world)
+    assert words in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("mesh, strategy", [("pp=2,tp=2", "auto"), ("dp_shard=2,tp=2", "auto"), ("pp=2", "mesh")])
+def test_a_precision_or_strategy_a_part_refuses_is_one_line(mesh, strategy):
+    with pytest.raises(ValueError) as e:
+        ParallelConfig(mesh=mesh, strategy=strategy, precision="fp16-mixed" if strategy == "auto" else "32")
+    words = "fp16-mixed" if strategy == "auto" else "strategy 'mesh' runs no pipeline"
     assert words in str(e.value) and "\n" not in str(e.value)
 
 

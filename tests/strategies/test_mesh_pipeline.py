@@ -15,7 +15,8 @@ import paratrain
 
 pytestmark = pytest.mark.timeout(300)
 GLOBAL_BATCH, STEPS, SEED, N = 8, 3, 5, 24
-LAYOUTS = {"pp2_dp_shard2": {"pp": 2, "dp_shard": 2}, "pp2_dp_replicate2": {"pp": 2, "dp_replicate": 2}}
+LAYOUTS = {"pp2_dp_shard2": {"pp": 2, "dp_shard": 2}, "pp2_dp_replicate2": {"pp": 2, "dp_replicate": 2},
+           "pp2_tp2": {"pp": 2, "tp": 2}}
 CLIP = {"llama": 0.05, "gpt": 0.05}
 
 
@@ -79,3 +80,23 @@ def test_pipelines_side_by_side_equal_one_process(world4, layout, kind):
 def test_a_checkpoint_of_pp2_dp_shard2_resumes_under_dp_shard4(world4):
     ref = reference("llama")
     assert_same_state({k: world4["resumed"][k] for k in ref}, ref, rtol=1e-9)
+
+
+# --------------------------------------------------------------------------- 3-D, world size 8
+
+
+def worker3d(rank: int) -> dict[str, dict[str, torch.Tensor]]:
+    return {kind: train({"pp": 2, "dp_shard": 2, "tp": 2}, kind) for kind in CLIP}
+
+
+@pytest.fixture(scope="module")
+def world8():
+    pytest.importorskip("transformers")
+    return paratrain.launch(worker3d, nprocs=8, timeout=280)[0]
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("kind", list(CLIP))
+def test_pp2_dp_shard2_tp2_equals_one_process(world8, kind):
+    ref = reference(kind)
+    assert_same_state({k: world8[kind][k] for k in ref}, ref, rtol=1e-9)
