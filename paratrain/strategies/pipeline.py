@@ -70,6 +70,19 @@ def cut_stages(model: nn.Module, n_stages: int, rank: int = 0, split_points: Seq
         return list(stacked)
 
 
+def check_positions(out: torch.Tensor, target: torch.Tensor, model: str) -> None:
+    """Refuse, in one line, a model whose output covers fewer positions than its targets: nanoGPT's
+    ``GPT.forward(idx)`` without targets returns only the last position's logits (an inference
+    shortcut), which the pipeline's loss cannot compare with a target per position."""
+    if isinstance(out, torch.Tensor) and out.dim() == target.dim() + 1 and out.shape[0] == target.shape[0] \
+            and out.shape[1:-1] != target.shape[1:]:
+        raise NotApplicable(
+            f"pipeline: {model} returned outputs of shape {tuple(out.shape)} for targets of shape "
+            f"{tuple(target.shape)}: it gives fewer positions than there are targets (nanoGPT's forward returns only "
+            "the last position's logits when called without targets); the pipeline calls model(x) and computes the "
+            "loss itself, so make forward return every position's logits when targets is None")
+
+
 SCHEDULES = ("gpipe", "1f1b")
 
 
@@ -409,6 +422,7 @@ class PipelineStrategy(Strategy):
                 # Each micro-batch's mean divided by n (and the accumulation steps): the summed
                 # gradients are those of one forward over the whole batch.
                 # half outputs in fp32, float64 stays float64
+                check_positions(out, target, type(pipe.original).__name__)
                 return loss_fn(out.to(torch.promote_types(out.dtype, torch.float32)), target) / (n * divisor)
 
             losses = pipe.train_step(x, y, n, micro_loss)

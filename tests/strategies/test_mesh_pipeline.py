@@ -100,3 +100,23 @@ def world8():
 def test_pp2_dp_shard2_tp2_equals_one_process(world8, kind):
     ref = reference(kind)
     assert_same_state({k: world8[kind][k] for k in ref}, ref, rtol=1e-9)
+
+
+class LastPositionGPT(zoo.GPT):
+    """nanoGPT's own forward: without targets, only the last position's logits (its inference shortcut)."""
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        logits = super().forward(idx)
+        return logits if targets is not None else logits[:, [-1], :]
+
+
+def test_a_model_that_gives_only_the_last_position_is_refused_in_one_line():
+    pt = paratrain.Parallel(strategy="pipeline", global_batch=GLOBAL_BATCH, seed=SEED)
+    model = pt.setup(LastPositionGPT())
+    batch = next(iter(pt.train_loader(zoo.Tokens(N))))
+    with pytest.raises(ValueError) as e:
+        pt.training_step(model, batch, zoo.loss_of)
+    line = str(e.value)
+    assert "\n" not in line and "LastPositionGPT returned outputs of shape (2, 1, " in line
+    assert "make forward return every position's logits when targets is None" in line
+    pt.close()
