@@ -28,11 +28,10 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from torch import nn
 
 from ..env.process import Dist
 from .base import NotApplicable
-from .fsdp import FSDPOptions, format_bytes, parameter_bytes, shard_model
+from .fsdp import FSDPOptions
 from .tensor import TensorOptions, TensorParallelStrategy
 
 __all__ = ["DIMS", "MeshOptions", "Composition", "MeshStrategy", "describe"]
@@ -190,24 +189,18 @@ class MeshStrategy(TensorParallelStrategy):
                                                  mesh_dim_names=names)
         return self._device_mesh
 
-    def wrap(self, model: nn.Module) -> nn.Module:
-        plan = self.plan_for(model) if self.tp > 1 else {}  # checked even in a world of one
-        if self.proc.backend is None:
-            return model
-        from torch.distributed.tensor.parallel import parallelize_module
+    @property
+    def splits(self) -> bool:  # type: ignore[override]
+        return self.tp > 1
 
-        from .tensor import parallel_style
+    @property
+    def fsdp_options(self) -> FSDPOptions:  # type: ignore[override]
+        return self.options.fsdp
 
-        old = self.swap.before(model)
-        if self.tp > 1:
-            parallelize_module(model, self.device_mesh["tp"], {fqn: parallel_style(s) for fqn, s in plan.items()})
-        if self.dp > 1:
-            replicas = self.sizes["dp_replicate"] > 1
-            dp_mesh = self.device_mesh["dp_replicate", "dp_shard"] if replicas else self.device_mesh["dp_shard"]
-            shard_model(model, dp_mesh, self.options.fsdp, self.precision)  # 2-D: HSDP
-        self.swap.after(model, old)
-        b = parameter_bytes(model)
-        if self.proc.is_main_process:
-            print(f"paratrain mesh {describe(self.sizes)}: {format_bytes(b['local'])} of {format_bytes(b['full'])} "
-                  f"of parameters per rank ({b['fraction']:.0%})")
-        return model
+    def split_meshes(self) -> tuple[Any, Any]:
+        """``(tp mesh, data-parallel mesh)``: the latter 2-D ``(dp_replicate, dp_shard)`` for HSDP."""
+        replicas = self.sizes["dp_replicate"] > 1
+        return self.device_mesh["tp"], self.device_mesh["dp_replicate", "dp_shard"] if replicas else self.device_mesh["dp_shard"]
+
+    def describe_split(self, plan: dict[str, str]) -> str:
+        return f"paratrain mesh {describe(self.sizes)}" + (f": {len(plan)} Linear layers split over tp" if plan else "")

@@ -254,22 +254,35 @@ class TensorParallelStrategy(DTensorStrategy):
         return checked_plan(model, self.tp, self.tensor_options.plan)
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        plan = self.plan_for(model)  # checked even in a world of one: the error shows up early
+        """Split the plan's layers over the ``tp`` ranks, then shard (FSDP2) over the data-parallel ones."""
+        plan = self.plan_for(model) if self.splits else {}  # checked even in a world of one: the error shows up early
         if self.proc.backend is None:
             return model
         from torch.distributed.tensor.parallel import parallelize_module
 
+        tp_mesh, dp_mesh = self.split_meshes()
         old = self.swap.before(model)
         if self.tp > 1:
-            parallelize_module(model, self.mesh["tp"], {fqn: parallel_style(s) for fqn, s in plan.items()})
+            parallelize_module(model, tp_mesh, {fqn: parallel_style(s) for fqn, s in plan.items()})
         if self.dp > 1:
-            shard_model(model, self.mesh["dp"], FSDPOptions(), self.precision)
+            shard_model(model, dp_mesh, self.fsdp_options, self.precision)
         self.swap.after(model, old)
         b = parameter_bytes(model)
         if self.proc.is_main_process:
-            print(f"paratrain tensor: {len(plan)} Linear layers split over tp={self.tp}, dp={self.dp}; "
-                  f"{format_bytes(b['local'])} of {format_bytes(b['full'])} of parameters per rank")
+            print(f"{self.describe_split(plan)}; {format_bytes(b['local'])} of {format_bytes(b['full'])} of parameters "
+                  f"per rank ({b['fraction']:.0%})")
         return model
+
+    # --- what the mesh strategy (mesh.py) changes: the meshes, the sharding settings, the log line ---
+    splits = True  # a plan is needed (tensor: always; mesh: when tp > 1)
+    fsdp_options = FSDPOptions()
+
+    def split_meshes(self) -> tuple[Any, Any]:
+        """``(tp mesh, data-parallel mesh)``."""
+        return self.mesh["tp"], self.mesh["dp"]
+
+    def describe_split(self, plan: dict[str, str]) -> str:
+        return f"paratrain tensor: {len(plan)} Linear layers split over tp={self.tp}, dp={self.dp}"
 
     # --- metrics: sum over dp only (the tp ranks of a group hold the same numbers) ---------------
     @property
