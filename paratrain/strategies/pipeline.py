@@ -159,6 +159,9 @@ class PipelineModule(nn.Module):
         self.index, self.n_stages, self.device, self.options = index, len(parts), device, options
         self.distributed = distributed  # False: a world of one, no process group: plain micro-batching
         self.group = group  # the stages' process group (None: every rank is a stage of one pipeline)
+        # pipelines side by side shard a stage over its replicas (FSDP2): every replica's stage must run as many
+        # forwards, but the replicas' evaluation batches differ in size (the last one, padding): one chunk each
+        self.eval_whole = False
         self._schedules: dict[tuple, Any] = {}
         self._loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
         self._checked = False
@@ -225,7 +228,7 @@ class PipelineModule(nn.Module):
         """Forward only; the model's output on the last stage, ``None`` elsewhere."""
         if not self.distributed:
             return self.stage(x)
-        n = self.options.n_microbatches if len(x) % self.options.n_microbatches == 0 else 1
+        n = self.options.n_microbatches if len(x) % self.options.n_microbatches == 0 and not self.eval_whole else 1
         out = self._schedule(x.shape, n, training=False).eval(*((x,) if self.is_first else ()))
         return out if self.is_last else None
 
@@ -364,6 +367,7 @@ class PipelineStrategy(Strategy):
                               self._stage_group if distributed else None)
         if self._composed:
             pipe._checked = True  # the whole model's forward would gather other stages' shards: not checked
+            pipe.eval_whole = self.dp > 1
         self._pipes[id(model)] = pipe
         return pipe
 

@@ -41,6 +41,9 @@ def train(mesh: dict[str, int] | None, kind: str, steps: int = STEPS, save: str 
     if save:
         pt.save_checkpoint(save, model, opt)
     state = pt.full_state_dict(model)
+    # 7 samples over 2 replicas in batches of 4: shards of 4 and 3, padded to as many forwards (each stage is
+    # sharded over the replicas: a forward one replica ran alone would wait for the other)
+    state["eval"] = torch.tensor(pt.evaluate(model, pt.eval_loader(zoo.Tokens(7), batch_size=4), loss_fn=zoo.loss_of)["count"])
     pt.close()
     return state
 
@@ -75,6 +78,7 @@ def test_pipelines_side_by_side_equal_one_process(world4, layout, kind):
     ref = reference(kind)
     got = world4[f"{layout}/{kind}"]
     assert_same_state({k: got[k] for k in ref}, ref, rtol=1e-9)
+    assert int(got["eval"]) == 7  # every sample evaluated once
 
 
 def test_a_checkpoint_of_pp2_dp_shard2_resumes_under_dp_shard4(world4):
