@@ -178,3 +178,22 @@ def test_a_checkpoint_of_one_layout_resumes_under_another(tmp_path, saved, resum
     got = paratrain.launch(resume_worker, nprocs=4 if resumed else 1, args=(resumed, str(tmp_path), None), timeout=120)[0]
     ref = zoo.train_plain(lambda: build("llama"), steps=STEPS, global_batch=GLOBAL_BATCH, seed=SEED, data=zoo.Tokens(N))
     assert_same_state({k: got[k] for k in ref}, ref, rtol=1e-9)
+
+
+def test_paratrain_train_runs_pipelines_side_by_side_like_one_process(tmp_path):
+    """The built-in loop end to end (train, the final evaluation, result.json) under pipelines side by side."""
+    import json
+
+    from clitools import run_cli
+
+    results = {}
+    for name, extra in {"one": ["--nproc-per-node", "1"], "pp2_dp_shard2": ["--mesh", "pp=2,dp_shard=2",
+                                                                             "--nproc-per-node", "4"]}.items():
+        r = run_cli(["train", "--model", "transformer", "--max-steps", "3", "--no-progress", "--log-dir",
+                     str(tmp_path / name), *extra], timeout=180)
+        assert r.returncode == 0, r.stderr[-3000:]
+        results[name] = json.loads((tmp_path / name / "result.json").read_text())
+    assert results["pp2_dp_shard2"]["mesh"] == "pp=2,dp_shard=2" and results["one"]["mesh"] == "1"
+    one, mesh = results["one"]["test_loss"], results["pp2_dp_shard2"]["test_loss"]
+    assert abs(mesh - one) <= 1e-4 * abs(one), (mesh, one)
+    assert results["pp2_dp_shard2"]["test_count"] == results["one"]["test_count"]
