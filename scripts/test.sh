@@ -81,7 +81,9 @@ print("== the installed wheel:", paratrain.__file__, "| torch", torch.__version_
     && "$wtmp/venv/bin/paratrain" --version)
   echo "== (sdist, wheel and the fresh venv: $((SECONDS - start)) s) smoke suite: ${smoke[*]}"
   stage wheel-install
-  (cd "$wtmp/t" && timeout --foreground -k 30 20m "$wpy" -m pytest -q "${workers[@]}" --durations=5 -m smoke \
+  # PARATRAIN_TEST_ZYGOTE=0: every command a new interpreter, as users start it (the main suite forks
+  # most of its `python -m paratrain` commands from one that imported torch: tests/zygote.py)
+  (cd "$wtmp/t" && PARATRAIN_TEST_ZYGOTE=0 timeout --foreground -k 30 20m "$wpy" -m pytest -q "${workers[@]}" --durations=5 -m smoke \
     -p no:cacheprovider "${smoke[@]}" "$@" </dev/null)
   stage wheel-smoke
 fi

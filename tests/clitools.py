@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import zygote
 from pace import scaled
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,9 +30,14 @@ def cli_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def start_cli(args: list[str], cwd: Path = ROOT, **env: str) -> subprocess.Popen:
-    """Start ``python -m paratrain ARGS`` in ``cwd`` (default: the repo root) in a new process group."""
-    return subprocess.Popen(
+def start_cli(args: list[str], cwd: Path = ROOT, fresh: bool = False, **env: str) -> subprocess.Popen:
+    """Start ``python -m paratrain ARGS`` in ``cwd`` (default: the repo root) in a new process group.
+    It forks from the session's zygote (tests/zygote.py: torch imported once) unless ``fresh``, or a
+    fault of tests/faults is injected (its ``sitecustomize`` runs at start-up): a new interpreter."""
+    popen = subprocess.Popen
+    if not fresh and zygote.enabled() and not any(k.startswith("PARATRAIN_TEST_") for k in env):
+        popen = zygote.ZygotePopen
+    return popen(
         [sys.executable, "-m", "paratrain", *args],
         cwd=cwd, env=cli_env(**env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         start_new_session=True,
@@ -60,5 +66,6 @@ def finish(proc: subprocess.Popen, timeout: float) -> subprocess.CompletedProces
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
-def run_cli(args: list[str], timeout: float = 60, cwd: Path = ROOT, **env: str) -> subprocess.CompletedProcess:
-    return finish(start_cli(args, cwd, **env), timeout)
+def run_cli(args: list[str], timeout: float = 60, cwd: Path = ROOT, fresh: bool = False,
+            **env: str) -> subprocess.CompletedProcess:
+    return finish(start_cli(args, cwd, fresh, **env), timeout)

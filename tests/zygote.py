@@ -1,0 +1,270 @@
+"""``python -m paratrain ARGS`` for the test suite, forked from a server that has imported torch and
+paratrain once (a "zygote"), instead of a new interpreter importing them again: about 3 s of CPU per
+command on a 2-core machine, for a few hundred commands a run.
+
+What the command sees is what a new interpreter would give it: its own process (a new session, so
+its process group can be killed), its argv, environment, working directory and ``sys.path[0]``,
+stdin, stdout and stderr, ``OMP_NUM_THREADS``, and a normal interpreter exit (atexit handlers,
+threads joined, exit status; a signal's death is ``-SIG`` as for ``subprocess``). The server only
+imports (no threads, no OpenMP pool: what ``multiprocessing``'s forkserver does for paratrain's own
+workers), and it checks that importing printed nothing, so no output of a fresh start is hidden.
+
+What a new interpreter does that this does not: read environment variables at import. So a command
+with a fault of ``tests/faults`` (its ``sitecustomize`` runs at start-up), or a test that asks for
+``fresh=True`` (``clitools.start_cli``), starts a new interpreter as before; so does any command
+while ``PARATRAIN_TEST_ZYGOTE=0``.
+
+Protocol (one Unix socket per pytest process; one connection per command): the client sends a
+length-prefixed JSON request (argv, env, cwd) with its three stdio descriptors attached
+(``socket.send_fds``); the server forks a helper, which forks the command and answers with two JSON
+lines: ``{"pid": N}``, then ``{"status": CODE}`` when the command ends.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import multiprocessing.util
+import os
+import select
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+from typing import Any
+
+# what the server imports: what `python -m paratrain` imports for its commands
+PRELOAD = ("torch", "paratrain", "paratrain.cli.main", "paratrain.cli.train", "paratrain.loop.train",
+           "paratrain.launch.torchrun", "torch.distributed.elastic.multiprocessing.errors")
+
+_server: subprocess.Popen | None = None
+_address: str | None = None
+
+
+def enabled() -> bool:
+    return os.environ.get("PARATRAIN_TEST_ZYGOTE", "1") != "0" and hasattr(socket, "send_fds")
+
+
+def _start(env: dict[str, str]) -> str:
+    """The server of this process, started with ``env`` at the first command (a few seconds, once)."""
+    global _server, _address
+    if _server is not None and _server.poll() is None and _address is not None:
+        return _address
+    folder = tempfile.mkdtemp(prefix="paratrain-zygote-")
+    address = os.path.join(folder, "z.sock")
+    _server = subprocess.Popen([sys.executable, __file__, address, str(os.getpid())], env=env,
+                               stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               start_new_session=True)
+    assert _server.stdout is not None
+    first = _server.stdout.readline().decode()
+    if first.strip() != "ready":  # it printed while importing, or failed: say what, and use no server
+        rest = _server.stdout.read(4000).decode(errors="replace") if _server.poll() is not None else ""
+        _server.kill()
+        raise RuntimeError(f"tests/zygote.py: the server printed {first + rest!r} while importing {PRELOAD}")
+    _server.stdout.close()  # the server's output goes nowhere from now on
+    _address = address
+    atexit.register(_stop)
+    return address
+
+
+def _stop() -> None:
+    if _server is not None and _server.poll() is None:
+        _server.kill()
+        _server.wait()
+
+
+class ZygotePopen(subprocess.Popen):
+    """A ``subprocess.Popen`` of ``python -m paratrain ARGS`` whose process the zygote forks. Pipes,
+    ``communicate``, ``wait``, ``poll``, ``send_signal`` and ``pid`` work as for any ``Popen`` (the
+    exit status comes from the server, which is the command's grandparent)."""
+
+    def _execute_child(self, args: Any, executable: Any, preexec_fn: Any, close_fds: Any, pass_fds: Any,
+                       cwd: Any, env: Any, startupinfo: Any, creationflags: Any, shell: Any,
+                       p2cread: int, p2cwrite: int, c2pread: int, c2pwrite: int, errread: int, errwrite: int,
+                       *rest: Any) -> None:
+        self._child_created = False  # no os.waitpid: the status comes over the socket
+        self._zygote_buffer = b""
+        env = dict(os.environ if env is None else env)
+        fds = [p2cread if p2cread != -1 else 0, c2pwrite if c2pwrite != -1 else 1, errwrite if errwrite != -1 else 2]
+        try:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.connect(_start(env))
+            body = json.dumps({"argv": list(args[3:]), "env": env, "cwd": os.fspath(cwd or os.getcwd())}).encode()
+            socket.send_fds(sock, [struct.pack("!Q", len(body))], fds)
+            sock.sendall(body)
+            self._zygote = sock
+            self.pid = int(self._message(None)["pid"])
+        finally:  # the command's ends of the pipes are its own now
+            for fd in (p2cread, c2pwrite, errwrite):
+                if fd != -1:
+                    os.close(fd)
+            self._closed_child_pipe_fds = True
+
+    def _message(self, timeout: float | None) -> dict[str, Any]:
+        while b"\n" not in self._zygote_buffer:
+            ready, _, _ = select.select([self._zygote], [], [], timeout)
+            if not ready:
+                raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+            chunk = self._zygote.recv(4096)
+            if not chunk:
+                raise RuntimeError("tests/zygote.py: the server ended before the command did")
+            self._zygote_buffer += chunk
+        line, self._zygote_buffer = self._zygote_buffer.split(b"\n", 1)
+        return json.loads(line)
+
+    def _internal_poll(self, *args: Any, **kwargs: Any) -> int | None:
+        if self.returncode is None:
+            try:
+                self._ended(self._message(0))
+            except subprocess.TimeoutExpired:
+                pass
+        return self.returncode
+
+    def _wait(self, timeout: float | None) -> int:
+        if self.returncode is None:
+            self._ended(self._message(timeout))
+        assert self.returncode is not None
+        return self.returncode
+
+    def _ended(self, message: dict[str, Any]) -> None:
+        self.returncode = int(message["status"])
+        self._zygote.close()
+
+
+# ----------------------------------------------------------------------------------------- the server
+
+
+def _receive(conn: socket.socket) -> tuple[dict[str, Any], list[int]]:
+    head, fds, _, _ = socket.recv_fds(conn, 8, 3)
+    while len(head) < 8:
+        head += conn.recv(8 - len(head))
+    size = struct.unpack("!Q", head)[0]
+    body = b""
+    while len(body) < size:
+        body += conn.recv(size - len(body))
+    return json.loads(body), fds
+
+
+def _serve(address: str, client_pid: int) -> tuple[dict[str, Any], list[int]]:
+    """The server's loop; returns only in a forked command, with its request."""
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the helpers are reaped by the kernel
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(address)
+    server.listen(64)
+    server.settimeout(2.0)
+    print("ready", flush=True)
+    quiet = os.open(os.devnull, os.O_WRONLY)  # nothing more reaches the client's pipe (it reads one line)
+    os.dup2(quiet, 1)
+    os.dup2(quiet, 2)
+    os.close(quiet)
+    while True:
+        try:
+            conn, _ = server.accept()
+        except socket.timeout:
+            if os.getppid() != client_pid:  # the pytest process is gone
+                os._exit(0)
+            continue
+        if os.fork() != 0:
+            conn.close()
+            continue
+        # the helper: forks the command, reports its pid and, when it ends, its status
+        server.close()
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        conn.settimeout(None)
+        request, fds = _receive(conn)
+        pid = os.fork()
+        if pid == 0:
+            conn.close()
+            return request, fds
+        for fd in fds:
+            os.close(fd)
+        conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+        _, status = os.waitpid(pid, 0)
+        try:
+            conn.sendall(json.dumps({"status": os.waitstatus_to_exitcode(status)}).encode() + b"\n")
+        finally:
+            os._exit(0)
+
+
+def _become(request: dict[str, Any], fds: list[int]) -> None:
+    """In the forked command: take its session, stdio, directory, environment and argv."""
+    os.setsid()
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+    for fd in set(fds):
+        if fd > 2:
+            os.close(fd)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    sys.path[0] = os.getcwd()  # `python -m`'s first entry: the working directory
+    if os.environ.get("PYTHONUNBUFFERED"):
+        for stream in (sys.stdout, sys.stderr):
+            stream.reconfigure(write_through=True)  # type: ignore[attr-defined]
+    threads = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if threads.isdigit() and int(threads) > 0:  # OpenMP read the server's value at import
+        import torch
+
+        torch.set_num_threads(int(threads))
+    sys.argv = ["-m", *request["argv"]]
+    from paratrain.launch.forkserver import start_early
+
+    multiprocessing.util.spawnv_passfds = _fork_forkserver  # type: ignore[assignment]
+    try:
+        start_early()  # what `import paratrain` does first in a new `python -m paratrain`
+    finally:
+        multiprocessing.util.spawnv_passfds = spawnv_passfds
+
+
+spawnv_passfds = multiprocessing.util.spawnv_passfds
+
+
+def _fork_forkserver(path: str, args: list[str], passfds: Any) -> int:
+    """``multiprocessing.util.spawnv_passfds`` while the command starts its workers' forkserver
+    early (one thread yet): the server is forked, not a new interpreter that imports torch again.
+    Like the exec'd one, it keeps stdio and the descriptors it is passed, and runs its ``-c`` code
+    in a process whose environment is the command's (``paratrain.launch.forkserver`` records it as
+    the server's, as its import in a new server would)."""
+    if "multiprocessing.forkserver import main" not in args[-1]:
+        return spawnv_passfds(path, args, passfds)  # the resource tracker: a new interpreter, as always
+    pid = os.fork()
+    if pid != 0:
+        return pid
+    try:
+        keep = {0, 1, 2, *map(int, passfds)}
+        for name in os.listdir("/proc/self/fd"):
+            if int(name) not in keep:
+                try:
+                    os.close(int(name))
+                except OSError:
+                    pass
+        import paratrain.launch.forkserver as server
+
+        server._SERVER_ENV = dict(os.environ)
+        server._IMPORTED_IN = os.getpid()
+        exec(args[-1], {"__name__": "__main__"})  # `python -c "from multiprocessing.forkserver import main; ..."`
+    finally:
+        os._exit(0)
+
+
+def _main() -> None:
+    address, client_pid = sys.argv[1], int(sys.argv[2])
+    sys.path.remove(os.path.dirname(os.path.abspath(__file__)))  # tests/ is not on a command's path
+    import importlib
+
+    for name in PRELOAD:
+        importlib.import_module(name)
+    from paratrain.cli.main import build_parser
+
+    build_parser()  # imports each subcommand's module (argparse objects only: nothing runs)
+    request, fds = _serve(address, client_pid)
+    _become(request, fds)
+    import runpy
+
+    runpy._run_module_as_main("paratrain")  # type: ignore[attr-defined]  # what `python -m paratrain` calls
+
+
+if __name__ == "__main__":
+    _main()
