@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from clitools import ROOT, cli_env, killpg
+from clitools import ROOT, cli_env, finish, killpg, start_cli
 from labrun import TRAIN_ARGS, assert_same_run
 from parity import assert_same_state
 
@@ -94,21 +94,21 @@ echo "srun exit $?"
 
 @pytest.mark.timeout(600)
 def test_sbatch_signal_usr1_saves_requeues_and_the_requeued_job_resumes_bit_exact(lab_slurm, tmp_path):
-    """Issue 26: ``sbatch --signal=USR1@100 --requeue``. Slurm sends SIGUSR1 100 s before the 3-minute
+    """Issue 26: ``sbatch --signal=USR1@100 --requeue``. Slurm sends SIGUSR1 100 s before the job's
     limit (steps slowed by tests/faults while the first attempt trains); paratrain saves at one step,
     requeues the job itself (``scontrol requeue``) and the requeued job resumes from that checkpoint to
-    the uninterrupted run's weights (its steps are not slowed: it ends before a signal). The test lets
-    the requeued job start at once (Slurm holds a requeued job for 2 minutes, then waits for its next
-    scheduling pass)."""
+    the uninterrupted run's weights (its steps are not slowed: it ends before a signal). Once the first
+    attempt trains, the test cuts its limit from 3 minutes to 2 (``scontrol update TimeLimit=2``), so
+    the signal comes 20-50 s after the start (Slurm checks limits every 30 s), not 80-110 s; and it lets
+    the requeued job start at once, with its 3 minutes back (Slurm holds a requeued job for 2 minutes,
+    then waits for its next scheduling pass)."""
     import time
 
     from paratrain.checkpoint import list_checkpoints
 
     args = ["train", "--strategy", "ddp", "--nproc-per-node", "2", "--max-steps", "400", "--global-batch", "32",
             "--no-progress", "--checkpoint-every", "100"]
-    ref = subprocess.run([sys.executable, "-m", "paratrain", *args, "--log-dir", str(tmp_path / "ref")],
-                         env=cli_env(), cwd=ROOT, capture_output=True, text=True, timeout=240)
-    assert ref.returncode == 0, ref.stderr[-3000:]
+    ref_run = start_cli([*args, "--log-dir", str(tmp_path / "ref")])  # while the job's slowed first attempt runs
     job = tmp_path / "preempt.sbatch"
     job.write_text(_PREEMPT_JOB.replace("PYTHON", sys.executable).replace("ARGS", " ".join([*args, "--name", "preempted"])))
     env = {**cli_env(PARATRAIN_TEST_SLOW_STEPS="0.4"), "SLURM_CONF": str(lab_slurm.conf_path())}
@@ -121,26 +121,34 @@ def test_sbatch_signal_usr1_saves_requeues_and_the_requeued_job_resumes_bit_exac
     def show() -> str:
         return subprocess.run(["scontrol", "show", "job", job_id], env=env, capture_output=True, text=True).stdout
 
+    def update(*fields: str) -> None:
+        subprocess.run(["scontrol", "update", f"JobId={job_id}", *fields], env=env, capture_output=True, timeout=30)
+
     try:
         deadline = time.monotonic() + 480
+        cut = False
         while time.monotonic() < deadline:
             state = show()
             if "JobState=COMPLETED" in state or "JobState=FAILED" in state or "JobState=CANCELLED" in state:
                 break
+            if not cut and "Restarts=0" in state and (tmp_path / "runs" / "preempted" / "config.toml").exists():
+                update("TimeLimit=2")  # it trains (rank 0 wrote its config: stop signals are handled)
+                cut = True
             if "Restarts=1" in state and "JobState=PENDING" in state and "Reason=BeginTime" in state:
                 # StartTime=now (not BeginTime=now, which Slurm 22.05 takes without effect) also runs the scheduler
-                subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env=env,
-                               capture_output=True, timeout=30)
+                update("TimeLimit=3", "StartTime=now")
             time.sleep(1)
         log = out.read_text() if out.exists() else ""
         assert "JobState=COMPLETED" in show(), show() + log[-4000:]
     finally:
         subprocess.run(["scancel", job_id], env=env, timeout=30)
+        ref = finish(ref_run, 240)
+    assert ref.returncode == 0, ref.stderr[-3000:]
     line = next((ln for ln in log.splitlines() if ln.startswith("preempted at step")), "")
     assert line.endswith(f"checkpoint saved; continue with --resume; Slurm job {job_id} requeued: it resumes by "
                          "itself"), log[-4000:]
     step = int(line.split()[3].rstrip(":"))
-    assert 0 < step < 400 and "attempt 1" in log and f"resumed from step {step}" in log, log[-4000:]
+    assert cut and 0 < step < 400 and "attempt 1" in log and f"resumed from step {step}" in log, log[-4000:]
     run = tmp_path / "runs" / "preempted"
     assert json.loads((run / "result.json").read_text())["steps"] == 400
     got, want = (torch.load(list_checkpoints(d)[-1], weights_only=True)["model"]
