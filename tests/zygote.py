@@ -14,7 +14,11 @@ with a fault of ``tests/faults`` (its ``sitecustomize`` runs at start-up), or a 
 ``fresh=True`` (``clitools.start_cli``), starts a new interpreter as before; so does any command
 while ``PARATRAIN_TEST_ZYGOTE=0``.
 
-Protocol (one Unix socket per pytest process; one connection per command): the client sends a
+The docs' code blocks (``docs/_tools/run_blocks.py``) use the same server through a ``paratrain``
+shim on their ``PATH`` (:func:`write_shim`). A command whose client goes away (a killed test, pytest
+process or shim) is killed with its process group.
+
+Protocol (one Unix socket per server; one connection per command): the client sends a
 length-prefixed JSON request (argv, env, cwd) with its three stdio descriptors attached
 (``socket.send_fds``); the server forks a helper, which forks the command and answers with two JSON
 lines: ``{"pid": N}``, then ``{"status": CODE}`` when the command ends.
@@ -47,8 +51,9 @@ def enabled() -> bool:
     return os.environ.get("PARATRAIN_TEST_ZYGOTE", "1") != "0" and hasattr(socket, "send_fds")
 
 
-def _start(env: dict[str, str]) -> str:
-    """The server of this process, started with ``env`` at the first command (a few seconds, once)."""
+def start_server(env: dict[str, str]) -> str:
+    """The address of this process's server, started with ``env`` at the first command (a few
+    seconds, once); it ends with this process."""
     global _server, _address
     if _server is not None and _server.poll() is None and _address is not None:
         return _address
@@ -69,6 +74,68 @@ def _start(env: dict[str, str]) -> str:
     return address
 
 
+def write_shim(folder: str) -> str:
+    """Write ``folder/paratrain``: a ``paratrain`` command for shells (the docs' code blocks) whose
+    commands fork from the server named by ``$PARATRAIN_ZYGOTE`` (:func:`client_main`). Returns it."""
+    path = os.path.join(folder, "paratrain")
+    with open(path, "w") as f:  # -S: the shim itself imports the standard library only
+        f.write(f"#!{sys.executable} -S\nimport sys\nsys.path.insert(0, {os.path.dirname(__file__)!r})\n"
+                "import zygote\nzygote.client_main()\n")
+    os.chmod(path, 0o755)
+    return path
+
+
+def client_main() -> None:
+    """The shim's ``paratrain ARGS``: the command runs in a child of the server, with this process's
+    stdio, environment and directory; signals sent here reach it, and this process exits as it did."""
+    sock = _request(os.environ["PARATRAIN_ZYGOTE"], sys.argv[1:], dict(os.environ), os.getcwd(), [0, 1, 2])
+    lines = _Lines(sock)
+    pid = int(lines.next(None)["pid"])
+
+    def forward(sig: int, _frame: Any) -> None:
+        try:
+            os.kill(pid, sig)
+        except OSError:
+            pass
+
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, forward)
+    status = int(lines.next(None)["status"])
+    if status < 0:  # died of a signal: so does this process, as the shell would have seen it
+        signal.signal(-status, signal.SIG_DFL)
+        os.kill(os.getpid(), -status)
+    sys.exit(status)
+
+
+def _request(address: str, argv: list[str], env: dict[str, str], cwd: str, fds: list[int]) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(address)
+    body = json.dumps({"argv": argv, "env": env, "cwd": cwd}).encode()
+    socket.send_fds(sock, [struct.pack("!Q", len(body))], fds)
+    sock.sendall(body)
+    return sock
+
+
+class _Lines:
+    """The server's JSON lines on ``sock``."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.buffer = b""
+
+    def next(self, timeout: float | None) -> dict[str, Any]:
+        while b"\n" not in self.buffer:
+            ready, _, _ = select.select([self.sock], [], [], timeout)
+            if not ready:
+                raise TimeoutError
+            chunk = self.sock.recv(4096)
+            if not chunk:
+                raise RuntimeError("tests/zygote.py: the server ended before the command did")
+            self.buffer += chunk
+        line, self.buffer = self.buffer.split(b"\n", 1)
+        return json.loads(line)
+
+
 def _stop() -> None:
     if _server is not None and _server.poll() is None:
         _server.kill()
@@ -85,16 +152,11 @@ class ZygotePopen(subprocess.Popen):
                        p2cread: int, p2cwrite: int, c2pread: int, c2pwrite: int, errread: int, errwrite: int,
                        *rest: Any) -> None:
         self._child_created = False  # no os.waitpid: the status comes over the socket
-        self._zygote_buffer = b""
         env = dict(os.environ if env is None else env)
         fds = [p2cread if p2cread != -1 else 0, c2pwrite if c2pwrite != -1 else 1, errwrite if errwrite != -1 else 2]
         try:
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            sock.connect(_start(env))
-            body = json.dumps({"argv": list(args[3:]), "env": env, "cwd": os.fspath(cwd or os.getcwd())}).encode()
-            socket.send_fds(sock, [struct.pack("!Q", len(body))], fds)
-            sock.sendall(body)
-            self._zygote = sock
+            self._zygote = _request(start_server(env), list(args[3:]), env, os.fspath(cwd or os.getcwd()), fds)
+            self._lines = _Lines(self._zygote)
             self.pid = int(self._message(None)["pid"])
         finally:  # the command's ends of the pipes are its own now
             for fd in (p2cread, c2pwrite, errwrite):
@@ -103,16 +165,10 @@ class ZygotePopen(subprocess.Popen):
             self._closed_child_pipe_fds = True
 
     def _message(self, timeout: float | None) -> dict[str, Any]:
-        while b"\n" not in self._zygote_buffer:
-            ready, _, _ = select.select([self._zygote], [], [], timeout)
-            if not ready:
-                raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
-            chunk = self._zygote.recv(4096)
-            if not chunk:
-                raise RuntimeError("tests/zygote.py: the server ended before the command did")
-            self._zygote_buffer += chunk
-        line, self._zygote_buffer = self._zygote_buffer.split(b"\n", 1)
-        return json.loads(line)
+        try:
+            return self._lines.next(timeout)
+        except TimeoutError:
+            raise subprocess.TimeoutExpired(self.args, timeout or 0.0) from None
 
     def _internal_poll(self, *args: Any, **kwargs: Any) -> int | None:
         if self.returncode is None:
@@ -180,12 +236,33 @@ def _serve(address: str, client_pid: int) -> tuple[dict[str, Any], list[int]]:
             return request, fds
         for fd in fds:
             os.close(fd)
-        conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
-        _, status = os.waitpid(pid, 0)
         try:
+            conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+            status = _watch(pid, conn)
             conn.sendall(json.dumps({"status": os.waitstatus_to_exitcode(status)}).encode() + b"\n")
         finally:
             os._exit(0)
+
+
+def _watch(pid: int, conn: socket.socket) -> int:
+    """Wait for the command ``pid``; if the client goes away first (its connection closes: a test or
+    its pytest process killed), the command's process group goes with it (SIGKILL)."""
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    signal.set_wakeup_fd(wake_w)
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return status
+        ready, _, _ = select.select([conn, wake_r], [], [])
+        if wake_r in ready:
+            os.read(wake_r, 512)
+        if conn in ready and not conn.recv(1):
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except OSError:
+                pass
 
 
 def _become(request: dict[str, Any], fds: list[int]) -> None:
