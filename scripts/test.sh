@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Sets up the venvs (scripts/setup.sh) and runs everything CI checks, in this order:
-#   1. static checks: ruff over paratrain/, tests/, scripts/, benchmarks/ and docs/, mypy over paratrain/; zero findings;
+#   1. static checks: ruff over paratrain/, tests/, scripts/, benchmarks/ and docs/, mypy over paratrain/ (beside
+#      step 2); zero findings;
 #   2. the whole test suite on the pinned CPU build of torch;
 #   3. the package as users install it: the sdist, the wheel built from it, installed (not -e) into a
 #      fresh venv beside PyPI's default CUDA build of torch (versions from requirements/lock-cuda.txt),
@@ -43,16 +44,24 @@ bash scripts/setup.sh cpu
 venv=${PARATRAIN_VENV:-.venv}
 stage setup
 if [ -z "$only" ]; then
-echo "== static checks (ruff, mypy)"
+echo "== static checks (ruff; mypy runs beside the suite: one core for a minute, mostly reading torch)"
 "$venv/bin/ruff" check paratrain tests scripts benchmarks docs
-"$venv/bin/mypy" paratrain
+mlog=$(mktemp); tmps+=("$mlog")
+"$venv/bin/mypy" paratrain >"$mlog" 2>&1 </dev/null &
+mypy_pid=$!
 # the checkout's own .pyc once (PYTHONDONTWRITEBYTECODE, set on this image, would have every process compile it)
 "$venv/bin/python" -m compileall -q -j 0 paratrain tests scripts benchmarks >/dev/null
 stage static
 echo "== full suite, torch $("$venv/bin/python" -c 'import torch; print(torch.__version__)')"
 # test_smoke.py is for the CUDA wheel (below); the ten slowest tests are listed at the end
+suite_rc=0
 timeout --foreground -k 30 45m "$venv/bin/python" -m pytest -q "${workers[@]}" --durations=10 \
-  --ignore=tests/test_smoke.py "$@" </dev/null
+  --ignore=tests/test_smoke.py "$@" </dev/null || suite_rc=$?
+mypy_rc=0
+wait "$mypy_pid" || mypy_rc=$?
+echo "== mypy (exit $mypy_rc):"; cat "$mlog"
+[ "$suite_rc" = 0 ] || exit "$suite_rc"
+[ "$mypy_rc" = 0 ] || exit "$mypy_rc"
 stage suite
 echo "== docs: the site in strict mode, and every code block of its pages run"
 bash scripts/docs.sh  # in $venv, whose lock holds the docs tools; about 2-4 minutes on 2 cores
