@@ -32,16 +32,12 @@ def cli_env(**extra: str) -> dict[str, str]:
 
 def start_cli(args: list[str], cwd: Path = ROOT, fresh: bool = False, **env: str) -> subprocess.Popen:
     """Start ``python -m paratrain ARGS`` in ``cwd`` (default: the repo root) in a new process group.
-    It forks from the session's zygote (tests/zygote.py: torch imported once) unless ``fresh``, or a
-    fault of tests/faults is injected (its ``sitecustomize`` runs at start-up): a new interpreter."""
-    full = cli_env(**env)
-    popen = subprocess.Popen
-    if not fresh and zygote.enabled() and not any(k.startswith("PARATRAIN_TEST_") and k != "PARATRAIN_TEST_ZYGOTE"
-                                                  for k in full):
-        popen = zygote.ZygotePopen
+    It forks from the session's zygote (tests/zygote.py: torch imported once); ``fresh``: a new
+    interpreter."""
+    popen = zygote.ZygotePopen if not fresh and zygote.enabled() else subprocess.Popen
     return popen(
         [sys.executable, "-m", "paratrain", *args],
-        cwd=cwd, env=full, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=cwd, env=cli_env(**env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         start_new_session=True,
     )
 

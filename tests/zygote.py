@@ -9,10 +9,12 @@ threads joined, exit status; a signal's death is ``-SIG`` as for ``subprocess``)
 imports (no threads, no OpenMP pool: what ``multiprocessing``'s forkserver does for paratrain's own
 workers), and it checks that importing printed nothing, so no output of a fresh start is hidden.
 
-What a new interpreter does that this does not: read environment variables at import. So a command
-with a fault of ``tests/faults`` (its ``sitecustomize`` runs at start-up), or a test that asks for
-``fresh=True`` (``clitools.start_cli``), starts a new interpreter as before; so does any command
-while ``PARATRAIN_TEST_ZYGOTE=0``.
+What a new interpreter does that this does not: read environment variables at import. A
+``sitecustomize`` on the command's ``PYTHONPATH`` (``tests/faults``: it patches paratrain's functions
+when a ``PARATRAIN_TEST_*`` variable asks for a fault) is imported in the command, as ``site`` would
+at start-up, before the workers' forkserver starts. A test that asks for ``fresh=True``
+(``clitools.start_cli``) starts a new interpreter, as does any command while
+``PARATRAIN_TEST_ZYGOTE=0``.
 
 The docs' code blocks (``docs/_tools/run_blocks.py``) use the same server through a ``paratrain``
 shim on their ``PATH`` (:func:`write_shim`). A command whose client goes away (a killed test, pytest
@@ -276,7 +278,9 @@ def _become(request: dict[str, Any], fds: list[int]) -> None:
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
-    sys.path[0] = os.getcwd()  # `python -m`'s first entry: the working directory
+    # sys.path as `python -m` builds it: the working directory, $PYTHONPATH, then the rest
+    given = [os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    sys.path[:] = [os.getcwd(), *given, *(p for p in _BASE_PATH if p not in _SERVER_PYTHONPATH)]
     if os.environ.get("PYTHONUNBUFFERED"):
         for stream in (sys.stdout, sys.stderr):
             stream.reconfigure(write_through=True)  # type: ignore[attr-defined]
@@ -286,6 +290,13 @@ def _become(request: dict[str, Any], fds: list[int]) -> None:
 
         torch.set_num_threads(int(threads))
     sys.argv = ["-m", *request["argv"]]
+    if any(os.path.exists(os.path.join(p, "sitecustomize.py")) for p in given):
+        # what `site` imports at start-up (tests/faults: it patches paratrain's functions when a
+        # PARATRAIN_TEST_* variable asks for a fault); before the workers' forkserver is forked
+        import importlib
+
+        sys.modules.pop("sitecustomize", None)
+        importlib.import_module("sitecustomize")
     from paratrain.launch.forkserver import start_early
 
     multiprocessing.util.spawnv_passfds = _fork_forkserver  # type: ignore[assignment]
@@ -296,6 +307,8 @@ def _become(request: dict[str, Any], fds: list[int]) -> None:
 
 
 spawnv_passfds = multiprocessing.util.spawnv_passfds
+_BASE_PATH: list[str] = []  # the server's sys.path
+_SERVER_PYTHONPATH: set[str] = set()  # its $PYTHONPATH's entries (a command has its own)
 
 
 def _fork_forkserver(path: str, args: list[str], passfds: Any) -> int:
@@ -328,7 +341,10 @@ def _fork_forkserver(path: str, args: list[str], passfds: Any) -> int:
 
 def _main() -> None:
     address, client_pid = sys.argv[1], int(sys.argv[2])
-    sys.path.remove(os.path.dirname(os.path.abspath(__file__)))  # tests/ is not on a command's path
+    global _BASE_PATH, _SERVER_PYTHONPATH
+    _SERVER_PYTHONPATH = {os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p}
+    _BASE_PATH = sys.path[1:]  # without this file's folder (tests/ is not on a command's path)
+    sys.path[:] = _BASE_PATH
     import importlib
 
     for name in PRELOAD:
