@@ -1,9 +1,9 @@
 """``python -m paratrain ARGS`` for the test suite, forked from a server that has imported torch and
-paratrain once (a "zygote"), instead of a new interpreter importing them again: about 3 s of CPU per
-command on a 2-core machine, for a few hundred commands a run.
+paratrain once (a "zygote"), instead of a new interpreter importing them again: about 2 s of CPU less
+per command on a 2-core machine, for a few hundred commands a run.
 
 What the command sees is what a new interpreter would give it: its own process (a new session, so
-its process group can be killed), its argv, environment, working directory and ``sys.path[0]``,
+its process group can be killed), its argv, environment, working directory and ``sys.path``,
 stdin, stdout and stderr, ``OMP_NUM_THREADS``, and a normal interpreter exit (atexit handlers,
 threads joined, exit status; a signal's death is ``-SIG`` as for ``subprocess``). The server only
 imports (no threads, no OpenMP pool: what ``multiprocessing``'s forkserver does for paratrain's own
@@ -47,6 +47,10 @@ PRELOAD = ("torch", "paratrain", "paratrain.cli.main", "paratrain.cli.train", "p
 
 _server: subprocess.Popen | None = None
 _address: str | None = None
+# in the server
+_BASE_PATH: list[str] = []  # its sys.path
+_SERVER_PYTHONPATH: set[str] = set()  # its $PYTHONPATH's entries (a command has its own)
+_spawnv_passfds = multiprocessing.util.spawnv_passfds  # what _fork_forkserver stands in for
 
 
 def enabled() -> bool:
@@ -303,12 +307,8 @@ def _become(request: dict[str, Any], fds: list[int]) -> None:
     try:
         start_early()  # what `import paratrain` does first in a new `python -m paratrain`
     finally:
-        multiprocessing.util.spawnv_passfds = spawnv_passfds
+        multiprocessing.util.spawnv_passfds = _spawnv_passfds
 
-
-spawnv_passfds = multiprocessing.util.spawnv_passfds
-_BASE_PATH: list[str] = []  # the server's sys.path
-_SERVER_PYTHONPATH: set[str] = set()  # its $PYTHONPATH's entries (a command has its own)
 
 
 def _fork_forkserver(path: str, args: list[str], passfds: Any) -> int:
@@ -318,7 +318,7 @@ def _fork_forkserver(path: str, args: list[str], passfds: Any) -> int:
     in a process whose environment is the command's (``paratrain.launch.forkserver`` records it as
     the server's, as its import in a new server would)."""
     if "multiprocessing.forkserver import main" not in args[-1]:
-        return spawnv_passfds(path, args, passfds)  # the resource tracker: a new interpreter, as always
+        return _spawnv_passfds(path, args, passfds)  # the resource tracker: a new interpreter, as always
     pid = os.fork()
     if pid != 0:
         return pid

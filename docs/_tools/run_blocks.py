@@ -441,12 +441,12 @@ def main(argv: list[str] | None = None) -> int:
         if not args.list:
             print(f"docs: {path.relative_to(ROOT)}: ok in {seconds:.1f} s", flush=True)
 
-    if not args.list and os.environ.get("PARATRAIN_TEST_ZYGOTE", "1") != "0":
+    sys.path.insert(0, str(ROOT / "tests"))
+    import zygote
+
+    if not args.list and zygote.enabled():
         # the blocks' `paratrain` commands fork from one process that imported torch (tests/zygote.py):
         # about 2 s of CPU less for each; PARATRAIN_TEST_ZYGOTE=0 starts a new interpreter for each
-        sys.path.insert(0, str(ROOT / "tests"))
-        import zygote
-
         os.environ["PARATRAIN_ZYGOTE"] = zygote.start_server(dict(os.environ, MPLBACKEND="Agg", TQDM_DISABLE="1"))
         SHIMS.append(os.path.dirname(zygote.write_shim(tempfile.mkdtemp(prefix="paratrain-shim-"))))
     # the pages with the most to run first, so that the last one to finish is a short one
