@@ -2,7 +2,7 @@
 # Builds the documentation site (docs/ -> build/docs/index.html) and runs every code block of its
 # pages, so the docs cannot drift from the code. scripts/test.sh runs it; one command, no arguments:
 #   1. the test venv (scripts/setup.sh), whose lock holds the docs tools of docs/requirements.txt;
-#   2. Sphinx in strict mode: any warning fails (a broken internal link, a reference to something the
+#   2. Sphinx in strict mode (beside step 4): any warning fails (a broken internal link, a reference to something the
 #      API reference does not document, a docstring that does not render), with -n (nitpicky);
 #   3. docs/_tools/check_site.py: paratrain.__all__, every subcommand and every extra are covered;
 #   4. docs/_tools/run_blocks.py: every code block of README.md and docs/**/*.md runs (python, shell;
@@ -14,9 +14,20 @@ bash scripts/setup.sh cpu  # the docs tools (docs/requirements.txt) are part of 
 venv=${PARATRAIN_VENV:-.venv}
 start=$SECONDS
 rm -rf build/docs
-echo "== docs: build the site (strict)"
-timeout --foreground -k 10 5m "$venv/bin/python" -m sphinx -b html -n -W --keep-going -q docs build/docs </dev/null
+# the site (one core, ~20 s) is built while the code blocks run; its output is printed after them
+slog=$(mktemp)
+trap 'rm -f "$slog"' EXIT
+timeout --foreground -k 10 5m "$venv/bin/python" -m sphinx -b html -n -W --keep-going -q docs build/docs \
+  >"$slog" 2>&1 </dev/null &
+sphinx=$!
+echo "== docs: run the code blocks (the site is built beside them)"
+blocks_rc=0
+timeout --foreground -k 30 15m "$venv/bin/python" docs/_tools/run_blocks.py </dev/null || blocks_rc=$?
+sphinx_rc=0
+wait "$sphinx" || sphinx_rc=$?
+echo "== docs: build the site (strict): exit $sphinx_rc"
+cat "$slog"
+[ "$blocks_rc" = 0 ] || exit "$blocks_rc"
+[ "$sphinx_rc" = 0 ] || exit "$sphinx_rc"
 "$venv/bin/python" docs/_tools/check_site.py build/docs
-echo "== docs: run the code blocks"
-timeout --foreground -k 30 15m "$venv/bin/python" docs/_tools/run_blocks.py </dev/null
 echo "docs: site in build/docs/index.html; $((SECONDS - start)) s"

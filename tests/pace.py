@@ -45,3 +45,12 @@ def pace() -> float:
 def scaled(seconds: float) -> float:
     """``seconds`` of a real limit set on the reference machine, with this machine's room."""
     return seconds * pace()
+
+
+if __name__ == "__main__":  # `python tests/pace.py [SECONDS]`: the pace measured now, or SECONDS with its room
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("seconds", type=float, nargs="?", help="a limit set on the reference machine")
+    args = ap.parse_args()
+    print(f"{measure():.2f}" if args.seconds is None else f"{args.seconds * measure():.0f}")

@@ -34,19 +34,21 @@ def test_a_cuda_build_without_a_gpu_runs_on_the_cpu() -> None:
     assert d.device == torch.device("cpu") and select_backend(d.device) == "gloo"
 
 
-def train(tmp: Path, strategy: str, *extra: str, timeout: float = 120) -> dict:
+def train(tmp: Path, strategy: str, *extra: str, timeout: float = 120, fresh: bool = False) -> dict:
     n = STRATEGIES[strategy]
     args = ["train", "--strategy", strategy, "--max-steps", "3", "--no-progress", "--log-dir", str(tmp), *extra]
     if n > 1:
         args += ["--nproc-per-node", str(n)]
-    res = run_cli(args, timeout=timeout)
+    res = run_cli(args, timeout=timeout, fresh=fresh)
     assert res.returncode == 0, res.stderr[-3000:]
     return json.loads((tmp / "result.json").read_text())
 
 
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
 def test_train_each_strategy(tmp_path: Path, strategy: str) -> None:
-    result = train(tmp_path, strategy)
+    # the commands fork from the session's zygote (clitools); ddp's starts a new interpreter, as users
+    # start it: the installed package's start-up, from `python -m paratrain` to its forked workers
+    result = train(tmp_path, strategy, fresh=strategy == "ddp")
     assert result["steps"] == 3 and result["world_size"] == STRATEGIES[strategy]
     assert result["test_count"] == 359  # every test sample counted once
 

@@ -288,11 +288,9 @@ def _become(request: dict[str, Any], fds: list[int]) -> None:
     if os.environ.get("PYTHONUNBUFFERED"):
         for stream in (sys.stdout, sys.stderr):
             stream.reconfigure(write_through=True)  # type: ignore[attr-defined]
-    threads = os.environ.get("OMP_NUM_THREADS", "").strip()
-    if threads.isdigit() and int(threads) > 0:  # OpenMP read the server's value at import
-        import torch
+    from paratrain.launch.forkserver import apply_omp_threads
 
-        torch.set_num_threads(int(threads))
+    apply_omp_threads()  # OpenMP read the server's value at import
     sys.argv = ["-m", *request["argv"]]
     if any(os.path.exists(os.path.join(p, "sitecustomize.py")) for p in given):
         # what `site` imports at start-up (tests/faults: it patches paratrain's functions when a

@@ -31,7 +31,7 @@ import sys
 import threading
 from typing import Mapping, Sequence
 
-__all__ = ["PRELOAD", "start_early", "wants_early_start", "ensure_running", "train_worker", "worker_environ"]
+__all__ = ["PRELOAD", "start_early", "wants_early_start", "ensure_running", "train_worker", "apply_omp_threads", "worker_environ"]
 
 # What the server imports: this module (which records the server's environment) and the modules a
 # default `paratrain train` job runs, so that the workers import nothing heavy themselves.
@@ -140,6 +140,16 @@ def worker_environ(launcher: Mapping[str, str], current: Mapping[str, str],
     return {**launcher, **agent}
 
 
+def apply_omp_threads() -> None:
+    """``OMP_NUM_THREADS`` of this process's environment as torch's intra-op threads: a process forked
+    from one that imported torch has the pool size that process's OpenMP read at import."""
+    threads = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if threads.isdigit() and int(threads) > 0:
+        import torch
+
+        torch.set_num_threads(int(threads))
+
+
 def train_worker(argv: list[str], environ: dict[str, str]) -> None:
     """One worker of ``paratrain train`` (what ``python -m paratrain train ARGV`` would run), in a
     process forked from the server. ``environ`` is the launching command's environment: it replaces
@@ -151,11 +161,7 @@ def train_worker(argv: list[str], environ: dict[str, str]) -> None:
     merged = worker_environ(environ, dict(os.environ), None if os.getpid() == _IMPORTED_IN else _SERVER_ENV)
     os.environ.clear()
     os.environ.update(merged)  # with AGENT_PID: the worker ends with the agent (env.process.die_with_launcher)
-    import torch
-
-    threads = os.environ.get("OMP_NUM_THREADS", "").strip()
-    if threads.isdigit() and int(threads) > 0:  # the server's OpenMP read its own value at import
-        torch.set_num_threads(int(threads))
+    apply_omp_threads()
     sys.argv = ["paratrain", *argv]
     from ..cli.main import main
 
