@@ -8,6 +8,7 @@ import time
 import pytest
 
 from labrun import finish_all, start
+from pace import scaled
 
 TIMEOUT_S = 10
 
@@ -36,7 +37,8 @@ def test_cut_link_fails_fast_and_names_the_lost_rank(fresh_lab, tmp_path):
     t0 = time.monotonic()
     results = finish_all(procs, TIMEOUT_S + 60)
     took = time.monotonic() - t0
-    assert took <= TIMEOUT_S + 10, f"the ranks took {took:.1f}s after the cut (timeout_s={TIMEOUT_S})"
+    # the product's promise (timeout_s) and an allowance for the machine, with its room (tests/pace.py)
+    assert took <= TIMEOUT_S + scaled(10), f"the ranks took {took:.1f}s after the cut (timeout_s={TIMEOUT_S})"
     h0, h1 = (r.stderr.strip().splitlines()[-1] for r in results)
     print(f"ended {took:.1f}s after the cut:\n{h0}\n{h1}")
     assert results[0].returncode != 0 and results[1].returncode != 0
