@@ -213,8 +213,9 @@ class ParallelConfig:
     def data_parallel_size(self, world: int) -> int:
         """Data shards for ``world`` processes under the configured strategy (tensor/pipeline share batches)."""
         if self.mesh.given:  # the batch is split over dp_replicate x dp_shard, whichever strategy runs the layout
-            sizes = self.mesh.sizes(world)
-            return sizes["dp_replicate"] * sizes["dp_shard"]
+            from ..strategies.base import data_parallel_size
+
+            return data_parallel_size(self.mesh.sizes(world))
         return self.strategy_class.data_parallel_size_for(world, self.strategy_options())
 
     def batch_plan(self, world: int, given: BatchPlan | None = None) -> BatchPlan:

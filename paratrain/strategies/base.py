@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable, ClassVar, Iterable
+from typing import Any, Callable, ClassVar, Iterable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -16,7 +16,13 @@ from ..nn.checkpointing import apply_activation_checkpointing
 from ..nn.syncbn import convert_sync_batchnorm
 from ..precision import Precision, lookup as precision_class
 
-__all__ = ["Strategy", "NotApplicable"]
+__all__ = ["Strategy", "NotApplicable", "data_parallel_size"]
+
+
+def data_parallel_size(sizes: Mapping[str, int]) -> int:
+    """The data shards of a layout (mesh sizes, :mod:`.mesh`): the batch is split over ``dp_replicate x
+    dp_shard`` ranks; the ``pp`` stages of a pipeline and the ``tp`` ranks of a group read the same samples."""
+    return sizes.get("dp_replicate", 1) * sizes.get("dp_shard", 1)
 
 
 class NotApplicable(ValueError):
@@ -93,8 +99,10 @@ class Strategy:
 
     @classmethod
     def data_parallel_size_for(cls, world: int, options: Any = None) -> int:
-        """How many data shards a world of ``world`` processes reads (the batch is split that many ways)."""
-        return world
+        """How many data shards a world of ``world`` processes reads (the batch is split that many ways):
+        its layout's (:func:`data_parallel_size`), or every process for a strategy that is no mesh (ps)."""
+        layout = cls.layout_for(world, options)
+        return data_parallel_size(layout) if layout else world
 
     @classmethod
     def layout_for(cls, world: int, options: Any = None) -> dict[str, int]:

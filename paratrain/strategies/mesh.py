@@ -15,8 +15,8 @@ gradient all-reduce crosses the slower links between nodes.
   replication, DDP's numbers);
 * ``... x tp``: the Linear layers split over ``tp`` first (tensor's plan), then the above over the
   data-parallel dimensions;
-* a layout with ``pp`` is the pipeline strategy's: each stage replicated or sharded (FSDP2) over the
-  data-parallel dimensions; ``pp`` with ``tp`` is refused in one line (not composed yet).
+* a layout with ``pp`` is the pipeline strategy's (:mod:`.pipeline`): each stage split over ``tp``, then
+  replicated or sharded (FSDP2, HSDP) over the data-parallel dimensions.
 
 The batch is split over ``dp_replicate x dp_shard`` ranks (the ``tp`` ranks of a group read the
 same samples), so the global batch and its samples are the same in every layout.
@@ -26,15 +26,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
 
 from ..env.process import Dist
-from .base import NotApplicable
+from .base import NotApplicable, data_parallel_size
 from .fsdp import FSDPOptions
 from .tensor import TensorOptions, TensorParallelStrategy
 
-__all__ = ["DIMS", "MeshOptions", "Composition", "MeshStrategy", "describe"]
+__all__ = ["DIMS", "MeshOptions", "Composition", "MeshStrategy", "describe", "layout_mesh", "data_parallel_mesh"]
 
 DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 """The mesh's dimensions, outermost first: the order of ``init_device_mesh``'s shape."""
@@ -43,6 +43,20 @@ DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 def describe(sizes: dict[str, int]) -> str:
     """``"dp_replicate=2,dp_shard=2"``: the dimensions larger than 1, in mesh order (``"1"``: one process)."""
     return ",".join(f"{d}={sizes[d]}" for d in DIMS if sizes.get(d, 1) > 1) or "1"
+
+
+def layout_mesh(device_type: str, sizes: Mapping[str, int], dims: tuple[str, ...] = DIMS) -> Any:
+    """The job's ``DeviceMesh`` for the layout ``sizes``, with the dimensions ``dims`` outermost first (:data:`DIMS`
+    by default; a size 1 included, so every name can be indexed). A collective."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device_type, tuple(sizes.get(d, 1) for d in dims), mesh_dim_names=dims)
+
+
+def data_parallel_mesh(mesh: Any, sizes: Mapping[str, int]) -> Any:
+    """The part of a :func:`layout_mesh` mesh that FSDP2 runs on: the 2-D ``(dp_replicate, dp_shard)``
+    (HSDP) when the layout replicates, else ``dp_shard``."""
+    return mesh["dp_replicate", "dp_shard"] if sizes.get("dp_replicate", 1) > 1 else mesh["dp_shard"]
 
 
 @dataclass(kw_only=True)
@@ -153,11 +167,6 @@ class MeshStrategy(TensorParallelStrategy):
             super().validate(cfg)
 
     @classmethod
-    def data_parallel_size_for(cls, world: int, options: Any = None) -> int:
-        sizes = options.layout.sizes(world) if options is not None else {"dp_shard": world}
-        return sizes.get("dp_replicate", 1) * sizes.get("dp_shard", 1)
-
-    @classmethod
     def layout_for(cls, world: int, options: Any = None) -> dict[str, int]:
         return options.layout.sizes(world) if options is not None else {"dp_shard": world}
 
@@ -170,7 +179,7 @@ class MeshStrategy(TensorParallelStrategy):
         except ValueError as e:
             raise NotApplicable(str(e)) from None
         self.tp = self.sizes["tp"]
-        self.dp = self.sizes["dp_replicate"] * self.sizes["dp_shard"]
+        self.dp = data_parallel_size(self.sizes)
         self._mesh = None
         self._device_mesh: Any = None
 
@@ -182,11 +191,7 @@ class MeshStrategy(TensorParallelStrategy):
     def device_mesh(self) -> Any:
         """The whole ``(dp_replicate, dp_shard, tp)`` DeviceMesh (a dimension may be 1)."""
         if self._device_mesh is None:
-            from torch.distributed.device_mesh import init_device_mesh
-
-            names = DIMS[1:]
-            self._device_mesh = init_device_mesh(self.device.type, tuple(self.sizes[d] for d in names),
-                                                 mesh_dim_names=names)
+            self._device_mesh = layout_mesh(self.device.type, self.sizes, DIMS[1:])
         return self._device_mesh
 
     @property
@@ -199,8 +204,7 @@ class MeshStrategy(TensorParallelStrategy):
 
     def split_meshes(self) -> tuple[Any, Any]:
         """``(tp mesh, data-parallel mesh)``: the latter 2-D ``(dp_replicate, dp_shard)`` for HSDP."""
-        replicas = self.sizes["dp_replicate"] > 1
-        return self.device_mesh["tp"], self.device_mesh["dp_replicate", "dp_shard"] if replicas else self.device_mesh["dp_shard"]
+        return self.device_mesh["tp"], data_parallel_mesh(self.device_mesh, self.sizes)
 
     def describe_split(self, plan: dict[str, str]) -> str:
         return f"paratrain mesh {describe(self.sizes)}" + (f": {len(plan)} Linear layers split over tp" if plan else "")

@@ -45,8 +45,9 @@ from ..precision import lookup as precision_class
 from ._split import check_sequential, parse_split_points, split_model
 from ._stack import StackStage, split_stack
 from ..checkpoint.sharded import full_state_dict as sharded_full_state_dict
-from .base import NotApplicable, Strategy
+from .base import NotApplicable, Strategy, data_parallel_size
 from .fsdp import FSDPOptions, ParameterSwap, scale_grads_, shard_model, total_norm
+from .mesh import data_parallel_mesh, layout_mesh
 from .tensor import TensorOptions, checked_plan, parallel_style
 
 __all__ = ["PipelineOptions", "PipelineStrategy", "PipelineModule", "cut_stages"]
@@ -258,10 +259,6 @@ class PipelineStrategy(Strategy):
         return PipelineParts(cfg.pipeline, cfg.tensor, cfg.fsdp)
 
     @classmethod
-    def data_parallel_size_for(cls, world: int, options: Any = None) -> int:
-        return 1  # one replica: every stage sees the same batch
-
-    @classmethod
     def layout_for(cls, world: int, options: Any = None) -> dict[str, int]:
         return {"pp": world}
 
@@ -274,7 +271,7 @@ class PipelineStrategy(Strategy):
         # The mesh (pp, dp_replicate, dp_shard, tp), row-major: rank = stage * (dp * tp) + column, where the
         # column (data-parallel replica, tp slice) is the same for the stages of one pipeline.
         self.stages = self.layout.get("pp", dist_info.world_size)
-        self.dp = self.layout.get("dp_replicate", 1) * self.layout.get("dp_shard", 1)
+        self.dp = data_parallel_size(self.layout)
         self.tp = self.layout.get("tp", 1)
         self.stage_index, self.column = divmod(dist_info.rank, self.dp * self.tp)
         self.replica, self.tp_rank = divmod(self.column, self.tp)
@@ -301,11 +298,9 @@ class PipelineStrategy(Strategy):
     def _mesh(self) -> tuple[Any, Any]:
         """``(pp x dp_replicate x dp_shard x tp mesh, (pp, dp, tp) mesh)`` for a composed pipeline (made on every rank)."""
         if self._meshes is None:
-            from torch.distributed.device_mesh import init_device_mesh
-
-            names = ("pp", "dp_replicate", "dp_shard", "tp")
-            whole = init_device_mesh(self.device.type, tuple(self.layout.get(d, 1) for d in names), mesh_dim_names=names)
-            flat = init_device_mesh(self.device.type, (self.stages, self.dp, self.tp), mesh_dim_names=("pp", "dp", "tp"))
+            whole = layout_mesh(self.device.type, self.layout)
+            # the same ranks with the data-parallel dimensions as one: the group the replicas' metrics are summed over
+            flat = layout_mesh(self.device.type, {"pp": self.stages, "dp": self.dp, "tp": self.tp}, ("pp", "dp", "tp"))
             self._meshes = (whole, flat)
         return self._meshes
 
@@ -357,8 +352,7 @@ class PipelineStrategy(Strategy):
                 if mine:
                     parallelize_module(stage, whole["tp"], {n: parallel_style(s) for n, s in mine.items()})
             if self.dp > 1:  # the stage replicated or sharded over its data-parallel ranks (FSDP2, HSDP)
-                dp_mesh = whole["dp_replicate", "dp_shard"] if self.layout.get("dp_replicate", 1) > 1 else whole["dp_shard"]
-                shard_model(stage, dp_mesh, self.parts.fsdp, self.precision,
+                shard_model(stage, data_parallel_mesh(whole, self.layout), self.parts.fsdp, self.precision,
                             stage.blocks() if isinstance(stage, StackStage) else None)
             self.swap.after(stage, old)
             if isinstance(stage, StackStage):

@@ -205,11 +205,6 @@ class TensorParallelStrategy(DTensorStrategy):
                              "(GradScaler cannot unscale tensor-parallel and plain gradients together, nor agree on an "
                              "overflow across the tp group): use bf16-mixed, or a static loss_scale such as 128")
 
-    @classmethod
-    def data_parallel_size_for(cls, world: int, options: Any = None) -> int:
-        tp = getattr(options, "tp_size", None) or world
-        return max(1, world // tp)
-
     def __init__(self, dist_info: Dist, sync_batchnorm: bool = False, options: TensorOptions | None = None, **common: Any) -> None:
         super().__init__(dist_info, sync_batchnorm, options or TensorOptions(), **common)
         world = dist_info.world_size
