@@ -3,7 +3,9 @@
 What it measures
     For two models (a wide MLP and a nanoGPT-style GPT with tied weights), AdamW: single, ddp, fsdp
     and tensor at world sizes 1 and 2 (single at 1) and pipeline at 2 in fp32, and bf16-true (bf16
-    weights, fp32 masters) and bf16-mixed for single and ddp; each rank's peak memory over three
+    weights, fp32 masters) and bf16-mixed for single and ddp, and the composed layouts HSDP 2x2,
+    ``pp=2,dp_shard=2``, ``dp_shard=2,tp=2`` and ``pp=2,tp=2`` at world size 4 (``Parallel(mesh=...)``,
+    estimated with ``estimate(mesh=...)``); each rank's peak memory over three
     training steps through ``Parallel``, from building the model on, with ``BATCH`` samples per
     data shard and forward. On a CPU that is the peak
     resident set (``VmHWM``, reset through ``/proc/self/clear_refs``) minus the resident set just
@@ -17,7 +19,7 @@ Target
 
 Usage::
 
-    python benchmarks/memory_check.py [--smoke] [--json PATH]
+    python benchmarks/memory_check.py [--smoke] [--json PATH] [--only PREFIX]
 """
 
 from __future__ import annotations
@@ -40,11 +42,23 @@ sys.path.insert(0, ROOT)
 import paratrain  # noqa: E402
 from paratrain.bench.memory import estimate, measure_model  # noqa: E402
 from paratrain.strategies import resolve  # noqa: E402
+from paratrain.strategies.base import data_parallel_size  # noqa: E402
 
 CASES = [("single", 1, "32"), ("ddp", 1, "32"), ("ddp", 2, "32"), ("fsdp", 1, "32"), ("fsdp", 2, "32"),
          ("tensor", 1, "32"), ("tensor", 2, "32"), ("pipeline", 2, "32"), ("single", 1, "bf16-true"),
-         ("ddp", 2, "bf16-true"), ("single", 1, "bf16-mixed"), ("ddp", 2, "bf16-mixed")]
-SMOKE = [("single", 1, "32"), ("fsdp", 2, "32"), ("tensor", 2, "32"), ("single", 1, "bf16-true")]
+         ("ddp", 2, "bf16-true"), ("single", 1, "bf16-mixed"), ("ddp", 2, "bf16-mixed"),
+         # composed layouts (paratrain.strategies.mesh), at world size 4
+         ("mesh:dp_replicate=2,dp_shard=2", 4, "32"), ("mesh:pp=2,dp_shard=2", 4, "32"),
+         ("mesh:dp_shard=2,tp=2", 4, "32"), ("mesh:pp=2,tp=2", 4, "32")]
+SMOKE = [("single", 1, "32"), ("mesh:dp_shard=2", 2, "32"), ("tensor", 2, "32"), ("single", 1, "bf16-true")]
+"""A strategy ``mesh:SIZES`` is the layout ``Parallel(mesh=...)`` with those sizes (``--mesh``'s spelling)."""
+
+
+def layout(strategy: str) -> dict[str, int] | None:
+    """The mesh sizes of a ``mesh:...`` case (None: a strategy's)."""
+    if not strategy.startswith("mesh:"):
+        return None
+    return {k: int(v) for k, _, v in (item.partition("=") for item in strategy[5:].split(","))}
 SIZES = {  # model sizes: full run / --smoke
     "mlp": {"full": dict(width=2048, depth=3, inputs=1024), "smoke": dict(width=256, depth=2, inputs=128)},
     "gpt": {"full": dict(n_layer=4, n_embd=384, vocab=4096, block=64), "smoke": dict(n_layer=2, n_embd=64, vocab=256,
@@ -109,10 +123,13 @@ def _train(pt: Any, name: str, size: dict[str, int], steps: int) -> None:
 
 def worker(rank: int, name: str, size: dict[str, int], strategy: str, precision: str, steps: int) -> int:
     torch.set_num_threads(1)
-    shards = resolve(strategy).data_parallel_size_for(int(os.environ["WORLD_SIZE"]))  # tensor/pipeline: 1
+    mesh = layout(strategy)
+    # tensor/pipeline: 1
+    shards = data_parallel_size(mesh) if mesh else resolve(strategy).data_parallel_size_for(int(os.environ["WORLD_SIZE"]))
+    how: dict[str, Any] = {"mesh": mesh} if mesh else {"strategy": strategy}
 
     def parallel() -> Any:
-        return paratrain.Parallel(strategy=strategy, precision=precision, global_batch=BATCH[name] * shards,
+        return paratrain.Parallel(**how, precision=precision, global_batch=BATCH[name] * shards,
                                   micro_batch=BATCH[name])
 
     pt = parallel()
@@ -140,12 +157,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny models, one case per strategy: checks the script runs")
     ap.add_argument("--json", default=None, metavar="PATH")
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--only", default=None, metavar="PREFIX", help="the cases whose strategy starts so (e.g. mesh:)")
     args = ap.parse_args(argv)
     mode = "smoke" if args.smoke else "full"
     os.environ.update(MALLOC)  # glibc reads them when a process starts: the workers inherit them
-    cases = SMOKE if args.smoke else CASES
+    cases = [c for c in (SMOKE if args.smoke else CASES) if args.only is None or c[0].startswith(args.only)]
     rows = []
-    print(f"{'model':<5} {'strategy':<8} {'world':>5} {'precision':<10} {'measured MiB':>13} {'estimate MiB':>13} "
+    print(f"{'model':<5} {'strategy':<30} {'world':>5} {'precision':<10} {'measured MiB':>13} {'estimate MiB':>13} "
           f"{'error':>7}")
     for name in SIZES:
         size = SIZES[name][mode]
@@ -157,11 +175,12 @@ def main(argv: list[str] | None = None) -> int:
             peaks = paratrain.launch(worker, nprocs=world, args=(name, size, strategy, precision, args.steps),
                                      timeout=600, env={"OMP_NUM_THREADS": "1"})
             measured = max(peaks)
-            est = estimate(facts, strategy, world, BATCH[name], precision=precision, optimizer="adamw").peak
+            est = estimate(facts, strategy, world, BATCH[name], precision=precision, optimizer="adamw",
+                           mesh=layout(strategy)).peak
             err = est / measured - 1 if measured > 0 else math.nan  # a tiny smoke model may not move the peak
             rows.append({"model": name, "strategy": strategy, "world_size": world, "precision": precision,
                          "measured": measured, "estimate": est, "error": err, "params": facts.params})
-            print(f"{name:<5} {strategy:<8} {world:>5} {precision:<10} {measured / 2**20:>13.1f} "
+            print(f"{name:<5} {strategy:<30} {world:>5} {precision:<10} {measured / 2**20:>13.1f} "
                   f"{est / 2**20:>13.1f} {err:>+7.1%}", flush=True)
     worst = max((abs(r["error"]) for r in rows if math.isfinite(r["error"])), default=math.nan)
     print(f"largest error {worst:.1%} (target: within 15%{'; smoke sizes: not a check' if args.smoke else ''})")

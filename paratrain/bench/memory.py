@@ -19,8 +19,14 @@ With ``P`` parameters, ``N`` ranks, a micro-batch of ``b`` samples per rank, and
     P − L)(w + g + m + s)``;
   - ``pipeline``: the largest stage's parameters ``S`` (cut as the strategy cuts the model),
     ``S(w + g + m + s)``; on the CPU every rank also keeps the other stages' weights, ``(P − S)w``;
+  - a composed layout (``mesh``: ``pp x dp_replicate x dp_shard x tp``, :func:`mesh_states`), its
+    dimensions applied in that order: the largest of ``pp`` stages ``S``, its share ``LS/P`` of the
+    split Linear layers divided over ``tp``, the rest ``(S − LS/P + LS/(P·tp))`` divided over ``dp_shard``
+    (FSDP2, with a block's ``tp`` slice in flight); ``dp_replicate`` keeps whole copies (FSDP2 replicates:
+    no DDP buckets); ``dp_shard=N`` alone is fsdp's formula, ``pp=N`` alone pipeline's;
 
 * **activations**: what autograd saves for backward, ``b·a`` with ``a`` bytes per sample measured
+  (a pipeline stage: its share ``S/P`` of the blocks' part, and the whole part outside the blocks)
   by one forward on the meta device (no memory, any model size). With **activation
   checkpointing** of the blocks only each block's input is kept, plus one block's internals while
   it is recomputed: ``b(a_out + Σ a_in(block) + max a_inside(block))``. Mixed precision halves the
@@ -44,12 +50,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import nn
 
-__all__ = ["ModelFacts", "Estimate", "measure_model", "estimate", "zero_model_states", "bytes_per_param",
+__all__ = ["ModelFacts", "Estimate", "measure_model", "estimate", "mesh_states", "zero_model_states", "bytes_per_param",
            "format_estimates", "OPTIMIZER_STATE_BYTES"]
 
 OPTIMIZER_STATE_BYTES = {"adam": 8, "adamw": 8, "sgd-momentum": 4, "sgd": 0}
@@ -86,6 +92,21 @@ class ModelFacts:
     """Whether that tensor is a weight tensor parallelism splits."""
     blocks: int = 0
     buffers_bytes: int = 0
+    forward_flops: float = 0.0
+    """Floating-point operations of one sample's forward (and the loss), counted on the meta device."""
+    stage_params: dict[int, int] = field(default_factory=dict)
+    """S for each number of stages measured (:func:`measure_model`'s ``stages``): pipelines of every depth asked."""
+
+    def stage(self, stages: int) -> int:
+        """S for a pipeline of ``stages`` stages; a one-line error if it was not measured."""
+        if stages <= 1:
+            return self.params
+        if stages in self.stage_params:
+            return self.stage_params[stages]
+        if not self.stage_params:  # facts made by hand: the one largest_stage
+            return self.largest_stage
+        raise ValueError(f"the model was measured for pipelines of {sorted(self.stage_params)} stages, not {stages}: "
+                         f"pass stages={stages} to measure_model")
 
     @property
     def checkpointed_activation_bytes(self) -> float:
@@ -148,34 +169,30 @@ def memory_layout(strategy: str, world_size: int) -> str:
 
 def estimate(facts: ModelFacts, strategy: str, world_size: int, micro_batch: int, precision: str | None = None,
              optimizer: str = "adamw", checkpointing: bool = False, offload: bool = False,
-             sharded_init: bool = False, device: str = "cpu") -> Estimate:
+             sharded_init: bool = False, device: str = "cpu", mesh: Mapping[str, int] | None = None) -> Estimate:
     """Each rank's peak for ``strategy`` at ``world_size`` (see the module's formulas); ``precision``
-    defaults to the reference (fp32)."""
+    defaults to the reference (fp32). ``mesh``: a composed layout instead (its sizes, :mod:`paratrain.strategies.mesh`,
+    multiplying to ``world_size``; ``strategy`` is then only its label): :func:`mesh_states`."""
     from ..precision import reference
 
     precision = precision or reference()
     if world_size < 1 or micro_batch < 1:
         raise ValueError(f"world_size {world_size} and micro_batch {micro_batch} must be at least 1")
-    layout = memory_layout(strategy, world_size)
-    if offload and layout != "sharded":
+    if mesh is not None:
+        sharded, local, largest, stage_share, split = mesh_states(facts, mesh, world_size)
+        layout = "mesh"
+    else:
+        layout = memory_layout(strategy, world_size)
+        sharded, local, largest, stage_share, split = _strategy_states(facts, layout, world_size)
+    if offload and not sharded:
         raise ValueError(f"CPU offload is fsdp's (strategy {strategy!r} keeps its states on the device)")
     b = bytes_per_param(precision, optimizer)
-    P, n = facts.params, world_size
-    local: float = P
-    largest = facts.largest_param
-    if layout == "sharded":
-        local, largest = P / n, math.ceil(facts.largest_param / n)
-    elif layout == "split linears":
-        local = facts.linear_params / n + P - facts.linear_params
-        largest = math.ceil(facts.largest_param / n) if facts.largest_linear else facts.largest_param
-    elif layout == "stages":
-        local = facts.largest_stage
-    sharded = layout == "sharded"
+    P = facts.params
     parts: dict[str, float] = {}
     kept = 0.0 if offload and sharded else local
     parts["weights, masters, optimizer state"] = kept * (b["w"] + b["m"] + b["s"])
-    if layout == "stages" and device == "cpu":  # the other stages stay where the model was built: here
-        parts["other stages' weights"] = (P - local) * b["w"]
+    if stage_share < 1 and device == "cpu":  # the other stages stay where the model was built: here
+        parts["other stages' weights"] = (1 - stage_share) * P * b["w"]
     if layout == "replicas with buckets":
         parts["gradient buckets"] = b["g"] * P  # in the gradients' dtype
     parts["buffers"] = facts.buffers_bytes
@@ -183,9 +200,13 @@ def estimate(facts: ModelFacts, strategy: str, world_size: int, micro_batch: int
     if sharded:
         # forward: the root's parameters and two blocks (one computing, one prefetched); backward:
         # the root's and one block's parameters with their unsharded gradients
-        in_flight_fwd = (facts.root_params + 2 * facts.largest_block) * b["w"]
-        in_flight_bwd = (facts.root_params + facts.largest_block) * (b["w"] + b["g"])
+        block = facts.largest_block / split  # a block's tensor-parallel slice
+        in_flight_fwd = (facts.root_params + 2 * block) * b["w"]
+        in_flight_bwd = (facts.root_params + block) * (b["w"] + b["g"])
     act = facts.checkpointed_activation_bytes if checkpointing else facts.activation_bytes
+    # a pipeline stage saves its own blocks' activations (those outside the blocks, the logits' with the loss, are
+    # counted whole: the first and the last stage hold them)
+    act = min(act, facts.outside_bytes) + max(0.0, act - facts.outside_bytes) * stage_share
     low = b["w"] / 4 if b["m"] else 1.0  # a *-true model saves its activations in its own dtype
     # plus two gradients the size of the largest saved tensor: a softmax's backward (the loss's, on
     # the logits) holds the gradient of its output and of its input at once, with every activation
@@ -199,6 +220,47 @@ def estimate(facts: ModelFacts, strategy: str, world_size: int, micro_batch: int
     if not sharded_init:
         parts["build"] = 4 * P + facts.buffers_bytes
     return Estimate(strategy, precision, world_size, parts, checkpointing, offload)
+
+
+def _strategy_states(facts: ModelFacts, layout: str, n: int) -> tuple[bool, float, int, float, int]:
+    """``(sharded, parameters kept per rank, largest tensor's elements, the stage's share of the
+    model, tensor-parallel ways)`` for a strategy's ``layout`` (:func:`memory_layout`) over ``n`` ranks."""
+    P = facts.params
+    if layout == "sharded":
+        return True, P / n, math.ceil(facts.largest_param / n), 1.0, 1
+    if layout == "split linears":
+        largest = math.ceil(facts.largest_param / n) if facts.largest_linear else facts.largest_param
+        return False, facts.linear_params / n + P - facts.linear_params, largest, 1.0, n
+    if layout == "stages":
+        stage = facts.stage(n)
+        return False, stage, facts.largest_param, stage / P if P else 1.0, 1
+    return False, P, facts.largest_param, 1.0, 1
+
+
+def mesh_states(facts: ModelFacts, mesh: Mapping[str, int], world_size: int) -> tuple[bool, float, int, float, int]:
+    """:func:`_strategy_states` for a composed layout, its dimensions applied as the mesh strategy
+    and the pipeline apply them: the largest of ``pp`` stages (its share of the model), the split
+    Linear layers of it over ``tp`` (in proportion to the stage's share), then the rest over
+    ``dp_shard`` (FSDP2; ``dp_replicate`` keeps whole copies, without DDP's buckets)."""
+    from ..strategies.mesh import DIMS, describe
+
+    unknown = sorted(set(mesh) - set(DIMS))
+    if unknown:
+        raise ValueError(f"mesh {dict(mesh)}: {', '.join(unknown)} is no dimension: use {', '.join(DIMS)}")
+    sizes = {d: int(mesh.get(d, 1)) for d in DIMS}
+    if any(v < 1 for v in sizes.values()) or math.prod(sizes.values()) != world_size:
+        raise ValueError(f"mesh {describe(sizes)} makes {math.prod(sizes.values())} processes, not the world size "
+                         f"{world_size}: give sizes >= 1 whose product is {world_size}")
+    P = facts.params
+    stage = facts.stage(sizes["pp"])
+    share = stage / P if P else 1.0
+    tp, shard = sizes["tp"], sizes["dp_shard"]
+    linear = facts.linear_params * share
+    local = stage - linear + linear / tp
+    largest = math.ceil(facts.largest_param / tp) if tp > 1 and facts.largest_linear else facts.largest_param
+    if shard > 1:
+        local, largest = local / shard, math.ceil(largest / shard)
+    return shard > 1, local, largest, share, tp
 
 
 def _step_temporaries(optimizer: str, params: float, largest: int, device: str) -> float:
@@ -222,12 +284,14 @@ def _numel(t: torch.Tensor) -> int:
 
 
 def measure_model(build: Callable[[], nn.Module], sample: Callable[[int], Any],
-                  loss: Callable[[Any, Any], torch.Tensor] | None = None, stages: int = 2) -> ModelFacts:
+                  loss: Callable[[Any, Any], torch.Tensor] | None = None,
+                  stages: int | Sequence[int] = 2) -> ModelFacts:
     """Build ``build()`` on the meta device and run a forward (and the loss) on ``sample(k)``
     (the model's input for ``k`` samples, built on the meta device too; a tuple is unpacked as
     positional arguments) at two batch sizes: the bytes autograd saves per sample are the difference.
     Blocks are fsdp's default units (:func:`paratrain.strategies.fsdp._blocks`); the Linear layers
-    tensor parallelism splits are its automatic plan's (or every Linear, if it finds no pair)."""
+    tensor parallelism splits are its automatic plan's (or every Linear, if it finds no pair);
+    ``stages``: the pipeline depths to cut it for (the first is ``largest_stage``)."""
     from ..strategies.fsdp import _blocks
     from ..strategies.tensor import auto_plan
 
@@ -246,7 +310,9 @@ def measure_model(build: Callable[[], nn.Module], sample: Callable[[int], Any],
     root = sum(_numel(p) for pid, p in params.items() if pid not in in_block)
     buffers = sum(_numel(buf) * buf.element_size() for buf in model.buffers())
 
-    def saved(k: int) -> tuple[float, float, float, list[float], float]:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    def saved(k: int) -> tuple[float, float, float, list[float], float, float]:
         """(total, outside blocks, block inputs, [inside each block]) saved for backward at batch k."""
         stack: list[int] = []
         inside = [0.0] * len(outermost)
@@ -282,8 +348,9 @@ def measure_model(build: Callable[[], nn.Module], sample: Callable[[int], Any],
 
         handles = [blk.register_forward_pre_hook(pre) for blk in outermost]
         handles += [blk.register_forward_hook(post) for blk in outermost]
+        counter = FlopCounterMode(display=False)
         try:
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), counter:
                 x = sample(k)
                 out = model(*x) if isinstance(x, tuple) else model(x)
                 if loss is not None:
@@ -291,7 +358,7 @@ def measure_model(build: Callable[[], nn.Module], sample: Callable[[int], Any],
         finally:
             for h in handles:
                 h.remove()
-        return totals["all"], totals["out"], sum(inputs), inside, totals["largest"]
+        return totals["all"], totals["out"], sum(inputs), inside, totals["largest"], float(counter.get_total_flops())
 
     with torch.device("meta"):  # batches of 2 and 4: BatchNorm refuses one sample in training
         small, big = saved(2), saved(4)
@@ -300,14 +367,16 @@ def measure_model(build: Callable[[], nn.Module], sample: Callable[[int], Any],
         return max(0.0, (b - a) / 2)
 
     inside = [per_sample(a, b) for a, b in zip(small[3], big[3])]
+    depths = [stages] if isinstance(stages, int) else list(dict.fromkeys(stages)) or [2]
+    cuts = {n: _largest_stage(model, n) for n in depths}
     biggest = max((_numel(p) for p in params.values()), default=0)
     return ModelFacts(
         params=P, largest_block=max(sizes, default=0), root_params=root, linear_params=L,
-        largest_stage=_largest_stage(model, stages), activation_bytes=per_sample(small[0], big[0]),
+        largest_stage=cuts[depths[0]], stage_params=cuts, activation_bytes=per_sample(small[0], big[0]),
         outside_bytes=per_sample(small[1], big[1]), block_input_bytes=per_sample(small[2], big[2]),
         largest_inside_bytes=max(inside, default=0.0), largest_saved_bytes=per_sample(small[4], big[4]),
         largest_param=biggest, largest_linear=any(p.numel() == biggest for m in split for p in m.parameters(recurse=False)),
-        blocks=len(outermost),
+        blocks=len(outermost), forward_flops=per_sample(small[5], big[5]),
         buffers_bytes=buffers)
 
 

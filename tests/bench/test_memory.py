@@ -140,3 +140,49 @@ def test_cli_prints_the_table_and_what_fits():
     assert "fits in 0.1 GiB per rank:" in r.stdout
     bad = run_cli(["estimate", "--strategies", "zero"], timeout=60)
     assert bad.returncode == 2 and "strategy 'zero' is unknown" in bad.stderr
+
+
+def test_a_mesh_of_one_dimension_is_its_strategy():
+    """``estimate(mesh=...)`` composes the strategies' formulas: one dimension alone is the strategy it is a
+    shorthand for (dp_replicate: FSDP2's replication, without DDP's gradient buckets)."""
+    f = facts()
+    for mesh, strategy, world in (({"dp_shard": 4}, "fsdp", 4), ({"pp": 2}, "pipeline", 2), ({"tp": 2}, "tensor", 2)):
+        for device in ("cpu", "cuda"):
+            a = estimate(f, "mesh", world, 4, optimizer="adamw", device=device, mesh=mesh)
+            b = estimate(f, strategy, world, 4, optimizer="adamw", device=device)
+            assert a.parts == b.parts, (mesh, device)
+    ddp = estimate(f, "ddp", 2, 4, optimizer="adamw")
+    replicas = estimate(f, "mesh", 2, 4, optimizer="adamw", mesh={"dp_replicate": 2})
+    assert replicas.training == ddp.training - ddp.parts["gradient buckets"]
+
+
+def test_composed_layouts_by_hand():
+    f = facts()
+    # HSDP 2x2 shards within a replica: fsdp over 2 per rank
+    hsdp = estimate(f, "mesh", 4, 4, optimizer="sgd", mesh={"dp_replicate": 2, "dp_shard": 2})
+    assert hsdp.parts == estimate(f, "fsdp", 2, 4, optimizer="sgd").parts
+    # pp2 x dp_shard2: the largest stage (600 of 1000) sharded over 2; blocks in flight whole (tp 1)
+    pp_fsdp = estimate(f, "mesh", 4, 1, optimizer="sgd", device="cuda", mesh={"pp": 2, "dp_shard": 2})
+    static = 600 / 2 * 4
+    forward = (50 * 0.6 + 2 * 10) + (100 + 2 * 300) * 4
+    step = 600 / 2 * 4 + (100 + 300) * 8
+    assert pp_fsdp.training == pytest.approx(static + max(forward, step))
+    # pp2 x tp2: the stage's share of the split Linears (800 * 0.6) halved
+    pp_tp = estimate(f, "mesh", 4, 1, optimizer="sgd", device="cuda", mesh={"pp": 2, "tp": 2})
+    local = 600 - 480 + 240
+    assert pp_tp.training == pytest.approx(local * 4 + max(50 * 0.6 + 20, local * 4))
+    with pytest.raises(ValueError, match="makes 4 processes, not the world size 8"):
+        estimate(f, "mesh", 8, 1, mesh={"pp": 2, "tp": 2})
+    with pytest.raises(ValueError, match="measured for pipelines of \\[2\\] stages, not 4"):
+        estimate(facts(stage_params={2: 600}), "mesh", 4, 1, mesh={"pp": 4})
+
+
+def test_cli_estimates_a_mesh_at_each_world_it_fits():
+    r = run_cli(["estimate", "--model", "transformer", "--mesh", "pp=2,dp_shard=2", "--mesh", "dp_shard=-1,tp=2",
+                 "--world-sizes", "4,8", "--device", "cpu"], timeout=120)
+    assert r.returncode == 0, r.stderr
+    rows = [line.split()[:2] for line in r.stdout.splitlines()]
+    assert ["pp=2,dp_shard=2", "4"] in rows and ["dp_shard=2,tp=2", "4"] in rows and ["dp_shard=4,tp=2", "8"] in rows
+    assert not any(row[0] == "ddp" for row in rows if row)  # the meshes only, unless --strategies is given
+    bad = run_cli(["estimate", "--mesh", "pp=3,dp_shard=1", "--world-sizes", "2,4"], timeout=60)
+    assert bad.returncode != 0 and "fits none of the world sizes" in bad.stderr
