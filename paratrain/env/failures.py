@@ -44,26 +44,82 @@ def explain_timeout(error: BaseException, timeout_s: float | None, step: int | N
     if not (_initialized() and isinstance(error, RuntimeError) and "Timed out" in str(error)):
         return None
     me, world = dist.get_rank(), dist.get_world_size()
-    grace = min(5.0, max(2.0, (timeout_s or 10.0) / 5))  # the others entered the same collective a little later
+    grace = _grace(timeout_s)
     at = _where(error, step)
-    waited_for = f"{timeout_s:g} s (timeout_s)" if timeout_s is not None else "the process group's timeout"
+    waited_for = _waited_for(timeout_s)
     if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:  # a group made without env:// (tcp://)
         return CollectiveTimeoutError(f"rank {me} waited {waited_for} in a collective{at}: another rank did not arrive "
                                       "(hung, frozen or unreachable)")
     here = {"call": collective_call(error), "where": at}
-    said: dict[int, dict[str, Any]] = {}  # rank -> where it waited, for every rank that timed out too
+    answered = _where_each_waited(here, grace, timeout_s)
+    if not answered:  # the store did not answer (not even with this rank's own key)
+        return CollectiveTimeoutError(
+            f"rank {me} waited {waited_for} in a collective{at}, and the job's store on rank 0 does not "
+            "answer either: rank 0 is frozen, gone or unreachable")
+    return _who_did_not_arrive(answered, world, waited_for, error)
+
+
+def _grace(timeout_s: float | None) -> float:
+    """How long a rank that timed out waits for the others to time out too: they entered the same collective a little later."""
+    return min(5.0, max(2.0, (timeout_s or 10.0) / 5))
+
+
+def _waited_for(timeout_s: float | None) -> str:
+    return f"{timeout_s:g} s (timeout_s)" if timeout_s is not None else "the process group's timeout"
+
+
+def _where_each_waited(here: dict[str, Any], grace: float, timeout_s: float | None,
+                       after_others: bool = False) -> dict[int, dict[str, Any]]:
+    """Write where this rank waited (``here``) into the job's store and read where the others did:
+    rank -> where, for every rank that wrote once all did or the patience ran out; {} when the
+    store does not answer. ``after_others``: write only if another rank wrote first (else {}).
+
+    Each rank stays at least ``grace`` after its write, so that the others read it (rank 0's
+    process may serve the store), and once all wrote, the rank that prints the line ends first. Where the main-process-only mistake is likely (rank 0 missing,
+    or this rank waiting in a call of Parallel's), a rank still missing after the grace may sit in
+    another collective that it entered later (a save after writing its files; a busy machine's
+    ranks fall apart): it gets the time to time out too (``timeout_s``, at most 30 s), so that
+    the line says where it waited. A plain hang is not delayed."""
+    me, world = dist.get_rank(), dist.get_world_size()
+    later = min(timeout_s or 10.0, 30.0)
+    said: dict[int, dict[str, Any]] = {}
+    prefix = f"paratrain/waited/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+
+    def patience() -> float:
+        return grace + (later if 0 not in said or here["call"] is not None else 0.0)
+
+    def read(store: Any) -> None:
+        for r in range(world):
+            if r not in said and store.check([f"{prefix}{r}"]):
+                said[r] = json.loads(store.get(f"{prefix}{r}"))
 
     def ask_store() -> None:
         try:
             store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), None, False,
                                   timedelta(seconds=grace + 2), wait_for_workers=False)
-            prefix = f"paratrain/waited/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+            if after_others:
+                read(store)
+                if not said:
+                    return
             store.set(f"{prefix}{me}", json.dumps(here))
-            time.sleep(grace)
-            for r in range(world):
-                if store.check([f"{prefix}{r}"]):
-                    said[r] = json.loads(store.get(f"{prefix}{r}"))
-        except Exception:  # refused, timed out, gone: `said` stays empty
+            start = time.monotonic()
+            while True:
+                read(store)
+                waited = time.monotonic() - start
+                if len(said) < world:
+                    if waited >= patience():
+                        return
+                elif me == min(said):  # the rank that prints the line (_said_by) ends first: the others wait
+                    if waited >= grace:  # for it, or the agent could stop it before it prints
+                        store.set(f"{prefix}said", "1")
+                        return
+                elif store.check([f"{prefix}said"]):
+                    time.sleep(1.0)
+                    return
+                elif waited >= grace + later + 2:  # not said: that rank is gone
+                    return
+                time.sleep(0.25)
+        except Exception:  # refused, timed out, gone: `said` keeps what was read
             pass
 
     # In a thread with a deadline: TCPStore's connection check waits without a timeout on a
@@ -71,12 +127,9 @@ def explain_timeout(error: BaseException, timeout_s: float | None, step: int | N
     asking = threading.Thread(target=ask_store, name="paratrain-who-waited", daemon=True)
     asking.start()
     asking.join(grace + 5)
-    answered = {} if asking.is_alive() else dict(said)
-    if not answered:  # the store did not answer (not even with this rank's own key)
-        return CollectiveTimeoutError(
-            f"rank {me} waited {waited_for} in a collective{at}, and the job's store on rank 0 does not "
-            "answer either: rank 0 is frozen, gone or unreachable")
-    return _who_did_not_arrive(answered, world, waited_for, error)
+    if asking.is_alive() and said:  # the store answers: waiting for a rank that entered its collective later
+        asking.join(later + 2)
+    return {} if asking.is_alive() or me not in said else dict(said)
 
 
 def _who_did_not_arrive(answered: dict[int, dict[str, Any]], world: int, waited_for: str,
@@ -131,7 +184,8 @@ def speaks(error: BaseException) -> bool:
 _PEER_CLOSED = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
 
 
-def explain_peer_loss(error: BaseException, step: int | None = None, grace_s: float = 2.0) -> PeerLostError | None:
+def explain_peer_loss(error: BaseException, step: int | None = None,
+                      grace_s: float = 2.0) -> PeerLostError | CollectiveTimeoutError | None:
     """If ``error`` is a collective whose peer closed its connection, a :class:`PeerLostError`
     saying so in one line (else None), returned after ``grace_s`` seconds.
 
@@ -139,6 +193,10 @@ def explain_peer_loss(error: BaseException, step: int | None = None, grace_s: fl
     launcher see that peer's end before this rank's, so that torchrun's agent reports the rank
     that really failed: with workers started as functions it reports only the first failure it
     sees, and its error files' times would otherwise put this rank's error first.
+
+    Or the peer timed out, in a collective this rank never entered (gloo closes a timed-out
+    rank's connections): if it wrote where it waited (:func:`explain_timeout`), this rank writes
+    where it waited too, and the :class:`CollectiveTimeoutError` names both sides.
     """
     if not (_initialized() and isinstance(error, RuntimeError)):
         return None
@@ -147,6 +205,13 @@ def explain_peer_loss(error: BaseException, step: int | None = None, grace_s: fl
         return None
     time.sleep(grace_s)
     at = _where(error, step)
+    if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
+        # A peer whose collective timed out closes its connections too (gloo): if one wrote where it
+        # waited, this rank waited elsewhere (a collective on some ranks only), not for a crash.
+        here = {"call": collective_call(error), "where": at}
+        answered = _where_each_waited(here, _grace(_joined_timeout_s), _joined_timeout_s, after_others=True)
+        if answered:
+            return _who_did_not_arrive(answered, dist.get_world_size(), _waited_for(_joined_timeout_s), error)
     return PeerLostError(f"rank {dist.get_rank()} lost its connection to a peer in a collective{at} ({cause}): another rank "
                          "ended first; its failure is the cause")
 

@@ -90,6 +90,7 @@ def test_only_the_rank_that_raised_prints_a_traceback_and_is_named(tmp_path):
 
 MAIN_PROCESS_ONLY_SAVE = """
 import sys
+import time
 
 import torch
 import paratrain
@@ -101,18 +102,24 @@ for step in range(3):
     model(torch.ones(1, 2)).sum().backward()
     opt.step()
     opt.zero_grad()
+    if step == 1 and pt.rank == LATE_RANK:
+        time.sleep(LATE_S)  # this rank enters its next collective later: the other times out first
     if step == 1 and pt.is_main_process:  # the classic mistake: save_checkpoint is a collective
         pt.save_checkpoint(sys.argv[1], model, opt)
 pt.close()
 """
 
 
-def test_a_collective_called_on_the_main_process_only_names_the_ranks_that_never_arrived(tmp_path):
+@pytest.mark.parametrize("late_rank", [0, 1])
+def test_a_collective_called_on_the_main_process_only_names_the_ranks_that_never_arrived(tmp_path, late_rank):
     """Rank 0 waits in save_checkpoint, rank 1 in the next step's gradient reduction: both time out.
-    The line names rank 1 (it never arrived at save_checkpoint), with the hint, once."""
+    The line names rank 1 (it never arrived at save_checkpoint), with the hint, once, whichever
+    rank entered its collective seconds later (writing files first, a busy machine) and timed out last."""
     timeout_s = round(scaled(5))  # a slow or busy machine's ranks may fall further apart before the mistake
     script = tmp_path / "main_only.py"
-    script.write_text(MAIN_PROCESS_ONLY_SAVE.replace("TIMEOUT_S", str(timeout_s)))
+    late_s = min(5, max(2, timeout_s / 5)) + 1  # more than the grace the first rank gives the others (explain_timeout)
+    script.write_text(MAIN_PROCESS_ONLY_SAVE.replace("TIMEOUT_S", str(timeout_s)).replace("LATE_RANK", str(late_rank))
+                      .replace("LATE_S", str(late_s)))
     res = run_cli(["run", "--nproc-per-node", "2", str(script), str(tmp_path / "ckpt")], timeout=150)
     assert res.returncode == 1, res.stderr[-3000:]
     last = res.stderr.strip().splitlines()[-1]
