@@ -19,10 +19,9 @@ the sizes), instead of the strategies unless ``--strategies`` is given too.
 from __future__ import annotations
 
 import argparse
-import math
 from typing import Any
 
-from .bench import _csv  # the same comma-separated lists as bench's flags
+from .bench import _csv, _link  # the same comma-separated lists and links as bench's flags
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -58,8 +57,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--device-memory", default=None, metavar="SIZE", help="each device's memory, e.g. 80GiB")
     g.add_argument("--device-tflops", type=float, default=100.0,
                    help="what one device achieves in the step, TFLOP/s (default 100: an H100 at ~40%% of bf16 peak)")
-    g.add_argument("--link", default=None, metavar="BW,LAT", help="between nodes (default 100gbit,5us)")
-    g.add_argument("--node-link", default=None, metavar="BW,LAT", help="inside a node (default 300GB/s,2us: NVLink)")
+    g.add_argument("--link", default=None, type=_link("--link"), metavar="BW,LAT", help="between nodes (default 100gbit,5us)")
+    g.add_argument("--node-link", default=None, type=_link("--node-link"), metavar="BW,LAT", help="inside a node (default 300GB/s,2us: NVLink)")
     g.add_argument("--n-microbatches", type=int, default=4, help="a pipeline's micro-batches per step (default 4)")
     p.set_defaults(func=main)
     return p
@@ -77,9 +76,7 @@ def main(args: argparse.Namespace) -> int:
         return choose(args)
     meshes = [MeshOptions.parse(text) for text in args.mesh]
     if args.world_sizes is None:
-        fixed = [m for m in meshes if -1 not in (m.pp, m.dp_replicate, m.dp_shard, m.tp)]
-        args.world_sizes = sorted({math.prod(v or 1 for v in (m.pp, m.dp_replicate, m.dp_shard, m.tp))
-                                   for m in fixed}) if meshes and len(fixed) == len(meshes) else [1, 2, 8]
+        args.world_sizes = sorted({m.smallest_world() for m in meshes}) if meshes else [1, 2, 8]
     if args.strategies is None:  # the reference, and every strategy that spreads one model over processes
         args.strategies = [] if meshes else [reference()] + [n for n, c in STRATEGIES.items() if c.processes != "one"]
     for s in args.strategies:

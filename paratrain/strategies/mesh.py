@@ -107,6 +107,11 @@ class MeshOptions:
         """Whether any dimension is set (the default, none, leaves the layout to ``strategy``)."""
         return any(getattr(self, d) is not None for d in DIMS)
 
+    def smallest_world(self) -> int:
+        """The fewest processes the layout fits: the product of the sizes given (a -1, or a
+        dimension not given, counts 1 there and takes the rest of a larger world)."""
+        return math.prod(v for d in DIMS if (v := getattr(self, d)) not in (None, -1))
+
     def sizes(self, world: int) -> dict[str, int]:
         """Each dimension's size on ``world`` processes; a one-line error if they cannot make it."""
         given = {d: getattr(self, d) for d in DIMS}

@@ -37,6 +37,7 @@ def test_the_layout_is_said_as_sizes_that_make_the_world():
     assert MeshOptions(tp=2).sizes(8) == {"pp": 1, "dp_replicate": 1, "dp_shard": 4, "tp": 2}  # dp_shard: the rest
     assert MeshOptions(dp_replicate=-1, dp_shard=2).sizes(8)["dp_replicate"] == 4
     assert describe(MeshOptions(dp_replicate=2, dp_shard=2).sizes(4)) == "dp_replicate=2,dp_shard=2"
+    assert MeshOptions(pp=2, tp=2).smallest_world() == 4 and MeshOptions(dp_shard=-1, tp=2).smallest_world() == 2
     assert not MeshOptions().given and MeshOptions(tp=1).given
 
 
