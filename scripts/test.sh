@@ -149,8 +149,10 @@ want floor && beside --nice floor_setup "$ftmp/floor-setup.log" bash scripts/set
 echo "== full suite, torch $("$venv/bin/python" -c 'import torch; print(torch.__version__)')"
 # test_smoke.py is for the CUDA wheel (below); the ten slowest tests are listed at the end
 suite_rc=0
+# PARATRAIN_TEST_JUNIT=FILE keeps every test's time there (JUnit XML), to see where the suite's time goes
+junit=(); [ -n "${PARATRAIN_TEST_JUNIT:-}" ] && junit=(--junitxml "$PARATRAIN_TEST_JUNIT")
 timeout --foreground -k 30 45m "$venv/bin/python" -m pytest -q "${workers[@]}" --durations=10 \
-  --ignore=tests/test_smoke.py "$@" </dev/null || suite_rc=$?
+  ${junit[@]+"${junit[@]}"} --ignore=tests/test_smoke.py "$@" </dev/null || suite_rc=$?
 mypy_rc=0
 wait "$mypy_pid" || mypy_rc=$?
 echo "== mypy (exit $mypy_rc):"; cat "$mlog"
