@@ -145,7 +145,7 @@ class Parallel(process.OnProcess, tracking.TrackedRun):
         original = uncompiled(model)  # its keys are the checkpoint's, compiled or not
         values = self._deferred.values(original)  # built under init_module: what each tensor's shard holds
         wrapped, original = self.strategy.prepare_model(original)  # a wrapper the user made (their DDP) is kept
-        self._deferred.materialize(original, values)
+        self._deferred.materialize(original, values, self.strategy.held_parts(wrapped, original))
         runner = compiled_like(compiled, wrapped, self.config.compile, self.config.compile_backend)
         module = ParallelModule(runner, original, self.precision, self._before_forward, self.strategy.model_loaded,
                                 wrapped, self.strategy.checkpoint_module(wrapped, original))
@@ -158,9 +158,10 @@ class Parallel(process.OnProcess, tracking.TrackedRun):
         return (module, *wrapped_optimizer) if scheduler is not None else (module, wrapped_optimizer)
 
     def init_module(self) -> Any:
-        """``with pt.init_module(): model = Model()``: under fsdp/tensor the model is built on the meta
-        device and :meth:`setup` gives each rank only its shards, valued as a whole build would be
-        (:mod:`paratrain.nn.deferred`); otherwise it is built whole on this rank's device."""
+        """``with pt.init_module(): model = Model()``: under fsdp, tensor, pipeline and their meshes the model
+        is built on the meta device and :meth:`setup` gives each rank only its shards (a pipeline rank its
+        stage), valued as a whole build would be (:mod:`paratrain.nn.deferred`); otherwise it is built
+        whole on this rank's device."""
         return self._deferred.context()
 
     def mark_forward_method(self, model: nn.Module, name: str) -> None:

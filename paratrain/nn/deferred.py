@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
-__all__ = ["Recorder", "Deferred", "materialize", "recorded_values", "has_meta"]
+__all__ = ["Recorder", "Deferred", "Held", "materialize", "recorded_values", "has_meta"]
 
 
 _Key = tuple[int, tuple[int, ...], tuple[int, ...], int]
@@ -184,18 +184,43 @@ def _thunk(node: _Node, name: str) -> Callable[[], torch.Tensor]:
     return compute
 
 
+class Held(NamedTuple):
+    """The parts of a model one rank holds values of (a pipeline rank: its stage)."""
+
+    modules: tuple[nn.Module, ...]
+    """Held whole, their children too."""
+    buffers_of: tuple[nn.Module, ...] = ()
+    """Modules whose own buffers are held (not their children's): what every stage runs."""
+
+
 @torch.no_grad()
-def materialize(model: nn.Module, values: dict[str, Callable[[], torch.Tensor]], device: torch.device) -> None:
+def materialize(model: nn.Module, values: dict[str, Callable[[], torch.Tensor]], device: torch.device,
+                held: Held | None = None) -> None:
     """Allocate ``model``'s meta parameters and buffers on ``device`` (each rank its shards: the
-    model may be sharded by now) and fill them from ``values`` (:func:`recorded_values`)."""
+    model may be sharded by now) and fill them from ``values`` (:func:`recorded_values`).
+    ``held``: the parts of ``model`` this rank holds (default: all of it); the rest stays on the
+    meta device, and no value of it is computed."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     state = torch.get_rng_state()
-    model.to_empty(device=device)
+    held = held or Held((model,))
+    swapping = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)  # each parameter stays the object an optimizer holds
+    try:
+        for part in held.modules:
+            part.to_empty(device=device)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swapping)
+    for module in held.buffers_of:
+        for key, buffer in list(module._buffers.items()):
+            if buffer is not None and buffer.device.type == "meta":
+                module._buffers[key] = torch.empty_like(buffer, device=device)
+    kept = {id(t) for part in held.modules for t in (*part.parameters(), *part.buffers())}
+    kept |= {id(b) for module in held.buffers_of for b in module.buffers(recurse=False)}
     done: set[int] = set()
     try:
         for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
-            if id(t) in done or name not in values:
+            if id(t) in done or name not in values or id(t) not in kept:
                 continue
             done.add(id(t))
             full = values[name]()
@@ -232,6 +257,6 @@ class Deferred:
             return {}
         return recorded_values(self.recorder, model)
 
-    def materialize(self, model: nn.Module, values: dict[str, Callable[[], torch.Tensor]]) -> None:
+    def materialize(self, model: nn.Module, values: dict[str, Callable[[], torch.Tensor]], held: Held | None = None) -> None:
         if values:
-            materialize(model, values, self.device)
+            materialize(model, values, self.device, held)

@@ -138,14 +138,17 @@ class StackStage(nn.Module):
         self._shared: list[tuple[nn.Parameter, Any]] = []  # (parameter another stage owns too, their group)
         self._counted_elsewhere: list[nn.Parameter] = []  # shared parameters an earlier stage counts in the norm
 
-    def place(self, device: torch.device) -> None:
-        """Move this stage to ``device``, with the buffers of the parameter-free modules outside the
-        stack that every stage runs (a rotary embedding's frequencies)."""
-        self.to(device)
+    def run_outside(self) -> list[nn.Module]:
+        """The parameter-free modules outside the stack, which every stage runs (a rotary
+        embedding, with its frequencies as buffers)."""
         inside = {id(m) for m in self._whole.get_submodule(self._stack_name).modules()}
-        for module in self._whole.modules():
-            if id(module) in inside or any(True for _ in module.parameters(recurse=False)):
-                continue
+        return [m for m in self._whole.modules()
+                if id(m) not in inside and not any(True for _ in m.parameters(recurse=False))]
+
+    def place(self, device: torch.device) -> None:
+        """Move this stage to ``device``, with the buffers of :meth:`run_outside`'s modules."""
+        self.to(device)
+        for module in self.run_outside():
             for name, buffer in list(module._buffers.items()):
                 if buffer is not None:
                     module._buffers[name] = buffer.to(device)

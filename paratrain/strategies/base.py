@@ -13,6 +13,7 @@ from ..checkpoint.sharded import full_state_dict as sharded_full_state_dict
 from ..env.process import Dist
 from ..metrics import predictions
 from ..nn.checkpointing import apply_activation_checkpointing
+from ..nn.deferred import Held
 from ..nn.syncbn import convert_sync_batchnorm
 from ..precision import Precision, lookup as precision_class
 
@@ -248,6 +249,11 @@ class Strategy:
         :meth:`setup_model` returned and the user's module: the user's module (sharded in place
         by fsdp/tensor), or a pipeline's stage."""
         return original
+
+    def held_parts(self, wrapped: nn.Module, original: nn.Module) -> Held:
+        """The parts of the user's module this rank holds values of: what a model built under
+        ``init_module`` materialises (:mod:`paratrain.nn.deferred`). All of it, sharded or not."""
+        return Held((original,))
 
     def checkpoint_state(self, module: nn.Module, optimizer: Any) -> tuple[dict[str, Any], dict[str, Any] | None]:
         """Model and optimizer state for an unsharded checkpoint (rank 0 writes it)."""

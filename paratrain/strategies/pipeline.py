@@ -45,6 +45,7 @@ from ..precision import lookup as precision_class
 from ._split import check_sequential, parse_split_points, split_model
 from ._stack import StackStage, split_stack
 from ..checkpoint.sharded import full_state_dict as sharded_full_state_dict
+from ..nn.deferred import Held, has_meta
 from .base import NotApplicable, Strategy, data_parallel_size
 from .fsdp import FSDPOptions, ParameterSwap, scale_grads_, shard_model, total_norm
 from .mesh import data_parallel_mesh, layout_mesh
@@ -336,7 +337,9 @@ class PipelineStrategy(Strategy):
         parts = cut_stages(model, self.stages, self.stage_index, o.split_points, distributed, self.dp * self.tp,
                            self.column)
         stage = parts[self.stage_index]  # only this stage lives on this rank's device
-        if isinstance(stage, StackStage):
+        if has_meta(model):
+            pass  # built under init_module: setup materialises only this stage on the device (held_parts)
+        elif isinstance(stage, StackStage):
             stage.place(self.device)  # with the buffers its blocks share with the whole model
         else:
             stage.to(self.device)
@@ -372,6 +375,12 @@ class PipelineStrategy(Strategy):
     def checkpoint_module(self, wrapped: nn.Module, original: nn.Module) -> nn.Module:
         """This rank's stage: the only parameters a pipeline rank holds."""
         return self._pipeline(wrapped).module
+
+    def held_parts(self, wrapped: nn.Module, original: nn.Module) -> Held:
+        """This rank's stage, and the buffers of what every stage runs (a rotary embedding's):
+        a model built under ``init_module`` keeps the other stages' blocks on the meta device."""
+        stage = self._pipeline(wrapped).module
+        return Held((stage,), tuple(stage.run_outside()) if isinstance(stage, StackStage) else ())
 
     def setup_optimizer(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Keep only this stage's parameters in ``optimizer`` (built over the whole model): the
@@ -479,4 +488,4 @@ class PipelineStrategy(Strategy):
         for stage_state in gathered:
             merged.update(stage_state)
         # In the model's own key order; entries outside every stage (top-level buffers) are local.
-        return {k: merged.get(k, v.detach().cpu()) for k, v in pipe.original.state_dict().items()}
+        return {k: merged[k] if k in merged else v.detach().cpu() for k, v in pipe.original.state_dict().items()}

@@ -1,0 +1,109 @@
+"""A pipeline built under ``init_module``: each rank's peak host memory against the whole build's.
+
+What it measures
+    A nanoGPT-style GPT of about 92 M parameters (12 blocks, 768 wide, a vocabulary of 8,192 so
+    that the tied embedding does not outweigh a stage's blocks), trained one SGD step under
+    ``Parallel(strategy="pipeline")`` at ``pp=4`` (four processes on this host), built two ways:
+    whole (every rank builds the whole model, then keeps its stage) and under ``pt.init_module()``
+    (built on the meta device; each rank materialises its own stage only). For each rank, the
+    peak resident set (``VmHWM``, reset through ``/proc/self/clear_refs``) from just before the
+    model is built to the end of the step, minus the resident set at that start. A tiny run of
+    the same job comes first in each process, so that code pages, thread stacks and the process
+    group are in the baseline, not in the peak.
+
+Target
+    under ``init_module``, every rank's peak is under 40% of the whole build's (a stage is a
+    quarter of the model, plus its gradients and the largest tensor being valued).
+
+Usage::
+
+    python benchmarks/pipeline_init.py [--smoke] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import torch
+from torch.nn import functional as F
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+
+import paratrain  # noqa: E402
+
+FULL = {"n_layer": 12, "n_embd": 768, "vocab": 8192, "block": 64, "world": 4}
+SMOKE = {"n_layer": 4, "n_embd": 64, "vocab": 256, "block": 16, "world": 2}
+TINY = {"n_layer": 4, "n_embd": 16, "vocab": 32, "block": 8}
+TARGET = 0.40
+
+
+def _status(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {key} in /proc/self/status")
+
+
+def _step(size: dict[str, int], deferred: bool) -> None:
+    import zoo
+
+    pt = paratrain.Parallel(strategy="pipeline", global_batch=4, seed=0)
+    with pt.init_module() if deferred else contextlib.nullcontext():
+        model = zoo.GPT(n_layer=size["n_layer"], n_embd=size["n_embd"], vocab=size["vocab"], block_size=size["block"])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = pt.setup(model, opt)
+    ids = torch.randint(0, size["vocab"], (4, size["block"]), generator=torch.Generator().manual_seed(0))
+    opt.zero_grad()
+    pt.training_step(model, (ids, ids.roll(-1, dims=1)),
+                     lambda out, y: F.cross_entropy(out.reshape(-1, out.size(-1)), y.reshape(-1)))
+    opt.step()
+    del model, opt
+
+
+def worker(rank: int, size: dict[str, int], deferred: bool) -> int:
+    torch.set_num_threads(1)
+    _step(TINY, deferred)  # the process group, code and threads: in the baseline
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    base = _status("VmRSS:")
+    _step(size, deferred)
+    peak = _status("VmHWM:") - base
+    paratrain.Parallel(strategy="pipeline").close()
+    return peak
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--smoke", action="store_true", help="a tiny GPT at pp=2: that it runs, not its numbers")
+    ap.add_argument("--json", default=None, help="also write the rows to this file")
+    args = ap.parse_args(argv)
+    size = SMOKE if args.smoke else FULL
+    world = size["world"]
+    params = 12 * size["n_layer"] * size["n_embd"] ** 2 + size["vocab"] * size["n_embd"]
+    print(f"GPT {size['n_layer']} blocks x {size['n_embd']}, vocabulary {size['vocab']} (~{params / 1e6:.0f} M "
+          f"parameters, fp32), pipeline pp={world}, one SGD step; each rank's peak RSS over its baseline")
+    peaks = {deferred: paratrain.launch(worker, nprocs=world, args=(size, deferred), timeout=900)
+             for deferred in (False, True)}
+    rows = []
+    print(f"{'rank':>4}  {'whole build':>12}  {'init_module':>12}  {'ratio':>6}")
+    for rank in range(world):
+        whole, deferred = peaks[False][rank], peaks[True][rank]
+        ratio = deferred / whole if whole > 0 else float("nan")
+        rows.append({"rank": rank, "whole_bytes": whole, "init_module_bytes": deferred, "ratio": ratio})
+        print(f"{rank:>4}  {whole / 2**20:>9.0f} MB  {deferred / 2**20:>9.0f} MB  {ratio:>6.0%}")
+    worst = max(r["ratio"] for r in rows)
+    print(f"largest ratio {worst:.0%} (target: under {TARGET:.0%}{'; smoke size, not checked' if args.smoke else ''})")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"size": size, "rows": rows, "target": TARGET}, f, indent=1)
+    return 0 if args.smoke or worst < TARGET else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
