@@ -168,13 +168,16 @@ class Tokens(Dataset):
 
 # --- the two halves of a parity run on these models ------------------------------------------------
 def train_parallel(make: Callable[[], nn.Module], strategy: str, *, steps: int, global_batch: int, seed: int,
-                   data: Dataset, lr: float = 0.5, **options: object) -> dict[str, torch.Tensor]:
-    """``steps`` SGD steps (momentum 0.9) of ``make().double()`` through ``Parallel(strategy, **options)``;
-    the full state dict. Call it on every rank of a launch."""
+                   data: Dataset, lr: float = 0.5, init_module: bool = False, **options: object) -> dict[str, torch.Tensor]:
+    """``steps`` SGD steps (momentum 0.9) of ``make().double()`` through ``Parallel(strategy, **options)``
+    (built under ``pt.init_module()`` with ``init_module``); the full state dict. Call it on every rank of a launch."""
+    import contextlib
+
     import paratrain
 
     pt = paratrain.Parallel(strategy=strategy, global_batch=global_batch, seed=seed, **options)
-    model = make().double()
+    with pt.init_module() if init_module else contextlib.nullcontext():
+        model = make().double()
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     model, opt = pt.setup(model, opt)
     for step, (ids, target) in enumerate(pt.train_loader(data)):

@@ -23,6 +23,7 @@ LAYOUTS = {
     "replicate": {"dp_replicate": 4},
 }
 KINDS = ("llama", "gpt")
+INIT_MODULE = {"dp_shard2_tp2"}  # built on the meta device under pt.init_module(): each rank materialises its part
 
 
 def build(kind: str) -> torch.nn.Module:
@@ -86,7 +87,8 @@ def worker(rank: int) -> dict[str, object]:
     for name, mesh in LAYOUTS.items():
         for kind in KINDS:
             out[f"{name}/{kind}"] = zoo.train_parallel(lambda kind=kind: build(kind), "auto", steps=STEPS, global_batch=GLOBAL_BATCH,
-                                                       seed=SEED, data=zoo.Tokens(N), mesh=mesh, clip_grad_norm=0.05)
+                                                       seed=SEED, data=zoo.Tokens(N), mesh=mesh, clip_grad_norm=0.05,
+                                                       init_module=name in INIT_MODULE)
     pt = paratrain.Parallel(mesh=LAYOUTS["hsdp"])
     out["describe"] = pt.describe()
     pt.close()

@@ -1,10 +1,13 @@
 """Pipelines side by side (issue 35): ``pp x dp_shard`` and ``pp x dp_replicate`` at world size 4,
 through ``pt.train_loader`` and ``pt.training_step``, in float64 against plain PyTorch in one process,
 on a tiny HuggingFace Llama (untied, with gradient clipping: one norm over every stage and shard) and
-nanoGPT's GPT (tied embeddings on the first and last stages); and a checkpoint of ``pp2 x dp_shard2``
+nanoGPT's GPT (tied embeddings on the first and last stages), two of the layouts built under
+``init_module`` (each rank materialises only its stage's part); and a checkpoint of ``pp2 x dp_shard2``
 resumed under ``dp_shard=4``."""
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
@@ -18,6 +21,7 @@ GLOBAL_BATCH, STEPS, SEED, N = 8, 3, 5, 24
 LAYOUTS = {"pp2_dp_shard2": {"pp": 2, "dp_shard": 2}, "pp2_dp_replicate2": {"pp": 2, "dp_replicate": 2},
            "pp2_tp2": {"pp": 2, "tp": 2}}
 CLIP = {"llama": 0.05, "gpt": 0.05}
+INIT_MODULE = {"pp2_dp_shard2", "pp2_tp2"}  # built under pt.init_module() (the checkpointed run is built whole)
 
 
 def build(kind: str) -> torch.nn.Module:
@@ -25,9 +29,10 @@ def build(kind: str) -> torch.nn.Module:
 
 
 def train(mesh: dict[str, int] | None, kind: str, steps: int = STEPS, save: str | None = None,
-          load: str | None = None) -> dict[str, torch.Tensor]:
+          load: str | None = None, init_module: bool = False) -> dict[str, torch.Tensor]:
     pt = paratrain.Parallel(global_batch=GLOBAL_BATCH, seed=SEED, clip_grad_norm=CLIP[kind], **({"mesh": mesh} if mesh else {}))
-    model = build(kind).double()
+    with pt.init_module() if init_module else contextlib.nullcontext():  # on the meta device: each rank its stage's part
+        model = build(kind).double()
     opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
     model, opt = pt.setup(model, opt)
     if load:
@@ -49,7 +54,8 @@ def train(mesh: dict[str, int] | None, kind: str, steps: int = STEPS, save: str 
 
 
 def worker(rank: int, folder: str) -> dict[str, object]:
-    out: dict[str, object] = {f"{name}/{kind}": train(mesh, kind) for name, mesh in LAYOUTS.items() for kind in CLIP}
+    out: dict[str, object] = {f"{name}/{kind}": train(mesh, kind, init_module=name in INIT_MODULE)
+                              for name, mesh in LAYOUTS.items() for kind in CLIP}
     train(LAYOUTS["pp2_dp_shard2"], "llama", steps=1, save=folder)
     return out
 
