@@ -17,13 +17,14 @@ view of it, a value made outside the ``init_module`` block): build such a model 
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map
 
 __all__ = ["Recorder", "Deferred", "Held", "materialize", "recorded_values", "has_meta"]
 
@@ -51,15 +52,39 @@ class _Ref:
     node: _Node
 
 
+class _Scratch:
+    """One buffer, grown to the largest tensor asked of it, lent as a tensor of any shape and dtype."""
+
+    def __init__(self) -> None:
+        self.buffer: torch.Tensor | None = None
+
+    def take(self, shape: Any, dtype: torch.dtype) -> torch.Tensor:
+        shape = tuple(shape)
+        nbytes = math.prod(shape) * dtype.itemsize
+        if self.buffer is None or self.buffer.numel() < nbytes:
+            self.buffer = None  # the old buffer goes first
+            self.buffer = torch.empty(max(nbytes, 1), dtype=torch.uint8)
+        return self.buffer[:nbytes].view(dtype).view(shape)
+
+
 @dataclass
 class Recorder(TorchDispatchMode):
     """Records how every meta tensor built under it got its value (see the module docstring)."""
 
     latest: dict[_Key, _Node] = field(default_factory=dict)
     stale: dict[_Key, str] = field(default_factory=dict)
+    scratch: _Scratch = field(default_factory=lambda: _Scratch())
+    """What a random operation runs on for real. A fresh tensor each time would leave the heap
+    fragmented (the small records made in between split each freed block), and the process
+    would keep a whole model's worth of freed pages."""
 
     def __post_init__(self) -> None:
         super().__init__()
+
+    def _scratch_like(self, x: torch.Tensor) -> torch.Tensor:
+        """A contiguous CPU tensor like the meta tensor ``x``, on :attr:`scratch` (as on a fresh
+        one, the generator advances alike)."""
+        return self.scratch.take(x.shape, x.dtype)
 
     def _ref(self, x: Any) -> Any:
         if isinstance(x, torch.Tensor) and x.device.type == "meta":
@@ -77,7 +102,9 @@ class Recorder(TorchDispatchMode):
         rng = None
         if torch.Tag.nondeterministic_seeded in func.tags:
             rng = torch.get_rng_state()
-            real_args, real_kwargs = tree_map(_real_like, args), tree_map(_real_like, kwargs)
+            first = iter([self._scratch_like])  # the first meta tensor on the scratch buffer, any other fresh
+            real_args = tree_map(lambda x: next(first, _real_like)(x) if _is_meta(x) else _real_like(x), args)
+            real_kwargs = tree_map(_real_like, kwargs)
             if "device" in real_kwargs:
                 real_kwargs["device"] = torch.device("cpu")
             func(*real_args, **real_kwargs)  # the CPU generator advances as a whole build's would
@@ -104,6 +131,10 @@ class _Missing:
     shape: tuple[int, ...]
 
 
+def _is_meta(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and x.device.type == "meta"
+
+
 def _real_like(x: Any) -> Any:
     if isinstance(x, torch.Tensor) and x.device.type == "meta":
         return torch.empty(x.shape, dtype=x.dtype)
@@ -117,10 +148,25 @@ def has_meta(model: nn.Module) -> bool:
 
 
 class _Replay:
-    """Evaluates recorded nodes on the CPU, each at most once per parameter."""
+    """Evaluates recorded nodes on the CPU, each at most once per parameter.
 
-    def __init__(self) -> None:
+    A value that only one operation reads is written in place (it is not copied first), and the
+    first ``empty`` of the parameter is made on ``scratch``: a parameter's value then costs no new
+    memory, and a whole stage valued one parameter at a time leaves no freed blocks behind."""
+
+    def __init__(self, root: _Node, scratch: _Scratch | None = None) -> None:
         self.memo: dict[int, torch.Tensor] = {}
+        self.uses: dict[int, int] = {}
+        self.scratch = scratch
+        self._count(root, set())
+
+    def _count(self, node: _Node, seen: set[int]) -> None:
+        seen.add(id(node))
+        for x in tree_flatten((node.args, node.kwargs))[0]:
+            if isinstance(x, _Ref):
+                self.uses[id(x.node)] = self.uses.get(id(x.node), 0) + 1
+                if id(x.node) not in seen:
+                    self._count(x.node, seen)
 
     def value(self, node: _Node) -> torch.Tensor:
         if id(node) in self.memo:
@@ -140,10 +186,16 @@ class _Replay:
             kwargs["device"] = torch.device("cpu")
         schema = node.func._schema.arguments
         args = [a.clone() if isinstance(a, torch.Tensor) and spec.alias_info is not None and spec.alias_info.is_write
-                else a for a, spec in zip(args, schema)] + list(args[len(schema):])  # never mutate a memoised value
+                and not (isinstance(given, _Ref) and self.uses.get(id(given.node)) == 1) else a
+                for a, spec, given in zip(args, schema, node.args)] + list(args[len(schema):])  # a value read again stays
         if node.rng is not None:
             torch.set_rng_state(node.rng)
-        out = node.func(*args, **kwargs)
+        if node.func is torch.ops.aten.empty.memory_format and self.scratch is not None and \
+                kwargs.get("memory_format") in (None, torch.contiguous_format):
+            out = self.scratch.take(args[0], kwargs.get("dtype") or torch.get_default_dtype())
+            self.scratch = None  # one per parameter: another empty of it gets its own memory
+        else:
+            out = node.func(*args, **kwargs)
         if node.out_index is not None:
             out = out[node.out_index]
         self.memo[id(node)] = out
@@ -154,10 +206,10 @@ class _Unreplayable(Exception):
     pass
 
 
-def recorded_values(recorder: Recorder, model: nn.Module) -> dict[str, Callable[[], torch.Tensor]]:
+def recorded_values(recorder: Recorder, model: nn.Module) -> dict[str, Callable[..., torch.Tensor]]:
     """For each parameter and buffer name of the (still unsharded, meta) ``model``: a function that
     computes its full value on the CPU. Call before the model is sharded."""
-    out: dict[str, Callable[[], torch.Tensor]] = {}
+    out: dict[str, Callable[..., torch.Tensor]] = {}
     named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
     for name, t in named:
         if t.device.type != "meta":
@@ -174,10 +226,11 @@ def recorded_values(recorder: Recorder, model: nn.Module) -> dict[str, Callable[
     return out
 
 
-def _thunk(node: _Node, name: str) -> Callable[[], torch.Tensor]:
-    def compute() -> torch.Tensor:
+def _thunk(node: _Node, name: str) -> Callable[..., torch.Tensor]:
+    def compute(scratch: _Scratch | None = None) -> torch.Tensor:
+        """The value (on ``scratch``, if given: copy it out before the next call)."""
         try:
-            return _Replay().value(node)
+            return _Replay(node, scratch).value(node)
         except _Unreplayable as e:
             raise ValueError(f"init_module cannot rebuild {name!r}: it depends on {e}") from None
 
@@ -194,7 +247,7 @@ class Held(NamedTuple):
 
 
 @torch.no_grad()
-def materialize(model: nn.Module, values: dict[str, Callable[[], torch.Tensor]], device: torch.device,
+def materialize(model: nn.Module, values: dict[str, Callable[..., torch.Tensor]], device: torch.device,
                 held: Held | None = None) -> None:
     """Allocate ``model``'s meta parameters and buffers on ``device`` (each rank its shards: the
     model may be sharded by now) and fill them from ``values`` (:func:`recorded_values`).
@@ -218,12 +271,13 @@ def materialize(model: nn.Module, values: dict[str, Callable[[], torch.Tensor]],
     kept = {id(t) for part in held.modules for t in (*part.parameters(), *part.buffers())}
     kept |= {id(b) for module in held.buffers_of for b in module.buffers(recurse=False)}
     done: set[int] = set()
+    scratch = _Scratch()
     try:
         for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
             if id(t) in done or name not in values or id(t) not in kept:
                 continue
             done.add(id(t))
-            full = values[name]()
+            full = values[name](scratch)
             if isinstance(t, DTensor):
                 local = distribute_tensor(full.to(device), t.device_mesh, t.placements, src_data_rank=None).to_local()
                 t.to_local().copy_(local)
@@ -247,16 +301,19 @@ class Deferred:
                 yield
             return
         recorder = Recorder()
-        with recorder:
-            yield
+        try:
+            with recorder:
+                yield
+        finally:
+            recorder.scratch = _Scratch()  # its memory back
         self.recorder = recorder
 
-    def values(self, model: nn.Module) -> dict[str, Callable[[], torch.Tensor]]:
+    def values(self, model: nn.Module) -> dict[str, Callable[..., torch.Tensor]]:
         """What :meth:`materialize` fills ``model`` with ({} for a model not built under :meth:`context`)."""
         if self.recorder is None or not has_meta(model):
             return {}
         return recorded_values(self.recorder, model)
 
-    def materialize(self, model: nn.Module, values: dict[str, Callable[[], torch.Tensor]], held: Held | None = None) -> None:
+    def materialize(self, model: nn.Module, values: dict[str, Callable[..., torch.Tensor]], held: Held | None = None) -> None:
         if values:
             materialize(model, values, self.device, held)
