@@ -8,6 +8,7 @@ Cells are, in order:
   pipelined (``micro_batches`` chunks per batch);
 * ``baseline``: a hand-written plain-PyTorch DDP loop (:mod:`paratrain.bench.baseline`) at each world
   size above 1, the overhead reference for paratrain's ``ddp``;
+* ``mesh``: each composed layout asked for (``--mesh pp=2,dp_shard=2``) at every world size it makes;
 * ``trap``: the effective-batch trap at the largest world size N: the same global batch,
   the global batch grown ×N (the per-worker batch kept, as many scripts do), and the grown batch with
   the linear scaling rule plus warmup (Goyal et al. 2017). Every cell trains the same epochs, so
@@ -56,8 +57,10 @@ class Cell:
     sets_lr_rule: bool = False
     """The cell trains with ``base_batch`` and ``lr_warmup_steps`` (the trap cells that grow the
     batch); others keep the job's own lr rule (``optim.base_batch``, ``optim.warmup_steps``)."""
+    mesh: str = ""
+    """A composed layout (``pp=2,dp_shard=2``: :mod:`paratrain.strategies.mesh`); "" for the strategy's own."""
     group: str = "matrix"
-    """matrix, baseline or trap."""
+    """matrix, baseline, trap or mesh."""
     note: str = ""
     skip: str | None = None
     """Why this cell cannot run here (None: it runs)."""
@@ -65,6 +68,8 @@ class Cell:
     @property
     def label(self) -> str:
         name = "plain DDP (hand-written)" if self.strategy == BASELINE else self.strategy
+        if self.mesh:
+            name = f"mesh {self.mesh}"
         one = self.strategy != BASELINE and self.strategy_class.processes == "one"
         parts = [name if self.world_size == 1 and one else f"{name} x{self.world_size}"]
         if self.precision != _precision.reference():
@@ -94,8 +99,8 @@ class Cell:
     def run_key(self) -> tuple[Any, ...]:
         """Cells with the same key train identically; the runner runs such a cell once."""
         lr_rule = (self.base_batch, self.lr_warmup_steps) if self.sets_lr_rule else "the job's"
-        return (self.strategy, self.world_size, self.precision, self.comm_hook, self.backend, self.micro_batches,
-                self.global_batch, lr_rule)
+        return (self.strategy, self.mesh, self.world_size, self.precision, self.comm_hook, self.backend,
+                self.micro_batches, self.global_batch, lr_rule)
 
     def overrides(self) -> dict[str, Any]:
         """Dotted config keys this cell sets on the base :class:`~paratrain.config.TrainConfig`."""
@@ -106,6 +111,8 @@ class Cell:
             "parallel.backend": self.backend,
             "parallel.ddp.comm_hook": self.comm_hook,
         }
+        if self.mesh:
+            out["parallel.mesh"] = self.mesh
         if self.micro_batches != 1:  # the strategy's own section: [parallel.<name>] micro_batches
             out[f"parallel.{self.config_strategy}.micro_batches"] = self.micro_batches
         if self.sets_lr_rule:  # the trap cells that grow the batch set the lr rule; other cells keep the config's
@@ -133,6 +140,9 @@ class BenchSpec:
     """Every cell trains this many epochs (so a grown global batch makes fewer steps)."""
     warmup_steps: int = 5
     """Untimed first optimizer steps of every cell (process-group setup, allocator warm-up)."""
+    meshes: list[str] = field(default_factory=list)
+    """Composed layouts (``pp=2,dp_shard=2``), each at every world size of :attr:`world_sizes` it
+    makes, in every precision, beside the strategies."""
     baseline: bool = True
     """Add the hand-written plain-PyTorch DDP loop at each world size above 1."""
     trap: bool = True
@@ -156,7 +166,15 @@ class BenchSpec:
         for hook in self.comm_hooks:
             if hook not in COMM_HOOKS:
                 raise ValueError(f"comm hook {hook!r} is unknown: use one of {', '.join(COMM_HOOKS)}")
-        if not self.strategies or not self.precisions:
+        from ..strategies.mesh import MeshOptions
+
+        layouts = [MeshOptions.parse(text) for text in self.meshes]  # a bad spelling fails here, at once
+        self.meshes = [str(m) for m in layouts]
+        for m in layouts:
+            if not any(_makes(m, w) for w in self.world_sizes):
+                raise ValueError(f"mesh {m} makes none of the world sizes {','.join(map(str, self.world_sizes))}: "
+                                 f"add {m.smallest_world()} to the world sizes")
+        if not (self.strategies or self.meshes) or not self.precisions:
             raise ValueError("bench needs at least one strategy and one precision")
         if not self.world_sizes or any(w < 1 for w in self.world_sizes):
             raise ValueError(f"world sizes {self.world_sizes} must be positive integers")
@@ -172,6 +190,14 @@ class BenchSpec:
             raise ValueError(f"bench cell_timeout {self.cell_timeout} must be positive")
         if not 0 <= self.tolerance <= 1:
             raise ValueError(f"bench tolerance {self.tolerance} must be an accuracy difference in [0, 1]")
+
+
+def _makes(mesh: Any, world: int) -> bool:
+    try:
+        mesh.sizes(world)
+    except ValueError:
+        return False
+    return True
 
 
 def quick_spec() -> BenchSpec:
@@ -267,6 +293,12 @@ def build_matrix(spec: BenchSpec, base: TrainConfig, train_size: int) -> list[Ce
             for precision in spec.precisions:
                 cells += [Cell(strategy=strategy, world_size=w, precision=precision, micro_batches=k, global_batch=batch)
                           for k in chunks]
+    for text in spec.meshes:
+        from ..strategies.mesh import MeshOptions
+
+        mesh = MeshOptions.parse(text)
+        cells += [Cell(strategy=_strategies.for_mesh(mesh), mesh=text, world_size=w, precision=precision,
+                       global_batch=batch, group="mesh") for w in worlds if _makes(mesh, w) for precision in spec.precisions]
     for hook in spec.comm_hooks:
         if hook != "none":
             cells += [Cell(strategy=name, world_size=w, comm_hook=hook, global_batch=batch)

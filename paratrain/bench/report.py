@@ -19,6 +19,7 @@ _COLUMNS = ("configuration", "s/epoch", "samples/s", "speed-up", "effic.", "peak
             "loss", "test acc")
 _SECTIONS = (
     ("matrix", "strategies x world sizes x precisions x comm hooks"),
+    ("mesh", "composed layouts (pp x dp_replicate x dp_shard x tp), beside the strategies"),
     ("baseline", "hand-written plain-PyTorch DDP loop (overhead reference)"),
     ("trap", "effective-batch trap: a per-worker batch kept fixed while workers are added grows the global batch "
              "(DDP on 4 GPUs with 4x256 samples per step once fell from 27% to 14% test accuracy this way)"),
@@ -141,7 +142,8 @@ def write_csv(res: BenchResult, path: str) -> None:
     write_atomic(path, out.getvalue())
 
 
-_GROUPS = {"matrix": ("tab:blue", "matrix cells"), "baseline": ("tab:gray", "hand-written baseline"),
+_GROUPS = {"matrix": ("tab:blue", "matrix cells"), "mesh": ("tab:green", "composed layouts"),
+           "baseline": ("tab:gray", "hand-written baseline"),
            "trap": ("tab:orange", "effective-batch cells")}
 _GAP = ("none", "not run here (gap, reason on the bar's line)")
 

@@ -66,6 +66,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="override any job config field, e.g. --set optim.momentum=0.8")
     p.add_argument("--strategies", type=_csv(str), help="e.g. single,dp,ddp,fsdp,tensor,pipeline")
     p.add_argument("--world-sizes", type=_csv(int), help="e.g. 1,2,4")
+    p.add_argument("--mesh", dest="meshes", action="append", default=None, metavar="SIZES",
+                   help="a composed layout to compare beside the strategies, e.g. pp=2,dp_shard=2 (repeatable; "
+                        "pp, dp_replicate, dp_shard, tp; at each world size it makes)")
     p.add_argument("--precisions", type=_csv(str), help="e.g. 32,fp16-mixed,bf16-mixed")
     p.add_argument("--comm-hooks", type=_csv(str), help="ddp hooks, e.g. none,fp16,bf16,powersgd")
     p.add_argument("--micro-batches", type=int,
@@ -119,7 +122,8 @@ def build_spec(args: argparse.Namespace) -> Any:
     spec = quick_spec() if args.quick else full_spec()
     changes = {"strategies": args.strategies, "world_sizes": args.world_sizes, "precisions": args.precisions,
                "comm_hooks": args.comm_hooks, "micro_batches": args.micro_batches, "epochs": args.epochs, "warmup_steps": args.warmup_steps,
-               "tolerance": args.tolerance, "threads": args.threads, "cell_timeout": args.cell_timeout}
+               "tolerance": args.tolerance, "threads": args.threads, "cell_timeout": args.cell_timeout,
+               "meshes": args.meshes}
     changes = {k: v for k, v in changes.items() if v is not None}
     if args.no_baseline:
         changes["baseline"] = False

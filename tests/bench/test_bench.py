@@ -81,6 +81,20 @@ def test_recommendation_takes_the_simpler_configuration_within_noise():
     assert recommend([devices, single, faster], tolerance=0.02) is faster
 
 
+def test_a_mesh_is_a_cell_at_each_world_size_it_makes():
+    spec = BenchSpec(strategies=["ddp"], world_sizes=[2, 4, 8], precisions=["32"], comm_hooks=["none"],
+                     meshes=["pp=2,dp_shard=-1", "tp=2, dp_replicate=2"], baseline=False, trap=False, nccl_cells=False)
+    cells = [c for c in build_matrix(spec, TrainConfig(), train_size=1438) if c.group == "mesh"]
+    assert [c.label for c in cells] == ["mesh pp=2,dp_shard=-1 x2", "mesh pp=2,dp_shard=-1 x4", "mesh pp=2,dp_shard=-1 x8",
+                                        "mesh dp_replicate=2,tp=2 x4", "mesh dp_replicate=2,tp=2 x8"]
+    assert cells[0].strategy == "pipeline" and cells[-1].strategy == "mesh"
+    assert cells[1].overrides()["parallel.mesh"] == "pp=2,dp_shard=-1"
+    with pytest.raises(ValueError, match=r"^mesh pp=3 makes none of the world sizes 2,4: add 3 to the world sizes$"):
+        BenchSpec(world_sizes=[2, 4], meshes=["pp=3"])
+    with pytest.raises(ValueError, match="is not NAME=SIZE"):
+        BenchSpec(meshes=["pp2"])
+
+
 def test_bad_matrix_values_are_one_line_errors():
     with pytest.raises(ValueError, match="world sizes"):
         BenchSpec(world_sizes=[0])
