@@ -40,6 +40,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import paratrain  # noqa: E402
+from paratrain.bench.measure import PeakMemory  # noqa: E402
 from paratrain.bench.memory import estimate, measure_model  # noqa: E402
 from paratrain.strategies import resolve  # noqa: E402
 from paratrain.strategies.base import data_parallel_size  # noqa: E402
@@ -101,14 +102,6 @@ def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(out.reshape(-1, out.size(-1)), y.reshape(-1))
 
 
-def _status(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no {key} in /proc/self/status")
-
-
 def _train(pt: Any, name: str, size: dict[str, int], steps: int) -> None:
     model = builder(name, size)()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -133,21 +126,15 @@ def worker(rank: int, name: str, size: dict[str, int], strategy: str, precision:
                                   micro_batch=BATCH[name])
 
     pt = parallel()
-    cuda = pt.device.type == "cuda"
     _train(pt, name, size, steps)  # untimed: kernels, threads and buffers are loaded, then freed
     del pt  # it holds the first run's model and optimizer; the next one joins the same process group
     gc.collect()
     pt = parallel()
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-    else:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        base = _status("VmRSS:")
+    memory = PeakMemory(pt.device)
+    memory.reset()
+    base = memory.current()
     _train(pt, name, size, steps)
-    peak = torch.cuda.max_memory_allocated() - base if cuda else _status("VmHWM:") - base
+    peak = memory.read() - base
     pt.close()
     return peak
 

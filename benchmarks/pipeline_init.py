@@ -36,6 +36,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 import paratrain  # noqa: E402
+from paratrain.bench.measure import PeakMemory  # noqa: E402
 
 FULL = {"n_layer": 12, "n_embd": 768, "vocab": 8192, "block": 64, "world": 4}
 SMOKE = {"n_layer": 4, "n_embd": 64, "vocab": 256, "block": 16, "world": 2}
@@ -43,16 +44,8 @@ TINY = {"n_layer": 4, "n_embd": 16, "vocab": 32, "block": 8}
 TARGET = 0.40
 
 
-def _status(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no {key} in /proc/self/status")
-
-
-def _step(size: dict[str, int], deferred: bool, base: int = 0) -> int:
-    """Build, set up and train one step; the peak over ``base`` once set up."""
+def _step(size: dict[str, int], deferred: bool, memory: PeakMemory | None = None, base: int = 0) -> int:
+    """Build, set up and train one step; the peak over ``base`` once set up (0 without ``memory``)."""
     import zoo
 
     pt = paratrain.Parallel(strategy="pipeline", global_batch=4, seed=0)
@@ -60,7 +53,7 @@ def _step(size: dict[str, int], deferred: bool, base: int = 0) -> int:
         model = zoo.GPT(n_layer=size["n_layer"], n_embd=size["n_embd"], vocab=size["vocab"], block_size=size["block"])
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model, opt = pt.setup(model, opt)
-    built = _status("VmHWM:") - base
+    built = memory.read() - base if memory is not None else 0
     ids = torch.randint(0, size["vocab"], (4, size["block"]), generator=torch.Generator().manual_seed(0))
     opt.zero_grad()
     pt.training_step(model, (ids, ids.roll(-1, dims=1)),
@@ -74,11 +67,11 @@ def worker(rank: int, size: dict[str, int], deferred: bool) -> tuple[int, int]:
     """This rank's peaks (bytes over its baseline): built and set up, and through the step."""
     torch.set_num_threads(1)
     _step(TINY, deferred)  # the process group, code and threads: in the baseline
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    base = _status("VmRSS:")
-    built = _step(size, deferred, base)
-    peak = _status("VmHWM:") - base
+    memory = PeakMemory(torch.device("cpu"))
+    memory.reset()
+    base = memory.current()
+    built = _step(size, deferred, memory, base)
+    peak = memory.read() - base
     paratrain.Parallel(strategy="pipeline").close()
     return built, peak
 

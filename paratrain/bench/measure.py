@@ -252,15 +252,30 @@ class PeakMemory:
         if self.device.type == "cuda":
             return int(torch.cuda.max_memory_allocated(self.device))
         if self.method == "rss":
-            try:
-                with open("/proc/self/status") as f:
-                    for line in f:
-                        if line.startswith("VmHWM:"):
-                            return int(line.split()[1]) * 1024
-            except OSError:
-                pass
+            peak = _proc_status("VmHWM:")
+            if peak is not None:
+                return peak
             self.method = "rss-lifetime"
         return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # KiB on Linux
+
+    def current(self) -> int:
+        """What this process holds now, in bytes: its resident set on CPU (0 where Linux's
+        ``/proc`` does not say), the memory allocated on CUDA."""
+        if self.device.type == "cuda":
+            return int(torch.cuda.memory_allocated(self.device))
+        return _proc_status("VmRSS:") or 0
+
+
+def _proc_status(key: str) -> int | None:
+    """A size line of ``/proc/self/status`` (``VmHWM:``, ``VmRSS:``) in bytes; None where there is none."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def sync(device: torch.device) -> None:
