@@ -26,9 +26,11 @@ __all__ = ["interactive_main", "needs_fork", "check_fork_safe"]
 
 def interactive_main() -> bool:
     """Whether this process's ``__main__`` is one a new interpreter cannot import: IPython/Jupyter
-    (``get_ipython()`` answers), or a ``__main__`` without a file (the REPL, ``python -c``)."""
+    (``get_ipython()`` answers), or a ``__main__`` without a file (the REPL, ``python -c``, a script
+    read from standard input: ``python - <<EOF``, whose ``__file__`` is ``<stdin>``)."""
     main = sys.modules.get("__main__")
-    if main is not None and getattr(main, "__file__", None) is None:
+    file = getattr(main, "__file__", None)
+    if main is not None and (file is None or (file.startswith("<") and file.endswith(">"))):
         return True
     ipython = sys.modules.get("IPython")
     get_ipython = getattr(ipython, "get_ipython", None)

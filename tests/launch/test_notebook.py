@@ -151,5 +151,32 @@ def test_what_runs_in_forked_workers(monkeypatch):
     assert notebook.needs_fork(json.dumps, ({"config": main.Config()},))  # an argument of a notebook class
     assert notebook.needs_fork(lambda rank: rank, ())  # cannot be pickled at all
     assert not notebook.needs_fork(json.dumps, (torch.zeros(3), torch.nn.Linear(2, 2), {"a": [1, 2]}))
+    main.__file__ = "<stdin>"  # python - <<EOF: no file a new interpreter could read
+    assert notebook.interactive_main() and notebook.needs_fork(main.fn, ())
     main.__file__ = str(ROOT / "script.py")  # a script's __main__: its workers import it
     assert not notebook.interactive_main() and not notebook.needs_fork(main.fn, ())
+
+
+_FROM_STDIN = """
+import paratrain, torch
+
+def work(rank):
+    pt = paratrain.Parallel(strategy="ddp", global_batch=2)
+    total = pt.reduce(torch.tensor(float(rank + 1)), "sum").item()
+    pt.close()
+    return total
+
+print(paratrain.launch(work, nprocs=2, timeout=120))
+"""
+
+
+@pytest.mark.timeout(180)
+def test_a_function_of_a_script_read_from_standard_input_launches():
+    """``python - <<EOF``: ``__main__.__file__`` is ``<stdin>``, which a new process cannot import
+    (the workers failed with ``FileNotFoundError: '<stdin>'``); they are forked, as from the REPL."""
+    import subprocess
+
+    res = subprocess.run([sys.executable, "-"], input=_FROM_STDIN, capture_output=True, text=True, timeout=150,
+                         start_new_session=True)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.strip().splitlines()[-1] == "[3.0, 3.0]", res.stdout
