@@ -1,7 +1,7 @@
 """paratrain's modules import each other without a cycle (issue 38, item 5): read off the source
 (``ast``), function-level imports included, so that no module needs another that needs it back.
 An import of a package's own ``__init__`` from inside it (``from .. import strategies``) is the
-package's public face, not a cycle."""
+package's public face, not a cycle; one under ``if TYPE_CHECKING:`` never runs."""
 
 from __future__ import annotations
 
@@ -19,10 +19,24 @@ def _modules() -> dict[str, Path]:
     return out
 
 
+def _executed(tree: ast.AST) -> list[ast.AST]:
+    """Every node of ``tree`` but those under ``if TYPE_CHECKING:`` (read by type checkers only)."""
+    out: list[ast.AST] = []
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        out.append(node)
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            todo.extend(node.orelse)
+            continue
+        todo.extend(ast.iter_child_nodes(node))
+    return out
+
+
 def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
     package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in _executed(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom):
             base = ".".join(package[:len(package) - node.level + 1] + ([node.module] if node.module else [])) \
                 if node.level else (node.module or "")
