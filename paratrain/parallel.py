@@ -158,10 +158,9 @@ class Parallel(process.OnProcess, tracking.TrackedRun):
         return (module, *wrapped_optimizer) if scheduler is not None else (module, wrapped_optimizer)
 
     def init_module(self) -> Any:
-        """``with pt.init_module(): model = Model()``: under fsdp, tensor, pipeline and their meshes the model
-        is built on the meta device and :meth:`setup` gives each rank only its shards (a pipeline rank its
-        stage), valued as a whole build would be (:mod:`paratrain.nn.deferred`); otherwise it is built
-        whole on this rank's device."""
+        """``with pt.init_module(): model = Model()``: under fsdp, tensor, pipeline and meshes, built on the meta
+        device; :meth:`setup` gives each rank only its shards (a pipeline rank its stage), valued as a whole
+        build would be (:mod:`paratrain.nn.deferred`). Otherwise built whole on this rank's device."""
         return self._deferred.context()
 
     def mark_forward_method(self, model: nn.Module, name: str) -> None:
