@@ -52,7 +52,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..strategies.ddp import bucket_bytes as ddp_bucket_bytes
 
-__all__ = ["CommCounter", "PeakMemory", "ddp_bucket_bytes"]
+__all__ = ["CommCounter", "PeakMemory", "ddp_bucket_bytes", "group_name"]
 
 
 def _nbytes(t: Any) -> int:
@@ -87,6 +87,26 @@ _SIZES: dict[str, Callable[[tuple, dict], int]] = {
     "all_to_all_single": lambda a, k: _nbytes(_arg(a, k, 1, "input")),
     "all_to_all": lambda a, k: _total(_arg(a, k, 1, "input_tensor_list") or []),
 }
+
+
+# torch.distributed function name -> the position of its ``group`` argument
+_GROUP_AT = {"all_reduce": 2, "reduce": 3, "broadcast": 2, "all_gather_into_tensor": 2, "all_gather": 2,
+             "reduce_scatter_tensor": 3, "reduce_scatter": 3, "all_to_all_single": 4, "all_to_all": 2}
+
+
+def group_name(group: Any) -> str:
+    """The name torch gives a process group ("" for the default group, ``group=None``)."""
+    return "" if group is None else str(getattr(group, "group_name", ""))
+
+
+def _group_of(name: str) -> Callable[[tuple, dict], str]:
+    """The group name of one call of ``torch.distributed.<name>`` from its (args, kwargs)."""
+    at = _GROUP_AT.get(name)
+
+    def of(a: tuple, k: dict) -> str:
+        return group_name(k.get("group", a[at] if at is not None and len(a) > at else None))
+
+    return of
 
 
 def _sent(a: tuple, k: dict) -> int:
@@ -133,6 +153,7 @@ class _FunctionalCollectives(TorchDispatchMode):
         self.inside_wrapper = inside_wrapper
         self.bytes = 0
         self.calls = 0
+        self.by_group: dict[str, int] = {}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -142,8 +163,11 @@ class _FunctionalCollectives(TorchDispatchMode):
             return NotImplemented  # DTensor turns the op into local ops and collectives, which come back here
         size = _FUNCTIONAL.get(func.name())
         if size is not None and not self.inside_wrapper():
-            self.bytes += size(args)
+            nbytes = size(args)
+            self.bytes += nbytes
             self.calls += 1
+            name = next((a for a in reversed(args) if isinstance(a, str)), "")  # the group's name comes last
+            self.by_group[name] = self.by_group.get(name, 0) + nbytes
         return func(*args, **kwargs)
 
 
@@ -154,10 +178,12 @@ class CommCounter:
     def __init__(self) -> None:
         self.bytes = 0
         self.calls = 0
+        self.by_group: dict[str, int] = {}
+        """Bytes per process group name ("" for the default group): :meth:`by_dimension` names them."""
         self.armed = False
         """True inside a counted step: the wrapped Python calls add their size."""
-        self.functional_step: tuple[int, int] | None = None
-        """(bytes, calls) of functional collectives in the last warm-up step; None before one ran."""
+        self.functional_step: tuple[int, int, dict[str, int]] | None = None
+        """(bytes, calls, bytes per group) of functional collectives in the last warm-up step; None before one ran."""
         self._originals: dict[str, Any] = {}
         self._send: Any = None
         self._local = threading.local()  # .depth: wrapped calls running on this thread
@@ -168,10 +194,10 @@ class CommCounter:
             if original is None or name in self._originals:
                 continue
             self._originals[name] = original
-            setattr(dist, name, self._wrap(original, size))
+            setattr(dist, name, self._wrap(original, size, _group_of(name)))
         if self._send is None:
             self._send = dist.ProcessGroup.send
-            dist.ProcessGroup.send = self._wrap(self._send, _sent)  # type: ignore[method-assign]
+            dist.ProcessGroup.send = self._wrap(self._send, _sent, lambda a, k: group_name(a[0]))  # type: ignore[method-assign]
         return self
 
     def uninstall(self) -> None:
@@ -182,10 +208,23 @@ class CommCounter:
             dist.ProcessGroup.send = self._send  # type: ignore[method-assign]
             self._send = None
 
-    def add(self, nbytes: int, calls: int = 1) -> None:
+    def add(self, nbytes: int, calls: int = 1, group: str | dict[str, int] = "") -> None:
+        """Count ``nbytes`` in a counted step: sent over ``group`` (its name), or split as a dict says."""
         if self.armed:
             self.bytes += int(nbytes)
             self.calls += calls
+            for name, part in (group.items() if isinstance(group, dict) else [(group, int(nbytes))]):
+                self.by_group[name] = self.by_group.get(name, 0) + part
+
+    def by_dimension(self, dimensions: dict[str, str], extra: int = 0) -> dict[str, int]:
+        """:attr:`by_group` under the names ``dimensions`` gives the groups (a layout's ``pp``, ``tp``...;
+        a group it does not name is ``other``), with ``extra`` bytes the counter could not see in ``""``'s."""
+        out: dict[str, int] = {}
+        for name, nbytes in [*self.by_group.items(), ("", extra)]:
+            if nbytes:
+                dim = dimensions.get(name, "other")
+                out[dim] = out.get(dim, 0) + nbytes
+        return out
 
     @contextlib.contextmanager
     def step(self, count: bool) -> Iterator[None]:
@@ -204,21 +243,22 @@ class CommCounter:
             if mode is None:
                 self.add(*self.functional_step)  # type: ignore[misc]
             elif count:
-                self.add(mode.bytes, mode.calls)
+                self.add(mode.bytes, mode.calls, mode.by_group)
             else:
-                self.functional_step = (mode.bytes, mode.calls)
+                self.functional_step = (mode.bytes, mode.calls, dict(mode.by_group))
         finally:
             self.armed = False
 
     def _inside_wrapper(self) -> bool:
         return getattr(self._local, "depth", 0) > 0
 
-    def _wrap(self, fn: Callable[..., Any], size: Callable[[tuple, dict], int]) -> Callable[..., Any]:
+    def _wrap(self, fn: Callable[..., Any], size: Callable[[tuple, dict], int],
+              group: Callable[[tuple, dict], str]) -> Callable[..., Any]:
         local = self._local
 
         def counted(*args: Any, **kwargs: Any) -> Any:
             if self.armed:
-                self.add(size(args, kwargs))
+                self.add(size(args, kwargs), 1, group(args, kwargs))
             local.depth = getattr(local, "depth", 0) + 1
             try:
                 return fn(*args, **kwargs)

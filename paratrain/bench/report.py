@@ -96,6 +96,9 @@ def format_table(res: BenchResult) -> str:
             continue
         lines += ["", f"== {title}", line(list(_COLUMNS)), "-" * (sum(width) + 2 * (len(width) - 1))]
         lines += [line(c) for c in section]
+        lines += [f"   {r.cell.label}: " + ", ".join(f"{d} {_bytes(b)}" for d, b in sorted(r.comm_by_dimension.items()))
+                  + " per step" for r, _ in rows if r.cell.group == group and r.comm_by_dimension
+                  and (group == "mesh" or len(r.comm_by_dimension) > 1)]
         if group == "trap":
             lines += [f"   {r.cell.label}: {r.cell.note}" for r in res.results if r.cell.group == "trap"]
     lines += [""] + _overhead_lines(res)
@@ -134,7 +137,9 @@ def write_json(res: BenchResult, path: str) -> None:
 
 def write_csv(res: BenchResult, path: str) -> None:
     rows = [r.row() for r in res.results]
-    fields = list(rows[0]) if rows else ["label"]
+    for row in rows:  # a column of its own per dimension's bytes: comm_bytes_pp, comm_bytes_dp_shard...
+        row.update({f"comm_bytes_{d}": b for d, b in (row.pop("comm_by_dimension", None) or {}).items()})
+    fields = list(dict.fromkeys(k for row in rows for k in row)) if rows else ["label"]
     out = io.StringIO(newline="")
     writer = csv.DictWriter(out, fieldnames=fields)
     writer.writeheader()

@@ -55,6 +55,8 @@ class CellResult:
     mem_method: str | None = None
     comm_bytes_per_step: float | None = None
     """Per rank per optimizer step (see :mod:`paratrain.bench.measure`)."""
+    comm_by_dimension: dict[str, float] | None = None
+    """The same rank's bytes per step by the layout dimension they went over (``pp``, ``dp_shard``, ``tp``...)."""
     skipped_steps: int | None = None
     final_loss: float | None = None
     """Mean training loss over the last epoch."""
@@ -137,6 +139,7 @@ def _run_one(cell: Cell, spec: BenchSpec, base: TrainConfig, data: Any) -> CellR
         if said is not None:
             return CellResult(cell=cell, status=status, reason=said["reason"], wall_s=wall)
     r0 = ranks[0]
+    busiest = max(ranks, key=lambda r: r["comm_bytes_per_step"])
     step_time = max(r["step_time_s"] for r in ranks)  # a step is as slow as its slowest rank
     return CellResult(
         cell=cell, status="ok", seconds_per_epoch=step_time * r0["steps_per_epoch"],
@@ -144,7 +147,8 @@ def _run_one(cell: Cell, spec: BenchSpec, base: TrainConfig, data: Any) -> CellR
         peak_mem_mib=None if r0["peak_mem_bytes"] is None else max(r["peak_mem_bytes"] for r in ranks) / 2**20,
         mem_method=r0["mem_method"],
         # the busiest rank's payload (pipeline stages differ; the other strategies are symmetric)
-        comm_bytes_per_step=max(r["comm_bytes_per_step"] for r in ranks), skipped_steps=r0["skipped_steps"],
+        comm_bytes_per_step=busiest["comm_bytes_per_step"], comm_by_dimension=busiest.get("comm_by_dimension"),
+        skipped_steps=r0["skipped_steps"],
         final_loss=r0["final_loss"], test_loss=r0["test_loss"], test_accuracy=r0["test_accuracy"],
         steps=r0["steps"], timed_steps=r0["timed_steps"], step_mean_s=max(r["step_mean_s"] for r in ranks),
         wall_s=wall, overhead=_overhead(ranks),

@@ -146,9 +146,10 @@ def _train_paratrain(pt: Any, counter: CommCounter, cfg: TrainConfig, job: dict[
                  log_every=steps_per_epoch, progress_bar=False, on_step=lambda p: clock.on_step(p.global_step))
     evaluation = pt.evaluate(model, pt.eval_loader(test_set, transform=None if aug is None else (lambda x: aug(x, 0))))
     timed_steps = total - warm
-    comm = counter.bytes
     # What the counter cannot see: DDP's C++ all-reduce without a hook, ps's RPC push + pull in optimizer.step
-    comm += pt.hidden_comm_bytes_per_step(model) * timed_steps
+    hidden = pt.hidden_comm_bytes_per_step(model) * timed_steps
+    comm = counter.bytes + hidden
+    by_dim = counter.by_dimension(pt.strategy.comm_dimensions(), hidden)
     return {
         "status": "ok", "rank": pt.rank, "device": str(pt.device), "threads": torch.get_num_threads(),
         "steps": result.steps, "steps_per_epoch": steps_per_epoch, "timed_steps": timed_steps,
@@ -157,6 +158,7 @@ def _train_paratrain(pt: Any, counter: CommCounter, cfg: TrainConfig, job: dict[
         "test_accuracy": evaluation["accuracy"], "skipped_steps": result.skipped_steps,
         "peak_mem_bytes": clock.peak, "mem_method": clock.memory.method,
         "comm_bytes_per_step": comm / max(timed_steps, 1),
+        "comm_by_dimension": {d: b / max(timed_steps, 1) for d, b in by_dim.items()},
         "lr": optimizer.param_groups[0]["lr"],
     }
 

@@ -20,6 +20,15 @@ from ..precision import Precision, lookup as precision_class
 __all__ = ["Strategy", "NotApplicable", "data_parallel_size"]
 
 
+def mesh_dimensions(mesh: Any, names: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Each dimension's process group name of a ``DeviceMesh`` -> the layout's name for it (``names``
+    renames the mesh's own, e.g. ``{"dp": "dp_shard"}``); None: no mesh yet."""
+    if mesh is None:
+        return {}
+    names = names or {}
+    return {str(mesh.get_group(d).group_name): names.get(d, d) for d in mesh.mesh_dim_names}
+
+
 def data_parallel_size(sizes: Mapping[str, int]) -> int:
     """The data shards of a layout (mesh sizes, :mod:`.mesh`): the batch is split over ``dp_replicate x
     dp_shard`` ranks; the ``pp`` stages of a pipeline and the ``tp`` ranks of a group read the same samples."""
@@ -238,6 +247,15 @@ class Strategy:
         """Bytes this rank communicates per optimizer step outside ``torch.distributed``'s Python
         functions (C++ reducers, RPC), which a counter wrapping those functions cannot see."""
         return 0
+
+    def comm_dimensions(self) -> dict[str, str]:
+        """Each process group's name -> the layout dimension its traffic belongs to (``pp``, ``dp_shard``,
+        ``tp``...; bench's bytes per dimension). The default group's is the layout's one dimension larger
+        than 1; a strategy with a mesh adds its groups (:func:`mesh_dimensions`)."""
+        busy = [d for d, n in self.layout.items() if n > 1]
+        if len(busy) != 1 or not (dist.is_available() and dist.is_initialized()):
+            return {}
+        return {"": busy[0], str(getattr(dist.group.WORLD, "group_name", "")): busy[0]}
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer, local_step: Callable[[], bool]) -> bool:
         """Apply one optimizer step; ``local_step`` is the precision's (clip, unscale, step).

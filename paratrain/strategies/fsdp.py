@@ -22,7 +22,7 @@ from torch import nn
 
 from ..env.process import Dist
 from ..precision import Precision
-from .base import Strategy
+from .base import Strategy, mesh_dimensions
 
 __all__ = [
     "FSDPOptions", "FSDPStrategy", "DTensorStrategy", "shard_model", "mixed_precision_policy",
@@ -341,13 +341,17 @@ class FSDPStrategy(DTensorStrategy):
 
     def __init__(self, dist_info: Dist, sync_batchnorm: bool = False, options: Any = None, **common: Any) -> None:
         super().__init__(dist_info, sync_batchnorm, options or FSDPOptions(), **common)
+        self._mesh: Any = None
+
+    def comm_dimensions(self) -> dict[str, str]:
+        return {**super().comm_dimensions(), **mesh_dimensions(self._mesh, {"dp": "dp_shard"})}
 
     def wrap(self, model: nn.Module) -> nn.Module:
         if self.proc.backend is None:
             return model  # a world of one: nothing to shard
         from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh(self.device.type, (self.proc.world_size,), mesh_dim_names=("dp",))
+        mesh = self._mesh = init_device_mesh(self.device.type, (self.proc.world_size,), mesh_dim_names=("dp",))
         old = self.swap.before(model)
         shard_model(model, mesh, self.options, self.precision)
         self.swap.after(model, old)

@@ -30,7 +30,7 @@ from typing import Any, Mapping
 
 
 from ..env.process import Dist
-from .base import NotApplicable, data_parallel_size
+from .base import NotApplicable, data_parallel_size, mesh_dimensions
 from .fsdp import FSDPOptions
 from .tensor import TensorOptions, TensorParallelStrategy
 
@@ -191,6 +191,9 @@ class MeshStrategy(TensorParallelStrategy):
     @property
     def tensor_options(self) -> TensorOptions:
         return self.options.tensor
+
+    def comm_dimensions(self) -> dict[str, str]:
+        return {**super().comm_dimensions(), **mesh_dimensions(self._device_mesh)}
 
     @property
     def device_mesh(self) -> Any:

@@ -48,7 +48,7 @@ from ._stack import StackStage, split_stack
 from ._stages import PipelineModule
 from ..checkpoint.sharded import full_state_dict as sharded_full_state_dict
 from ..nn.deferred import Held, has_meta
-from .base import NotApplicable, Strategy, data_parallel_size
+from .base import NotApplicable, Strategy, data_parallel_size, mesh_dimensions
 from .fsdp import FSDPOptions, ParameterSwap, scale_grads_, shard_model, total_norm
 from .mesh import data_parallel_mesh, layout_mesh
 from .tensor import TensorOptions, checked_plan, parallel_style
@@ -194,6 +194,12 @@ class PipelineStrategy(Strategy):
             flat = layout_mesh(self.device.type, {"pp": self.stages, "dp": self.dp, "tp": self.tp}, ("pp", "dp", "tp"))
             self._meshes = (whole, flat)
         return self._meshes
+
+    def comm_dimensions(self) -> dict[str, str]:
+        if self._meshes is None:  # the world is one pipeline: its default group is pp
+            return super().comm_dimensions()
+        whole, flat = self._meshes  # flat's pp group carries the activations between stages
+        return {**mesh_dimensions(whole), **mesh_dimensions(flat)}
 
     @property
     def _stage_group(self) -> Any:

@@ -24,7 +24,7 @@ from torch import nn
 
 from ..env.process import Dist
 from ..precision import lookup as precision_class
-from .base import NotApplicable
+from .base import NotApplicable, mesh_dimensions
 from .fsdp import DTensorStrategy, FSDPOptions, format_bytes, parameter_bytes, shard_model
 
 __all__ = ["TensorOptions", "TensorParallelStrategy", "auto_plan", "model_plan", "expand_plan", "checked_plan",
@@ -233,6 +233,9 @@ class TensorParallelStrategy(DTensorStrategy):
     @property
     def data_parallel_leader(self) -> bool:
         return self.proc.rank % self.tp == 0
+
+    def comm_dimensions(self) -> dict[str, str]:
+        return {**super().comm_dimensions(), **mesh_dimensions(self._mesh, {"dp": "dp_shard"})}
 
     @property
     def mesh(self) -> Any:

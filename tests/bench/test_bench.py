@@ -213,6 +213,10 @@ def test_bench_counts_tensor_and_pipeline_bytes(tmp_path):
     # pipeline: stage 1 is flatten + fc1, so rank 0 sends fc1's output (64 x 512, fp32, in 4
     # micro-batches), plus the 4-byte mean loss the last stage broadcasts (a broadcast counts on every rank).
     assert cells["pipeline x2"]["comm_bytes_per_step"] == 4 * 64 * 512 + 4
+    # each byte under the layout dimension whose process group carried it
+    assert cells["tensor x2"]["comm_by_dimension"] == {"tp": 4 * 64 * 10}
+    assert cells["pipeline x2"]["comm_by_dimension"] == {"pp": 4 * 64 * 512 + 4}
+    assert "comm_bytes_tp" in (out / "results.csv").read_text().splitlines()[0]
     rows = {line.split("  ")[0]: line for line in r.stdout.splitlines() if line.startswith(("tensor", "pipeline"))}
     assert "2.5 KiB" in rows["tensor x2"] and "128.0 KiB" in rows["pipeline x2"]
     assert "n/a" not in rows["tensor x2"]
