@@ -108,10 +108,7 @@ class Parallel(process.OnProcess, tracking.TrackedRun):
 
     accumulation = property(lambda self: self.plan.accumulation, doc="Micro-steps per optimizer step.")
 
-    @property
-    def global_batch(self) -> int:
-        """Samples per optimizer step over all ranks."""
-        return self.plan.global_batch
+    global_batch = property(lambda self: self.plan.global_batch, doc="Samples per optimizer step over all ranks.")
 
     global_step = ClockCount("Optimizer steps taken (the data position).")
     micro_step = ClockCount("Backward calls since the last optimizer step (0 at a global batch's start).")
@@ -217,6 +214,9 @@ class Parallel(process.OnProcess, tracking.TrackedRun):
         numbered files) into the set-up ``model``, one tensor at a time: each rank keeps only its shards,
         also of a model built under :meth:`init_module` (:func:`paratrain.checkpoint.load_weights`)."""
         checkpoint_lib.load_weights(self.unwrap(model), path, strict)
+
+    comm_dimensions = property(lambda self: self.strategy.comm_dimensions(),
+                               doc="Each process group's name -> the layout dimension it carries (pp, tp...).")
 
     def hidden_comm_bytes_per_step(self, model: nn.Module) -> int:
         """Bytes sent per optimizer step outside ``torch.distributed``'s Python calls (ps's RPC...)."""

@@ -98,7 +98,7 @@ def format_table(res: BenchResult) -> str:
         lines += [line(c) for c in section]
         lines += [f"   {r.cell.label}: " + ", ".join(f"{d} {_bytes(b)}" for d, b in sorted(r.comm_by_dimension.items()))
                   + " per step" for r, _ in rows if r.cell.group == group and r.comm_by_dimension
-                  and (group == "mesh" or len(r.comm_by_dimension) > 1)]
+                  and (r.cell.mesh or len(r.comm_by_dimension) > 1)]
         if group == "trap":
             lines += [f"   {r.cell.label}: {r.cell.note}" for r in res.results if r.cell.group == "trap"]
     lines += [""] + _overhead_lines(res)

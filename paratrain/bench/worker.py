@@ -149,7 +149,7 @@ def _train_paratrain(pt: Any, counter: CommCounter, cfg: TrainConfig, job: dict[
     # What the counter cannot see: DDP's C++ all-reduce without a hook, ps's RPC push + pull in optimizer.step
     hidden = pt.hidden_comm_bytes_per_step(model) * timed_steps
     comm = counter.bytes + hidden
-    by_dim = counter.by_dimension(pt.strategy.comm_dimensions(), hidden)
+    by_dim = counter.by_dimension(pt.comm_dimensions, hidden)
     return {
         "status": "ok", "rank": pt.rank, "device": str(pt.device), "threads": torch.get_num_threads(),
         "steps": result.steps, "steps_per_epoch": steps_per_epoch, "timed_steps": timed_steps,
