@@ -44,17 +44,40 @@ def graph() -> tuple[dict[str, set[str]], dict[str, set[str]], list[tuple[str, i
         tree = ast.parse(p.read_text())
         package = p.name == "__init__.py"
         toplevel = set(map(id, tree.body))
-        for node in ast.walk(tree):
+        for node in executed(tree):
             if not isinstance(node, (ast.Import, ast.ImportFrom)):
                 continue
-            in_type_checking = False
             targets = [t for t in resolve(m, package, node, modules) if t in modules and t != m]
             for t in targets:
                 every[m].add(t)
                 if id(node) in toplevel:
                     top[m].add(t)
-            if targets and id(node) not in toplevel and not in_type_checking:
+            if targets and id(node) not in toplevel:
                 local.append((m, node.lineno, ", ".join(sorted(set(targets)))))
+    return top, every, local
+
+
+def executed(tree: ast.AST) -> list[ast.AST]:
+    """Every node of ``tree`` but those under ``if TYPE_CHECKING:``, which only type checkers read."""
+    out: list[ast.AST] = []
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        out.append(node)
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            todo.extend(node.orelse)
+            continue
+        todo.extend(ast.iter_child_nodes(node))
+    return out
+
+
+def design_graphs() -> tuple[dict[str, set[str]], dict[str, set[str]], list[tuple[str, int, str]]]:
+    """:func:`graph` without the edges from a package to its own submodules: a package's
+    ``__init__`` re-exporting them is not a cycle of the design."""
+    top, every, local = graph()
+    for g in (top, every):
+        for m in g:
+            g[m] = {t for t in g[m] if not t.startswith(m + ".")}
     return top, every, local
 
 
@@ -95,12 +118,7 @@ def cycles(g: dict[str, set[str]]) -> list[list[str]]:
 
 
 def main() -> None:
-    top, every, local = graph()
-    # a package's __init__ re-exporting its submodules is not a cycle of the design: drop
-    # edges from a package to its own submodules
-    for g in (top, every):
-        for m in g:
-            g[m] = {t for t in g[m] if not t.startswith(m + ".")}
+    top, every, local = design_graphs()
     for name, g in (("module-level imports", top), ("all imports, function-local included", every)):
         found = cycles(g)
         print(f"{name}: {len(found)} cycle(s)" + "".join(f"\n  {len(c)} modules: {' '.join(c)}" for c in found))
