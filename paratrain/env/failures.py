@@ -75,8 +75,9 @@ def _where_each_waited(here: dict[str, Any], grace: float, timeout_s: float | No
     store does not answer. ``after_others``: write only if another rank wrote first (else {}).
 
     Each rank stays at least ``grace`` after its write, so that the others read it (rank 0's
-    process may serve the store), and once all wrote, the rank that prints the line ends first. Where the main-process-only mistake is likely (rank 0 missing,
-    or this rank waiting in a call of Parallel's), a rank still missing after the grace may sit in
+    process may serve the store), and once all wrote, the rank that prints the line ends first.
+    Where the main-process-only mistake is likely (rank 0 missing, or this rank waiting in a call
+    of Parallel's), a rank still missing after the grace may sit in
     another collective that it entered later (a save after writing its files; a busy machine's
     ranks fall apart): it gets the time to time out too (``timeout_s``, at most 30 s), so that
     the line says where it waited. A plain hang is not delayed."""

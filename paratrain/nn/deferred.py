@@ -87,7 +87,7 @@ class Recorder(TorchDispatchMode):
         return self.scratch.take(x.shape, x.dtype)
 
     def _ref(self, x: Any) -> Any:
-        if isinstance(x, torch.Tensor) and x.device.type == "meta":
+        if _is_meta(x):
             node = self.latest.get(_key(x))
             return _Ref(node) if node is not None else _Missing(tuple(x.shape))
         return x
@@ -136,7 +136,7 @@ def _is_meta(x: Any) -> bool:
 
 
 def _real_like(x: Any) -> Any:
-    if isinstance(x, torch.Tensor) and x.device.type == "meta":
+    if _is_meta(x):
         return torch.empty(x.shape, dtype=x.dtype)
     if isinstance(x, torch.device) and x.type == "meta":
         return torch.device("cpu")
