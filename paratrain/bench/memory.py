@@ -27,7 +27,8 @@ With ``P`` parameters, ``N`` ranks, a micro-batch of ``b`` samples per rank, and
 
 * **activations**: what autograd saves for backward, ``b·a`` with ``a`` bytes per sample measured
   (a pipeline stage: its share ``S/P`` of the blocks' part, and the whole part outside the blocks)
-  by one forward on the meta device (no memory, any model size). With **activation
+  by one forward on the meta device (no memory, any model size); under ``tp`` the part saved
+  between a ``colwise`` Linear and its ``rowwise`` partner (``split_bytes``) is divided by ``tp``. With **activation
   checkpointing** of the blocks only each block's input is kept, plus one block's internals while
   it is recomputed: ``b(a_out + Σ a_in(block) + max a_inside(block))``. Mixed precision halves the
   saved tensors of autocast's low-precision ops; the estimate keeps them fp32 (an upper bound). A
@@ -86,6 +87,9 @@ class ModelFacts:
     """The largest block's internal saved bytes per sample (recomputed one block at a time)."""
     largest_saved_bytes: float = 0.0
     """The largest single saved tensor per sample (its gradients arrive while it is alive: the logits)."""
+    split_bytes: float = 0.0
+    """Of ``activation_bytes``: saved between a ``colwise`` Linear's output and its ``rowwise`` partner's
+    (the MLP's hidden features, the attention's heads): tensor parallelism splits them over ``tp``."""
     largest_param: int = 0
     """Elements of the largest parameter tensor (the optimizer's per-tensor temporaries)."""
     largest_linear: bool = False
@@ -204,6 +208,8 @@ def estimate(facts: ModelFacts, strategy: str, world_size: int, micro_batch: int
         in_flight_fwd = (facts.root_params + 2 * block) * b["w"]
         in_flight_bwd = (facts.root_params + block) * (b["w"] + b["g"])
     act = facts.checkpointed_activation_bytes if checkpointing else facts.activation_bytes
+    if split > 1 and not checkpointing:  # each tp rank saves its slice of the split features
+        act -= facts.split_bytes * (1 - 1 / split)
     # a pipeline stage saves its own blocks' activations (those outside the blocks, the logits' with the loss, are
     # counted whole: the first and the last stage hold them)
     act = min(act, facts.outside_bytes) + max(0.0, act - facts.outside_bytes) * stage_share
@@ -312,12 +318,16 @@ def measure_model(build: Callable[[], nn.Module], sample: Callable[[int], Any],
 
     from torch.utils.flop_counter import FlopCounterMode
 
-    def saved(k: int) -> tuple[float, float, float, list[float], float, float]:
-        """(total, outside blocks, block inputs, [inside each block]) saved for backward at batch k."""
+    opens = [m for n, m in linears.items() if plan.get(n) == "colwise"]  # a split region: colwise ... rowwise
+    closes = [m for n, m in linears.items() if plan.get(n) == "rowwise"]
+
+    def saved(k: int) -> tuple[float, float, float, list[float], float, float, float]:
+        """(total, outside blocks, block inputs, [inside each block], largest, flops, split) saved for backward at batch k."""
         stack: list[int] = []
         inside = [0.0] * len(outermost)
         inputs = [0.0] * len(outermost)
-        totals = {"all": 0.0, "out": 0.0, "largest": 0.0}
+        totals = {"all": 0.0, "out": 0.0, "largest": 0.0, "split": 0.0}
+        region = [False]
         index = {id(blk): i for i, blk in enumerate(outermost)}
 
         seen: set[int] = set()
@@ -336,7 +346,14 @@ def measure_model(build: Callable[[], nn.Module], sample: Callable[[int], Any],
                 inside[stack[-1]] += nbytes
             else:
                 totals["out"] += nbytes
+            if region[0]:
+                totals["split"] += nbytes
             return t
+
+        def split_region(value: bool) -> Callable[..., None]:
+            def hook(module: nn.Module, args: Any, out: Any) -> None:
+                region[0] = value
+            return hook
 
         def pre(module: nn.Module, args: Any) -> None:
             i = index[id(module)]
@@ -348,6 +365,8 @@ def measure_model(build: Callable[[], nn.Module], sample: Callable[[int], Any],
 
         handles = [blk.register_forward_pre_hook(pre) for blk in outermost]
         handles += [blk.register_forward_hook(post) for blk in outermost]
+        handles += [m.register_forward_hook(split_region(True)) for m in opens]
+        handles += [m.register_forward_hook(split_region(False)) for m in closes]
         counter = FlopCounterMode(display=False)
         try:
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), counter:
@@ -358,7 +377,8 @@ def measure_model(build: Callable[[], nn.Module], sample: Callable[[int], Any],
         finally:
             for h in handles:
                 h.remove()
-        return totals["all"], totals["out"], sum(inputs), inside, totals["largest"], float(counter.get_total_flops())
+        return (totals["all"], totals["out"], sum(inputs), inside, totals["largest"], float(counter.get_total_flops()),
+                totals["split"])
 
     with torch.device("meta"):  # batches of 2 and 4: BatchNorm refuses one sample in training
         small, big = saved(2), saved(4)
@@ -376,7 +396,7 @@ def measure_model(build: Callable[[], nn.Module], sample: Callable[[int], Any],
         outside_bytes=per_sample(small[1], big[1]), block_input_bytes=per_sample(small[2], big[2]),
         largest_inside_bytes=max(inside, default=0.0), largest_saved_bytes=per_sample(small[4], big[4]),
         largest_param=biggest, largest_linear=any(p.numel() == biggest for m in split for p in m.parameters(recurse=False)),
-        blocks=len(outermost), forward_flops=per_sample(small[5], big[5]),
+        blocks=len(outermost), forward_flops=per_sample(small[5], big[5]), split_bytes=per_sample(small[6], big[6]),
         buffers_bytes=buffers)
 
 

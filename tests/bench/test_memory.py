@@ -125,6 +125,35 @@ def test_measure_on_meta_counts_what_autograd_saves():
     assert f.activation_bytes == 4 * 4 + 8 * 4 + 2 * 4 + 8
 
 
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.act, self.down = nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 4)
+
+    def forward(self, x):
+        return x + self.down(self.act(self.up(x)))
+
+
+def test_tensor_parallel_splits_the_activations_between_its_pairs():
+    """What a block saves between a colwise Linear and its rowwise partner (here ReLU's 16 features,
+    the down projection's input) is split over tp; the block's input, which the colwise layer
+    saves whole on every rank, is not."""
+    f = measure_model(lambda: nn.Sequential(_Block(), _Block(), nn.Linear(4, 2)), lambda k: torch.randn(k, 4),
+                      lambda out, k: nn.functional.cross_entropy(out, torch.zeros(k, dtype=torch.long)))
+    assert f.split_bytes == 2 * 16 * 4
+    assert f.activation_bytes == 2 * (4 * 4 + 16 * 4) + 4 * 4 + 2 * 4 + 8
+    whole = estimate(f, "tensor", 1, 8, optimizer="sgd", device="cuda")
+    split = estimate(f, "tensor", 2, 8, optimizer="sgd", device="cuda")
+    forward = "activations (forward)"
+    assert whole.parts[forward] - split.parts[forward] == pytest.approx(8 * f.split_bytes / 2)
+    mesh = estimate(f, "mesh", 4, 8, optimizer="sgd", device="cuda", mesh={"dp_shard": 2, "tp": 2})
+    fsdp = estimate(f, "fsdp", 2, 8, optimizer="sgd", device="cuda")
+    assert mesh.parts[forward] < fsdp.parts[forward]
+    # checkpointing keeps the block inputs, whole on every rank (the one block recomputed: an upper bound)
+    kept = [estimate(f, "tensor", n, 8, optimizer="sgd", device="cuda", checkpointing=True) for n in (1, 2)]
+    assert kept[0].parts.get(forward) == kept[1].parts.get(forward)
+
+
 def test_measure_never_allocates_the_model():
     # 4 * 16384^2 parameters: 4 GiB if it were built for real
     f = measure_model(lambda: nn.Sequential(*[nn.Linear(16384, 16384, bias=False) for _ in range(4)]),
