@@ -1,10 +1,12 @@
-"""Correctness: every strategy and precision this machine supports trains what one process trains.
+"""Correctness: every strategy, precision and layout this machine supports trains what one process trains.
 
 The world-size invariance that ``paratrain verify`` proves, in miniature: the built-in job (an MLP
 on the bundled digits) runs a few fixed-seed optimizer steps under each strategy at world size N,
 and its final weights and loss curve are compared with the single-device run at world size 1 in
-the same precision. Each run is a launch of fresh processes with a hard time limit, forked from a
-server that imported the worker once (as ``bench``'s cells are).
+the same precision. The layouts (``plan_layouts``: each set of two mesh dimensions the world size
+makes, and of three from 8 processes) do the same on the built-in transformer, which has blocks
+to pipeline and heads to split. Each run is a launch of fresh processes with a hard time limit,
+forked from a server that imported the worker once (as ``bench``'s cells are).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from ..verify.worker import run_job
 from .budget import Deadline
 from .report import FAIL, OK, SKIPPED, Report
 
-__all__ = ["Check", "plan_checks", "run_correctness", "TOLERANCES"]
+__all__ = ["Check", "plan_checks", "plan_layouts", "run_correctness", "TOLERANCES"]
 
 STEPS = 8
 """Optimizer steps per run: enough for a wrong gradient to show, short enough for the budget."""
@@ -34,6 +36,8 @@ LOW_PRECISION_TOLERANCE = 5e-2
 
 RUN_SECONDS = {"cpu": 4.0, "cuda": 8.0}
 """What one run is expected to take, start-up included: a run is not started when less is left."""
+LAYOUT_COST = 2.0
+"""A layout's run against a strategy's: more processes, and a transformer instead of an MLP."""
 
 
 @dataclass(frozen=True)
@@ -46,28 +50,44 @@ class Check:
     accelerator: str
     """cpu or cuda."""
     skip: str | None = None
+    mesh: str | None = None
+    """A layout (``"pp=2,tp=2"``) run by the mesh strategy on :data:`LAYOUT_MODEL`; None: ``strategy``'s shorthand."""
 
     @property
     def label(self) -> str:
         on = "GPU" if self.accelerator == "cuda" else "CPU"
-        return f"{self.strategy} x{self.world_size} {self.precision} ({on})"
+        return f"{self.mesh or self.strategy} x{self.world_size} {self.precision} ({on})"
+
+    @property
+    def model(self) -> str | None:
+        """The built-in model a layout trains (None: the config's default)."""
+        return LAYOUT_MODEL if self.mesh else None
 
 
-def _config(strategy: str, precision: str, accelerator: str) -> TrainConfig:
-    return TrainConfig().with_overrides({
+LAYOUT_MODEL = "transformer"
+"""The layouts' model: :class:`~paratrain.models.TinyTransformer` has 2 blocks (``pp`` up to 2) and 2 heads (``tp`` up to 2)."""
+LAYOUT_MOST = {"pp": 2, "tp": 2}
+
+
+def _config(strategy: str, precision: str, accelerator: str, mesh: str | None = None) -> TrainConfig:
+    overrides: dict[str, Any] = {
         "parallel.strategy": strategy, "parallel.precision": precision, "parallel.accelerator": accelerator,
         "log_dir": None, "progress": False, "checkpoint_every": 0, "checkpoint_dir": None, "resume": False,
-    })
+    }
+    if mesh:
+        overrides.update({"parallel.strategy": "auto", "parallel.mesh": mesh, "model": LAYOUT_MODEL})
+    return TrainConfig().with_overrides(overrides)
 
 
-def _skip_reason(strategy: str, precision: str, world: int, accelerator: str, gpus: int) -> str | None:
+def _skip_reason(strategy: str, precision: str, world: int, accelerator: str, gpus: int,
+                 mesh: str | None = None) -> str | None:
     cls = _strategies.resolve(strategy)
     if cls.drives_all_local_devices and gpus < 2:
         return f"needs 2 or more GPUs in one process; {gpus} visible"
     if accelerator == "cuda" and cls.processes != "one" and world > gpus:
         return f"{world} processes need {world} GPUs; {gpus} visible"
     try:
-        _config(strategy, precision, accelerator)
+        _config(strategy, precision, accelerator, mesh)
     except ValueError as e:
         return str(e).splitlines()[0]
     return None
@@ -108,8 +128,34 @@ def plan_checks(strategies: list[str], precisions: list[str], world: int, gpus: 
     return checks
 
 
+def plan_layouts(world: int, gpus: int, precision: str = "32") -> list[Check]:
+    """One layout for each set of two mesh dimensions that ``world`` processes make (and of three from 8),
+    its sizes as even as :data:`LAYOUT_MODEL` allows; a row that says why when there is none."""
+    from ..bench.layouts import candidate_layouts
+    from ..strategies.mesh import describe
+
+    accelerator = "cuda" if gpus >= world else "cpu"
+    chosen: dict[tuple[str, ...], dict[str, int]] = {}
+    for sizes in candidate_layouts(world, world, LAYOUT_MOST["pp"]):
+        dims = tuple(d for d, n in sizes.items() if n > 1)
+        if len(dims) < 2 or len(dims) > (3 if world >= 8 else 2) or sizes["tp"] > LAYOUT_MOST["tp"]:
+            continue
+        if dims not in chosen or max(sizes.values()) < max(chosen[dims].values()):
+            chosen[dims] = sizes
+    if not chosen:
+        why = (f"a layout of two dimensions needs 4 processes or more, this run has {world}: "
+               "run selftest --nproc-per-node 4 (8 for three)")
+        return [Check("mesh", precision, world, accelerator, why, mesh="2-D layouts")]
+    ordered = sorted(chosen.values(), key=lambda sizes: -sum(n > 1 for n in sizes.values()))  # 3-D first
+    return [Check("mesh", precision, world, accelerator,
+                  _skip_reason("mesh", precision, world, accelerator, gpus, describe(sizes)), mesh=describe(sizes))
+            for sizes in ordered]
+
+
 def _job(check: Check, strategy: str, data: Any, timeout: float) -> dict[str, Any]:
-    cfg = _config(strategy, check.precision, check.accelerator)
+    cfg = _config(strategy, check.precision, check.accelerator, check.mesh if strategy == check.strategy else None)
+    if check.model:
+        cfg = cfg.with_overrides({"model": check.model})
     return {"kind": "builtin", "config": cfg, "steps": STEPS, "threads": 1, "data": data, "timeout": timeout}
 
 
@@ -124,25 +170,27 @@ def _launch(nprocs: int, job: dict[str, Any], timeout: float) -> RunView:
 
 
 def run_correctness(report: Report, checks: list[Check], deadline: Deadline, data: Any,
-                    progress: Callable[[str], None] = lambda s: None) -> None:
-    """Run ``checks`` (each with its reference, run once per precision and accelerator) until the
-    deadline, adding one row per check to ``report``."""
-    refs: dict[tuple[str, str], RunView] = {}
+                    progress: Callable[[str], None] = lambda s: None, section: str = "correctness") -> None:
+    """Run ``checks`` (each with its reference, run once per precision, accelerator and model) until
+    the deadline, adding one row per check to ``report`` under ``section``."""
+    refs: dict[tuple[str, str, str | None], RunView] = {}
     for check in checks:
         if check.skip:
-            report.add("correctness", check.label, SKIPPED, check.skip)
+            report.add(section, check.label, SKIPPED, check.skip)
             continue
-        key = (check.precision, check.accelerator)
+        key = (check.precision, check.accelerator, check.model)
         cost = RUN_SECONDS[check.accelerator] * (1 if key in refs else 2)
-        if not deadline.allows(cost, "correctness"):
-            report.add("correctness", check.label, SKIPPED, f"budget: {deadline.left:.0f} s left, a run takes "
-                                                            f"about {deadline.expect(cost, 'correctness'):.0f} s here")
+        if check.mesh:
+            cost *= LAYOUT_COST
+        if not deadline.allows(cost, section):
+            report.add(section, check.label, SKIPPED, f"budget: {deadline.left:.0f} s left, a run takes "
+                                                            f"about {deadline.expect(cost, section):.0f} s here")
             continue
-        timeout = max(30.0, 4 * deadline.expect(cost, "correctness"))
+        timeout = max(30.0, 4 * deadline.expect(cost, section))
 
-        with deadline.part(cost, "correctness"):
+        with deadline.part(cost, section):
             if key not in refs:
-                progress(f"reference: single {check.precision} ({check.accelerator})")
+                progress(f"reference: single {check.precision} ({check.accelerator}{', ' + check.model if check.model else ''})")
                 refs[key] = _launch(1, _job(check, _strategies.reference(), data, timeout), timeout)
             ref = refs[key]
             progress(check.label)
@@ -151,7 +199,7 @@ def run_correctness(report: Report, checks: list[Check], deadline: Deadline, dat
         tolerance = _tolerance(check)
         if run.error or ref.error:
             why = run.error or f"the one-process reference failed: {ref.error}"
-            report.add("correctness", check.label, FAIL, why, tolerance=tolerance)
+            report.add(section, check.label, FAIL, why, tolerance=tolerance)
             continue
         comparison = compare_runs(check.label, run.state, ref.state, tolerance, run.losses, ref.losses,
                                   ref.noise_gradients())
@@ -161,7 +209,7 @@ def run_correctness(report: Report, checks: list[Check], deadline: Deadline, dat
             " (loss curve)"
         text = (f"largest relative divergence from one process {divergence:.1e}{where}, tolerance "
                 f"{tolerance:g}, {STEPS} steps")
-        report.add("correctness", check.label, OK if comparison.passed else FAIL, text,
+        report.add(section, check.label, OK if comparison.passed else FAIL, text,
                    divergence=divergence, tolerance=tolerance, steps=STEPS)
 
 

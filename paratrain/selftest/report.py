@@ -41,8 +41,8 @@ class Report:
 
     @property
     def failed(self) -> list[Row]:
-        """The failed correctness checks: these make the command exit non-zero."""
-        return [r for r in self.rows if r.status == FAIL and r.section == "correctness"]
+        """The failed correctness checks (of strategies and of layouts): these make the command exit non-zero."""
+        return [r for r in self.rows if r.status == FAIL and r.section in ("correctness", "layouts")]
 
     @property
     def skipped(self) -> list[Row]:

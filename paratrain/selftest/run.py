@@ -12,11 +12,11 @@ from .report import OK, SKIPPED, Report
 
 __all__ = ["SECTIONS", "SelftestOptions", "run_selftest"]
 
-SECTIONS = ("correctness", "collectives", "speed", "memory", "resnet50", "compile")
+SECTIONS = ("correctness", "layouts", "collectives", "speed", "memory", "resnet50", "compile")
 """In the order they run; each takes a share of the time left when it starts (``SHARES``), the last
 one run all of it."""
 COLLECTIVES_AT_LEAST_S = 15.0  # a backend's collectives need 10 s to start and report (collectives.py), then sizes
-SHARES = {"correctness": 0.45, "collectives": 0.15, "speed": 0.3, "memory": 0.35, "resnet50": 0.75, "compile": 1.0}
+SHARES = {"correctness": 0.45, "layouts": 0.3, "collectives": 0.15, "speed": 0.3, "memory": 0.35, "resnet50": 0.75, "compile": 1.0}
 
 
 @dataclass(kw_only=True)
@@ -71,6 +71,11 @@ def run_selftest(opts: SelftestOptions, progress: Callable[[str], None] | None =
 
             checks = plan_checks(opts.strategies, opts.precisions, world, gpus, _probe_precision)
             run_correctness(report, checks, deadline, TrainConfig().dataset(train=True), say)
+        elif name == "layouts":
+            from .correctness import plan_layouts, run_correctness
+
+            run_correctness(report, plan_layouts(world, gpus), deadline, TrainConfig().dataset(train=True), say,
+                            section="layouts")
         elif name == "collectives":
             from .collectives import run_collectives
 

@@ -176,3 +176,28 @@ def test_a_speed_launch_that_fails_once_is_tried_again_and_says_so(monkeypatch):
     speed.run_speed(report, 2, "cpu", Budget(60).section(1.0), {"model": "cnn", "global_batch": 64}, steps=4)
     assert len(calls) == 2 and [(r.check, r.status, r.result) for r in report.rows] == [
         ("overhead ddp x2", FAIL, "boom; then boom")]
+
+
+def test_layouts_plan_one_per_set_of_dimensions():
+    from paratrain.selftest.correctness import plan_layouts
+
+    assert [(c.label, c.skip is not None) for c in plan_layouts(2, 0)] == [("2-D layouts x2 32 (CPU)", True)]
+    four = [c.mesh for c in plan_layouts(4, 0)]
+    assert sorted(four) == sorted(["dp_replicate=2,dp_shard=2", "dp_shard=2,tp=2", "dp_replicate=2,tp=2",
+                                   "pp=2,dp_shard=2", "pp=2,dp_replicate=2", "pp=2,tp=2"])
+    eight = [c.mesh for c in plan_layouts(8, 0)]
+    assert eight[:3] == ["dp_replicate=2,dp_shard=2,tp=2", "pp=2,dp_replicate=2,dp_shard=2",
+                         "pp=2,dp_shard=2,tp=2"] or set(eight[:4]) >= {"pp=2,dp_shard=2,tp=2"}
+    assert all(c.skip is None and c.model == "transformer" for c in plan_layouts(8, 0))
+
+
+def test_selftest_proves_layouts_at_four_processes(tmp_path):
+    # what the layouts section runs for real: composed meshes of the built-in transformer against
+    # one process; the budget decides how many (at least the first), none may fail
+    r = run_cli(["selftest", "--budget", str(round(scaled(45))), "--sections", "layouts", "--nproc-per-node", "4",
+                 "--out", str(tmp_path), "--no-progress"], timeout=240)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = [row for row in json.loads((tmp_path / "selftest.json").read_text())["rows"] if row["section"] == "layouts"]
+    ran = [row for row in rows if row["status"] == OK]
+    assert ran and all(row["data"]["divergence"] <= 1e-5 for row in ran), rows
+    assert all(row["status"] in (OK, SKIPPED) for row in rows), rows
