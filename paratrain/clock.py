@@ -26,6 +26,8 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from .trace.recorder import set_position
+
 __all__ = ["StepClock", "GradientWatch", "ClockCount"]
 
 # How a step is applied: (the real optimizer, whether this step ends the global batch) -> weights changed.
@@ -107,8 +109,13 @@ class StepClock:
         self._warned_lr_change = False
         self._watching = False
         self.watch = GradientWatch()  # gradients edited mid-accumulation (a clip in the loop body)
+        set_position(self.position)  # the newest clock: each collective's record names its step (paratrain.trace)
 
     # --- where the global batch stands ---------------------------------------------------
+    def position(self) -> tuple[int, int]:
+        """``(global step, micro-step)``: what each collective's record says (:mod:`paratrain.trace`)."""
+        return self.global_step, self.micro_step
+
     @property
     def last_micro_step(self) -> bool:
         """Is the coming backward the global batch's last (the one whose gradients are all-reduced)?"""

@@ -17,7 +17,7 @@ from pace import scaled
 from paratrain.launch import spawn
 
 _LAUNCH_KEYS = {"WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GLOO_SOCKET_IFNAME", "RANK",
-                "LOCAL_RANK", "GROUP_RANK", "PARATRAIN_SPAWNED", "PARATRAIN_AGENT_PID"}
+                "LOCAL_RANK", "GROUP_RANK", "PARATRAIN_SPAWNED", "PARATRAIN_AGENT_PID", "PARATRAIN_TRACE_DIR"}
 
 
 def _in_callers_env(local_rank: int, fn: Callable[..., Any], callers_env: dict[str, str], extra: Sequence[str],

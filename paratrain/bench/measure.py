@@ -51,79 +51,37 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..strategies.ddp import bucket_bytes as ddp_bucket_bytes
+from ..trace.calls import COLLECTIVES, arg, group_name, group_of, nbytes, tensor_of, total_bytes
 
 __all__ = ["CommCounter", "PeakMemory", "ddp_bucket_bytes", "group_name"]
 
 
-def _nbytes(t: Any) -> int:
-    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
-
-
-def _total(ts: Any) -> int:
-    """Bytes of a tensor, or of a (nested) list of tensors."""
-    if isinstance(ts, (list, tuple)):
-        return sum(_total(t) for t in ts)
-    return _nbytes(ts)
-
-
-def _arg(args: tuple, kwargs: dict, index: int, *names: str) -> Any:
-    for n in names:
-        if n in kwargs:
-            return kwargs[n]
-    return args[index] if len(args) > index else None
-
-
-# torch.distributed function name -> size of one call from its (args, kwargs)
-_SIZES: dict[str, Callable[[tuple, dict], int]] = {
-    "all_reduce": lambda a, k: _nbytes(_arg(a, k, 0, "tensor")),
-    "reduce": lambda a, k: _nbytes(_arg(a, k, 0, "tensor")),
-    "broadcast": lambda a, k: _nbytes(_arg(a, k, 0, "tensor")),
-    "all_gather_into_tensor": lambda a, k: _nbytes(_arg(a, k, 0, "output_tensor")),
-    "all_gather_single": lambda a, k: _nbytes(_arg(a, k, 0, "output_tensor")),
-    "all_gather": lambda a, k: _total(_arg(a, k, 0, "tensor_list") or []),
-    "reduce_scatter_tensor": lambda a, k: _nbytes(_arg(a, k, 1, "input")),
-    "reduce_scatter_single": lambda a, k: _nbytes(_arg(a, k, 1, "input")),
-    "reduce_scatter": lambda a, k: _total(_arg(a, k, 1, "input_list") or []),
-    "all_to_all_single": lambda a, k: _nbytes(_arg(a, k, 1, "input")),
-    "all_to_all": lambda a, k: _total(_arg(a, k, 1, "input_tensor_list") or []),
-}
-
-
-# torch.distributed function name -> the position of its ``group`` argument
-_GROUP_AT = {"all_reduce": 2, "reduce": 3, "broadcast": 2, "all_gather_into_tensor": 2, "all_gather": 2,
-             "reduce_scatter_tensor": 3, "reduce_scatter": 3, "all_to_all_single": 4, "all_to_all": 2}
-
-
-def group_name(group: Any) -> str:
-    """The name torch gives a process group ("" for the default group, ``group=None``)."""
-    return "" if group is None else str(getattr(group, "group_name", ""))
+def _size_of(name: str) -> Callable[[tuple, dict], int]:
+    """The payload bytes of one call of ``torch.distributed.<name>`` (nccl-tests' count: :data:`COLLECTIVES`)."""
+    return lambda a, k: total_bytes(tensor_of(name, a, k))
 
 
 def _group_of(name: str) -> Callable[[tuple, dict], str]:
     """The group name of one call of ``torch.distributed.<name>`` from its (args, kwargs)."""
-    at = _GROUP_AT.get(name)
-
-    def of(a: tuple, k: dict) -> str:
-        return group_name(k.get("group", a[at] if at is not None and len(a) > at else None))
-
-    return of
+    of = group_of(name)
+    return lambda a, k: group_name(of(a, k))
 
 
 def _sent(a: tuple, k: dict) -> int:
     """Size of one ``ProcessGroup.send(self, tensors, dst, tag)``, where every Python send ends."""
-    return _total(_arg(a, k, 1, "tensors") or [])
+    return total_bytes(arg(a, k, 1, "tensors") or [])
 
 
 def _first(a: tuple) -> int:
-    return _nbytes(a[0])
+    return nbytes(a[0])
 
 
 def _gathered(a: tuple) -> int:  # (input(s), group_size, group_name): the gathered output
-    return _total(a[0]) * int(a[1])
+    return total_bytes(a[0]) * int(a[1])
 
 
 def _p2p_sent(a: tuple) -> int:  # batch_p2p_ops(op_list, peer_list, tag_list, tensors, group_name)
-    return sum(_nbytes(t) for op, t in zip(a[0], a[3]) if op == "isend")
+    return sum(nbytes(t) for op, t in zip(a[0], a[3]) if op == "isend")
 
 
 # functional collective op ("namespace::name") -> size of one call from its positional args
@@ -133,7 +91,7 @@ for _ns in ("_c10d_functional", "_c10d_functional_autograd"):
                   "reduce_scatter_tensor_out", "all_to_all_single", "isend"):
         _FUNCTIONAL[f"{_ns}::{_name}"] = _first
     for _name in ("all_reduce_coalesced", "all_reduce_coalesced_", "reduce_scatter_tensor_coalesced"):
-        _FUNCTIONAL[f"{_ns}::{_name}"] = lambda a: _total(a[0])
+        _FUNCTIONAL[f"{_ns}::{_name}"] = lambda a: total_bytes(a[0])
     for _name in ("all_gather_into_tensor", "all_gather_into_tensor_out", "all_gather_into_tensor_coalesced"):
         _FUNCTIONAL[f"{_ns}::{_name}"] = _gathered
     _FUNCTIONAL[f"{_ns}::batch_p2p_ops"] = _p2p_sent
@@ -189,12 +147,12 @@ class CommCounter:
         self._local = threading.local()  # .depth: wrapped calls running on this thread
 
     def install(self) -> "CommCounter":
-        for name, size in _SIZES.items():
+        for name in COLLECTIVES:
             original = getattr(dist, name, None)
-            if original is None or name in self._originals:
+            if original is None or name in self._originals or COLLECTIVES[name][0] < 0:  # no tensor: no bytes
                 continue
             self._originals[name] = original
-            setattr(dist, name, self._wrap(original, size, _group_of(name)))
+            setattr(dist, name, self._wrap(original, _size_of(name), _group_of(name)))
         if self._send is None:
             self._send = dist.ProcessGroup.send
             dist.ProcessGroup.send = self._wrap(self._send, _sent, lambda a, k: group_name(a[0]))  # type: ignore[method-assign]
@@ -220,10 +178,10 @@ class CommCounter:
         """:attr:`by_group` under the names ``dimensions`` gives the groups (a layout's ``pp``, ``tp``...;
         a group it does not name is ``other``), with ``extra`` bytes the counter could not see in ``""``'s."""
         out: dict[str, int] = {}
-        for name, nbytes in [*self.by_group.items(), ("", extra)]:
-            if nbytes:
+        for name, size in [*self.by_group.items(), ("", extra)]:
+            if size:
                 dim = dimensions.get(name, "other")
-                out[dim] = out.get(dim, 0) + nbytes
+                out[dim] = out.get(dim, 0) + size
         return out
 
     @contextlib.contextmanager

@@ -50,7 +50,7 @@ def explain_timeout(error: BaseException, timeout_s: float | None, step: int | N
     if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:  # a group made without env:// (tcp://)
         return CollectiveTimeoutError(f"rank {me} waited {waited_for} in a collective{at}: another rank did not arrive "
                                       "(hung, frozen or unreachable)")
-    here = {"call": collective_call(error), "where": at}
+    here = {"call": collective_call(error), "where": at, "records": _last_records()}
     answered = _where_each_waited(here, grace, timeout_s)
     if not answered:  # the store did not answer (not even with this rank's own key)
         return CollectiveTimeoutError(
@@ -153,6 +153,9 @@ def _who_did_not_arrive(answered: dict[int, dict[str, Any]], world: int, waited_
             f"{'it' if len(elsewhere) == 1 else 'they'} waited {instead} instead; {_ranks(inside)} waited for "
             f"{'it' if len(elsewhere) == 1 else 'them'} (Parallel.{call} is a collective: does every rank call it, "
             "not the main process only?)"))
+    diverged = _records_diverge(answered)
+    if diverged is not None:  # the records name the collective each side is in
+        return _said_by(min(answered), CollectiveTimeoutError(f"{diverged} (waited {waited_for})"))
     at = answered[min(answered)]["where"]
     if not missing:
         return _said_by(min(answered), CollectiveTimeoutError(
@@ -167,6 +170,25 @@ def _who_did_not_arrive(answered: dict[int, dict[str, Any]], world: int, waited_
     return _said_by(min(answered), CollectiveTimeoutError(
         f"{_ranks(missing)} did not arrive at a collective{at} for {waited_for}: {why}; "
         f"{_ranks(sorted(answered))} waited for {'them' if len(missing) > 1 else 'it'}{hint}"))
+
+
+def _last_records(n: int = 24) -> list[dict[str, Any]]:
+    """This rank's last collectives (:mod:`paratrain.trace.recorder`), for the others to compare."""
+    from ..trace.recorder import active
+
+    rec = active()
+    return [r.as_dict() for r in rec.last(n)] if rec is not None else []
+
+
+def _records_diverge(answered: dict[int, dict[str, Any]]) -> str | None:
+    """The line of the first collective where the ranks that answered went different ways (a skipped
+    collective, other sizes, another op), from their records; None if their records agree."""
+    from ..trace.analyze import first_divergence
+    from ..trace.recorder import Record
+
+    records = {r: [Record(**d) for d in said.get("records") or []] for r, said in answered.items()}
+    finding = first_divergence({r: recs for r, recs in records.items() if recs})
+    return finding.line if finding is not None and finding.kind != "missing" else None
 
 
 def _said_by(rank: int, error: CollectiveTimeoutError) -> CollectiveTimeoutError:
@@ -209,7 +231,7 @@ def explain_peer_loss(error: BaseException, step: int | None = None,
     if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
         # A peer whose collective timed out closes its connections too (gloo): if one wrote where it
         # waited, this rank waited elsewhere (a collective on some ranks only), not for a crash.
-        here = {"call": collective_call(error), "where": at}
+        here = {"call": collective_call(error), "where": at, "records": _last_records()}
         answered = _where_each_waited(here, _grace(_joined_timeout_s), _joined_timeout_s, after_others=True)
         if answered:
             return _who_did_not_arrive(answered, dist.get_world_size(), _waited_for(_joined_timeout_s), error)

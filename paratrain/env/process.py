@@ -191,6 +191,9 @@ def init(
         return Dist(info, device, None)
     if not dist.is_initialized():
         _join(info, device, chosen, timeout_s)
+    from ..trace.recorder import start as record_collectives
+
+    record_collectives(dist.get_rank(), dist.get_world_size())  # each rank's last collectives (paratrain.trace)
     return Dist(info, device, dist.get_backend())
 
 

@@ -60,9 +60,11 @@ def _signal_name(code: int) -> str:
         return f"signal {code}"
 
 
-def failure_line(err: Any, prefix: str = PREFIX) -> tuple[str, int]:
+def failure_line(err: Any, prefix: str = PREFIX, records: Any = None) -> tuple[str, int]:
     """One line and an exit code for a ``ChildFailedError``: the rank that failed first, with its
-    recorded error, and no rank that merely lost it (:func:`_culprits`)."""
+    recorded error, and no rank that merely lost it (:func:`_culprits`). ``records``: each rank's
+    record of its collectives (:func:`paratrain.trace.recorder.read_dir`): where the ranks went
+    different ways, that is the cause, and the line says it (:func:`paratrain.trace.analyze.cause`)."""
     culprits = _culprits(err)
     rank, failure = culprits[0], err.failures[culprits[0]]
     who = f"rank {rank}" if len(culprits) == 1 else f"ranks {', '.join(map(str, sorted(culprits)))} (first: rank {rank})"
@@ -73,11 +75,27 @@ def failure_line(err: Any, prefix: str = PREFIX) -> tuple[str, int]:
         how, rc = f"exit code {code}", code or 1
     root = _message(failure)  # the worker recorded its exception (``@record``, or paratrain's excepthook)
     kind, sep, text = root.partition(": ")
+    said = None if kind == "CollectiveTimeoutError" else _records_say(records, rank, root)  # it compared them
+    if said is not None and said[1]:  # the ranks went different ways: that is the cause, whoever ended first
+        return f"{prefix} {said[0]} (worker rank {rank} {how.replace('exit code', 'exited with code')})", rc
     if sep and kind == "CollectiveTimeoutError":  # it names the rank that did not arrive: that is the news
         return f"{prefix} {text}", rc
+    if said is not None:
+        root = f"{root}; {said[0]}" if root else said[0]
     if sep and code == 2 and kind.isidentifier():  # a paratrain one-line error: its text, as in one process
         root = text
     return f"{prefix} worker {who} failed ({how})" + (f": {root}" if root else ""), rc
+
+
+def _records_say(records: Any, rank: int, message: str) -> tuple[str, bool] | None:
+    if not records:
+        return None
+    from ..trace.analyze import cause
+
+    try:
+        return cause(records, rank, message)
+    except Exception:  # noqa: BLE001 - records the analysis cannot read must not hide the failure itself
+        return None
 
 
 def _restart_line(result: Any, restart: int, max_restarts: int, resumes_from: Callable[[], int | None] | None) -> str:

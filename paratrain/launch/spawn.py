@@ -21,6 +21,7 @@ from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
 
 from ..env.network import free_port  # re-exported: the launch API's port picker
 from ..env.process import AGENT_PID
+from ..trace.recorder import TRACE_DIR
 from .notebook import check_fork_safe, needs_fork
 
 __all__ = ["launch", "free_port", "LaunchError"]
@@ -148,6 +149,7 @@ def launch(
         AGENT_PID: str(os.getpid()),  # the workers end with this process
         **(env or {}),
     }
+    trace_dir = worker_env.get(TRACE_DIR)
     if master_addr in ("127.0.0.1", "localhost"):
         worker_env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     if start_method not in ("spawn", "forkserver"):
@@ -160,6 +162,8 @@ def launch(
         mp.get_context("forkserver").set_forkserver_preload(list(preload))
     deadline = None if timeout is None else time.monotonic() + timeout
     with tempfile.TemporaryDirectory(prefix="paratrain-launch-") as out_dir:
+        if trace_dir is None:  # each rank's record of its collectives (paratrain.trace), read if one fails
+            worker_env[TRACE_DIR] = os.path.join(out_dir, "trace")
         ctx = mp.start_processes(
             _worker,
             args=(fn, nprocs, worker_env, tuple(args), out_dir, forked),
@@ -171,12 +175,17 @@ def launch(
             while not ctx.join(timeout=0.2, grace_period=5):
                 if deadline is not None and time.monotonic() > deadline:
                     alive = [i for i, p in enumerate(ctx.processes) if p.is_alive()]
+                    said = _records_say(worker_env[TRACE_DIR], None, "")
                     raise LaunchError(
-                        f"launch timed out after {timeout:.0f}s with ranks {alive} still running "
-                        "(a collective that never completes?); all workers were killed"
-                    )
+                        f"launch timed out after {timeout:.0f}s with ranks {alive} still running"
+                        + (f": {said[0]}" if said else " (a collective that never completes?)")
+                        + "; all workers were killed")
         except ProcessRaisedException as e:
-            raise LaunchError(f"rank {e.error_index} failed: {exception_line(str(e))}") from e
+            line = exception_line(str(e))
+            said = _records_say(worker_env[TRACE_DIR], e.error_index, line)
+            if said is not None and said[1]:  # the ranks went different ways: the cause, whoever raised first
+                raise LaunchError(f"{said[0]} (rank {e.error_index}: {line.partition(': ')[2]})") from e
+            raise LaunchError(f"rank {e.error_index} failed: {line}" + (f"; {said[0]}" if said else "")) from e
         except ProcessExitedException as e:
             done = _results(out_dir, nprocs)
             if e.exit_code < 0 and done is not None:
@@ -185,7 +194,11 @@ def launch(
                 warnings.warn(f"paratrain.launch: rank {e.error_index} was ended by {e.signal_name} after "
                               "it returned its result; every rank's result is kept", RuntimeWarning, stacklevel=2)
                 return done
-            raise LaunchError(f"rank {e.error_index} exited with code {e.exit_code}") from e
+            how = f"exited with code {e.exit_code}" + (f" ({e.signal_name})" if e.exit_code < 0 else "")
+            said = _records_say(worker_env[TRACE_DIR], e.error_index, "")
+            if said is not None and said[1]:
+                raise LaunchError(f"{said[0]} (rank {e.error_index} {how})") from e
+            raise LaunchError(f"rank {e.error_index} {how}" + (f"; {said[0]}" if said else "")) from e
         finally:
             for p in ctx.processes:
                 if p.is_alive():
@@ -195,6 +208,17 @@ def launch(
         if done is None:  # every process exited 0 without a result: only a worker's own os._exit(0) does that
             raise LaunchError("a rank exited with code 0 before returning from the launched function")
         return done
+
+
+def _records_say(trace_dir: str, failed: int | None, message: str) -> tuple[str, bool] | None:
+    """What the ranks' records of their collectives add to a failure (:func:`paratrain.trace.analyze.cause`)."""
+    from ..trace.analyze import cause
+    from ..trace.recorder import read_dir
+
+    try:
+        return cause(read_dir(trace_dir), failed, message)
+    except Exception:  # noqa: BLE001 - a record the analysis cannot read must not hide the failure itself
+        return None
 
 
 def _results(out_dir: str, nprocs: int) -> list[Any] | None:

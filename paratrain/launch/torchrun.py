@@ -33,6 +33,7 @@ from typing import Any, Callable
 from ..env import preemption
 from ..env.network import free_port, is_loopback
 from .reports import one_line, failure_line, restart_lines
+from ..trace.recorder import TRACE_DIR, read_dir
 from .wake import WakeStopped
 
 __all__ = ["LaunchConfig", "PASSTHROUGH", "nproc_per_node", "torchrun"]
@@ -306,6 +307,8 @@ def torchrun(cfg: LaunchConfig, program: list[str], module: bool = False, comman
     argv = _torchrun_argv(cfg, program[:1], module, set(parser._option_string_actions), store_dir)
     # a preemption signal reaches the workers, and the agent waits for their checkpoint (env.preemption)
     stopped_dir = os.path.join(store_dir, "stopped")
+    own_trace = TRACE_DIR not in os.environ  # the workers' records of their collectives: in the run's private folder
+    trace_dir = os.environ.setdefault(TRACE_DIR, os.path.join(store_dir, "trace"))
     flags = preemption.agent_flags(cfg.torchrun_args, stopped_dir)
     argv[-1:-1] = [f for f in flags if f.split("=")[0] in parser._option_string_actions]
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
@@ -336,7 +339,7 @@ def torchrun(cfg: LaunchConfig, program: list[str], module: bool = False, comman
     except ChildFailedError as e:
         if preemption.read_reports(stopped_dir) is not None:  # a worker got the signal itself: saved, stopped
             return preemption.PREEMPTED_EXIT_CODE
-        line, rc = failure_line(e, prefix)
+        line, rc = failure_line(e, prefix, read_dir(trace_dir))
         print(line, file=sys.stderr, flush=True)
         return rc
     except (RendezvousError, DistError) as e:  # DistError: the TCP store cannot bind, connect or time out
@@ -351,4 +354,6 @@ def torchrun(cfg: LaunchConfig, program: list[str], module: bool = False, comman
     finally:
         stopped = preemption.read_reports(stopped_dir)  # workers that learnt of a signal elsewhere end with 0
         shutil.rmtree(store_dir, ignore_errors=True)
+        if own_trace:
+            os.environ.pop(TRACE_DIR, None)
     return 0 if stopped is None else preemption.PREEMPTED_EXIT_CODE

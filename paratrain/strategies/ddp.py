@@ -112,6 +112,11 @@ class DDPStrategy(Strategy):
                 start_powerSGD_iter=o.powersgd_start_iter,
             )
             ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        else:
+            from ..trace.recorder import active, ddp_hook
+
+            if active() is not None:  # DDP's own all-reduce (C++), recorded: the same sum, scaled the same way
+                ddp.register_comm_hook(ddp.process_group, ddp_hook)
 
     def hidden_comm_bytes_per_step(self, model: nn.Module) -> int:
         # Without a hook the all-reduce runs in DDP's C++ reducer (a hook's collectives are Python calls).
