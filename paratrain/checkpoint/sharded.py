@@ -31,7 +31,8 @@ from torch import nn
 from .errors import CheckpointError
 from .manifest import file_digest, fsync_dir
 
-__all__ = ["save_sharded", "start_sharded", "commit_sharded", "folder_digests", "load_sharded", "full_state_dict"]
+__all__ = ["save_sharded", "start_sharded", "commit_sharded", "folder_digests", "load_sharded", "load_full",
+           "optimizer_names", "full_state_dict"]
 
 EXTRA = "extra.json"
 
@@ -218,6 +219,66 @@ def load_sharded(path: str | os.PathLike, model: nn.Module, optimizer: Any = Non
         return {}
     with open(extra_path) as f:
         return json.load(f)
+
+
+def optimizer_names(module: nn.Module, optimizer: Any) -> list[list[str]] | None:
+    """The user's name of each parameter of ``optimizer``, group by group (what an unsharded
+    checkpoint's optimizer state, numbered by position, needs to load into a sharded run)."""
+    if optimizer is None:
+        return None
+    names = {id(p): n for n, p in module.named_parameters()}
+    return [[names.get(id(p), "") for p in group["params"]] for group in optimizer.param_groups]
+
+
+def load_full(model: nn.Module, optimizer: Any, model_state: dict[str, Any], optim_state: dict[str, Any] | None,
+              names: list[list[str]] | None, where: str) -> None:
+    """Load an unsharded checkpoint's state (one process's, ddp's: ``model_state`` under the user's
+    names, ``optim_state`` numbered by position, ``names`` the user's name of each position) into
+    this rank's part of a sharded run (fsdp, tensor, a pipeline stage, a composed layout): each
+    rank takes its own stage's entries, and torch cuts its own shards out of the whole tensors.
+    Call on all ranks."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
+
+    model, optimizer = _plain(model, optimizer)
+    keys = set(model.state_dict())
+    absent = sorted(keys - set(model_state))
+    if absent:
+        raise CheckpointError(f"checkpoint {where} has no {absent[0]!r} (and {len(absent) - 1} more of this model's "
+                              "entries): it is another model's")
+    mine = {k: v for k, v in model_state.items() if k in keys}
+    options = StateDictOptions(full_state_dict=True)  # torch 2.13 cannot distribute a flattened optimizer state
+    if optimizer is None or optim_state is None:
+        set_model_state_dict(model, mine, options=options)
+        return
+    if names is None:
+        raise CheckpointError(f"checkpoint {where} numbers its optimizer state by position without the parameters' "
+                              "names (saved by an older paratrain): resume it under ddp or one process, and save it again")
+    # The saved state by the user's names; a tied parameter (GPT's lm_head.weight is its embedding) is
+    # one entry there, under its first name, and the file keeps its other names on the same storage.
+    saved: dict[str, tuple[int, int]] = {}  # name -> (group, position)
+    for g, (group, group_names) in enumerate(zip(optim_state["param_groups"], names)):
+        for index, name in zip(group["params"], group_names):
+            saved[name] = (g, index)
+    storage = {model_state[n].untyped_storage().data_ptr(): n for n in saved if isinstance(model_state.get(n), torch.Tensor)}
+    for key, value in model_state.items():
+        if key not in saved and isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() in storage:
+            saved[key] = saved[storage[value.untyped_storage().data_ptr()]]
+    # ... given as this rank's optimizer holds it: its stage's parameters, each under its first name here
+    view = _nonempty_groups(optimizer)
+    here: dict[int, list[str]] = {id(param): [name] for name, param in model.named_parameters()}
+    state = optim_state.get("state", {})
+    by_name: dict[str, Any] = {"state": {}, "param_groups": []}
+    for group in view.param_groups:
+        fqns = [n for p in group["params"] for n in here.get(id(p), [])]
+        unknown = [n for n in fqns if n not in saved]
+        if unknown:
+            raise CheckpointError(f"checkpoint {where} has no optimizer state for {unknown[0]!r}: it is another "
+                                  "model's, or its optimizer was built over other parameters")
+        g, _ = saved[fqns[0]]
+        by_name["param_groups"].append({**optim_state["param_groups"][g], "params": fqns})
+        by_name["state"].update({n: state[saved[n][1]] for n in fqns if saved[n][1] in state})
+    set_state_dict(model, view, model_state_dict=mine, optim_state_dict=by_name, options=options)
+    _merge_view(optimizer, view)
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -23,7 +23,7 @@ from ..env.disk import tensor_bytes, writing
 from ..env.seeding import mix_seed, seed_everything
 from .rng import rng_state, same_rng_state, set_rng_state
 from .asynchronous import save_async, wait_for_checkpoint
-from .sharded import load_sharded, save_sharded
+from .sharded import load_full, load_sharded, optimizer_names, save_sharded
 
 __all__ = ["Run", "ModuleCheckpointing", "save_checkpoint", "load_checkpoint", "uncompiled_keys", "checkpoint_bytes"]
 
@@ -93,6 +93,8 @@ def save_checkpoint(directory: str | os.PathLike, run: Run, module: nn.Module, o
         "sharded": sharded,
         "model": model_state,
         "optimizer": optim_state,
+        # the user's name of each numbered parameter: a sharded run loads the state by name (load_full)
+        "param_names": None if sharded else optimizer_names(module, getattr(optimizer, "optimizer", optimizer)),
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
         "rng": rngs,
         "extra": extra or {},
@@ -191,9 +193,9 @@ def load_checkpoint(source: str | os.PathLike, run: Run, module: nn.Module, opti
         raise ValueError(f"checkpoint {path!r} {e}") from None
     if state.get("sharded"):  # DCP reshards to this run's world size and strategy
         load_sharded(Path(path).parent / state["sharded"], module, optimizer)
-    elif how.sharded_state:
-        raise CheckpointError(f"checkpoint {path!r} holds a full (unsharded) model; load it into a ddp/single run, "
-                              "or save it again from a sharded one")
+    elif how.sharded_state:  # a whole model into this rank's shards or stage: by the parameters' names
+        load_full(module, optimizer, uncompiled_keys(state["model"]), state["optimizer"], state.get("param_names"),
+                  repr(path))
     else:
         how.load_checkpoint_state(module, optimizer, uncompiled_keys(state["model"]), state["optimizer"])
     if scheduler is not None and state["scheduler"] is not None:

@@ -2,8 +2,10 @@
 through ``pt.train_loader`` and ``pt.training_step``, in float64 against plain PyTorch in one process,
 on a tiny HuggingFace Llama (untied, with gradient clipping: one norm over every stage and shard) and
 nanoGPT's GPT (tied embeddings on the first and last stages), two of the layouts built under
-``init_module`` (each rank materialises only its stage's part); and a checkpoint of ``pp2 x dp_shard2``
-resumed under ``dp_shard=4``."""
+``init_module`` (each rank materialises only its stage's part); a checkpoint of ``pp2 x dp_shard2``
+resumed under ``dp_shard=4``; and one run handed from layout to layout through its checkpoints, one
+step in each: one process -> the 3-D ``pp2 x dp_shard2 x tp2`` -> ``dp_shard=4`` -> ``pp2 x tp2`` -> one
+process."""
 
 from __future__ import annotations
 
@@ -73,8 +75,8 @@ def world4(tmp_path_factory):
     return out
 
 
-def reference(kind: str) -> dict[str, torch.Tensor]:
-    return zoo.train_plain(lambda: build(kind), steps=STEPS, global_batch=GLOBAL_BATCH, seed=SEED, data=zoo.Tokens(N),
+def reference(kind: str, steps: int = STEPS) -> dict[str, torch.Tensor]:
+    return zoo.train_plain(lambda: build(kind), steps=steps, global_batch=GLOBAL_BATCH, seed=SEED, data=zoo.Tokens(N),
                            clip_grad_norm=CLIP[kind])
 
 
@@ -95,14 +97,31 @@ def test_a_checkpoint_of_pp2_dp_shard2_resumes_under_dp_shard4(world4):
 # --------------------------------------------------------------------------- 3-D, world size 8
 
 
-def worker3d(rank: int) -> dict[str, dict[str, torch.Tensor]]:
-    return {kind: train({"pp": 2, "dp_shard": 2, "tp": 2}, kind) for kind in CLIP}
+THREE_D = {"pp": 2, "dp_shard": 2, "tp": 2}
+
+
+def worker3d(rank: int, chain: str) -> dict[str, dict[str, torch.Tensor]]:
+    out = {kind: train(THREE_D, kind) for kind in CLIP}
+    train(THREE_D, "llama", steps=2, load=f"{chain}/1", save=f"{chain}/2")  # the chain's second step
+    return out
+
+
+def chain_worker(rank: int, chain: str, mesh: dict[str, int], step: int) -> None:
+    train(mesh, "llama", steps=step, load=f"{chain}/{step - 1}", save=f"{chain}/{step}")
 
 
 @pytest.fixture(scope="module")
-def world8():
+def chain(tmp_path_factory):
+    """The chain's first step, in this process: a checkpoint of one process for the 3-D layout to resume."""
     pytest.importorskip("transformers")
-    return paratrain.launch(worker3d, nprocs=8, timeout=280)[0]
+    folder = str(tmp_path_factory.mktemp("chain"))
+    train(None, "llama", steps=1, save=f"{folder}/1")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def world8(chain):
+    return paratrain.launch(worker3d, nprocs=8, args=(chain,), timeout=280)[0]
 
 
 @pytest.mark.timeout(400)
@@ -110,6 +129,17 @@ def world8():
 def test_pp2_dp_shard2_tp2_equals_one_process(world8, kind):
     ref = reference(kind)
     assert_same_state({k: world8[kind][k] for k in ref}, ref, rtol=1e-9)
+
+
+@pytest.mark.timeout(400)
+def test_one_run_handed_from_layout_to_layout_equals_one_process(world8, chain):
+    """A checkpoint of any layout resumes under any other: each step of the run in another layout
+    (single -> pp2 x dp_shard2 x tp2 -> dp_shard=4 -> pp2 x tp2 -> single), ending on plain PyTorch's fifth step."""
+    paratrain.launch(chain_worker, nprocs=4, args=(chain, {"dp_shard": 4}, 3), timeout=120)
+    paratrain.launch(chain_worker, nprocs=4, args=(chain, {"pp": 2, "tp": 2}, 4), timeout=120)
+    got = train(None, "llama", steps=5, load=f"{chain}/4")
+    ref = reference("llama", steps=5)
+    assert_same_state({k: got[k] for k in ref}, ref, rtol=1e-9)
 
 
 class LastPositionGPT(zoo.GPT):
