@@ -38,7 +38,7 @@ from .data import prepare
 from .data.loaders import EvalLoader, GlobalBatchLoader
 from .data.stream import StreamLoader
 from .data.sampler import BatchPlan
-from .env import failures, lock, preemption, process, seeding
+from .env import lock, preemption, process, seeding
 from .env.provenance import provenance
 from .metrics import mapping_loss
 from .nn.deferred import Deferred
@@ -72,6 +72,7 @@ class Parallel(process.OnProcess, tracking.TrackedRun):
                  accumulation: int | None = None, micro_batch: int | None = None, sync_batchnorm: bool | None = None,
                  clip_grad_norm: float | None = None, loss_scale: float | None = None, seed: int | None = None,
                  backend: str | None = None, accelerator: str | None = None, timeout_s: float | None = None,
+                 check_collectives: bool | None = None,
                  compile: bool | None = None, compile_backend: str | None = None, activation_checkpointing: Any = None,
                  ddp: DDPOptions | Mapping[str, Any] | None = None, fsdp: FSDPOptions | Mapping[str, Any] | None = None,
                  tensor: TensorOptions | Mapping[str, Any] | None = None,
@@ -85,8 +86,7 @@ class Parallel(process.OnProcess, tracking.TrackedRun):
         cfg = ParallelConfig.of(config, options)
         self.dist = process.init(None if cfg.backend == "auto" else cfg.backend, cfg.timeout_s, cfg.accelerator)
         self.config = cfg = cfg.for_world(self.dist.world_size)  # strategy "auto": single or ddp
-        if self.dist.backend is not None:
-            failures.explain_uncaught()  # a failed collective in this loop ends with its one-line cause
+        process.joined(self.dist, cfg.check_collectives)  # a failed collective: its one-line cause; checked mode
         self.precision = precision_lib.build(cfg.precision, self.device, cfg.loss_scale)
         self.strategy = strategies.build(cfg, self.dist, self.precision)  # it asks the precision what to do
         self.plan = cfg.batch_plan(self.world_size, plan)  # ``plan``: one the caller made for this world

@@ -75,3 +75,14 @@ def pytest_xdist_make_scheduler(config, log):
             return work_unit(nodeid)
 
     return WorkUnits(config, log)
+
+
+@pytest.fixture(autouse=True)
+def _no_record_of_collectives_left_behind():
+    """A test that joined a (real or simulated) process group in this process started the record of its
+    collectives (``paratrain.trace``): stop it, so that later tests see torch.distributed's own functions."""
+    yield
+    from paratrain.trace import recorder
+
+    if recorder.active() is not None:
+        recorder.stop()

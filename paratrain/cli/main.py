@@ -25,6 +25,7 @@ SUBCOMMANDS = {
     "export": "paratrain.cli.export",
     "selftest": "paratrain.cli.selftest",
     "estimate": "paratrain.cli.estimate",
+    "doctor": "paratrain.cli.doctor",
 }
 
 

@@ -160,6 +160,9 @@ def add_default_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--mesh", default=None, metavar="DIM=N,...",
                    help="the layout as mesh sizes, e.g. dp_replicate=2,dp_shard=2 (pp, dp_replicate, dp_shard, tp)")
     g.add_argument("--precision", default=None, metavar="P", help=f"{', '.join(precision.PRECISIONS)}")
+    g.add_argument("--check-collectives", action="store_true",
+                   help="compare each collective's op, size and dtype across the ranks before it runs, and stop at the "
+                        "first difference in one line (a collective more each; parallel.check_collectives)")
     g.add_argument("--set", dest="overrides", action="append", default=[], metavar="parallel.KEY=VALUE",
                    help="any other field of Parallel's config, e.g. --set parallel.seed=3 "
                         "--set parallel.ddp.comm_hook=fp16")
@@ -177,6 +180,9 @@ def defaults_environment(args: argparse.Namespace) -> dict[str, str]:
         if getattr(args, flag) is not None:
             overrides[f"parallel.{flag}"] = getattr(args, flag)
             labels[f"parallel.{flag}"] = f"paratrain run --{flag}"
+    if getattr(args, "check_collectives", False):
+        overrides["parallel.check_collectives"] = "true"
+        labels["parallel.check_collectives"] = "paratrain run --check-collectives"
     table, sources = parallel_defaults(args.config, overrides, labels=labels)
     return launch_defaults.encode(table, sources) if table else {}
 
@@ -217,4 +223,5 @@ def main(args: argparse.Namespace) -> int:
     elif not args.module and not os.path.isfile(args.script):
         raise FileNotFoundError(f"script {args.script!r} does not exist: give the path to a Python file (or use -m)")
     os.environ.update(defaults_environment(args))  # torchrun hands this process's environment to the workers
-    return torchrun(cfg, [args.script, *args.script_args], module=args.module)
+    return torchrun(cfg, [args.script, *args.script_args], module=args.module,
+                    trace_dir=os.path.join(args.log_dir, "trace") if args.log_dir else None)  # for paratrain doctor

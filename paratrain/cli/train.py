@@ -85,6 +85,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="write checkpoints in the background while training goes on [checkpoint_async]")
     p.add_argument("--sync-bn", dest="parallel.sync_batchnorm", action="store_const", const=True, default=None,
                    help="synchronise BatchNorm statistics across workers")
+    p.add_argument("--check-collectives", dest="parallel.check_collectives", action="store_const", const=True,
+                   default=None, help="compare each collective across the ranks before it runs: one line at the first "
+                                      "difference [parallel.check_collectives]")
     p.add_argument("--name", dest="name", default=None,
                    help="the run's name: it writes to runs/<name> (default: the start time, runs/20250101-120000)")
     p.add_argument("--resume", dest="resume", nargs="?", const=True, default=None, metavar="RUN",
@@ -194,7 +197,8 @@ def _start(args: argparse.Namespace, cfg: TrainConfig, worker: bool, launch: Lau
     argv = [*args.argv, *run]
     ckpt = cfg.checkpoint_dir
     return torchrun(launch, ["paratrain", *argv], module=True, command="train", worker=train_worker,
-                    worker_args=(argv,), resumes_from=(lambda: newest_step(ckpt)) if ckpt else None)
+                    worker_args=(argv,), resumes_from=(lambda: newest_step(ckpt)) if ckpt else None,
+                    trace_dir=os.path.join(cfg.log_dir, "trace") if cfg.log_dir else None)  # for paratrain doctor
 
 
 def _ended(summary: dict[str, Any]) -> int:

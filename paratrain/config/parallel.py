@@ -73,6 +73,9 @@ class ParallelConfig:
     """auto, cpu, cuda, xpu or mps."""
     timeout_s: float = 600.0
     """Collective timeout: a missing rank fails the job after this long instead of hanging."""
+    check_collectives: bool = False
+    """Before each collective, compare its op, size and dtype across the ranks of its group and stop at the first
+    difference with one line (:mod:`paratrain.trace`): a collective more each, like TORCH_DISTRIBUTED_DEBUG=DETAIL."""
     compile: bool = False
     """torch.compile the set-up model (after DDP/FSDP wrapping). Checkpoints keep the uncompiled keys."""
     compile_backend: str = "inductor"
@@ -104,7 +107,7 @@ class ParallelConfig:
         self.precision = _precision.resolve(self.precision)
         for name in ("global_batch", "accumulation", "micro_batch", "seed"):
             setattr(self, name, as_integer(getattr(self, name), name))
-        for name in ("sync_batchnorm", "compile"):
+        for name in ("sync_batchnorm", "compile", "check_collectives"):
             value = getattr(self, name)
             if str(getattr(value, "dtype", "")) == "bool" and getattr(value, "ndim", 1) == 0:  # NumPy's bool
                 setattr(self, name, value := bool(value))

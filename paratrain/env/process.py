@@ -193,8 +193,22 @@ def init(
         _join(info, device, chosen, timeout_s)
     from ..trace.recorder import start as record_collectives
 
-    record_collectives(dist.get_rank(), dist.get_world_size())  # each rank's last collectives (paratrain.trace)
+    record_collectives(info.rank, info.world_size)  # each rank's last collectives (paratrain.trace)
     return Dist(info, device, dist.get_backend())
+
+
+def joined(dist_info: Dist, check_collectives: bool = False) -> None:
+    """What a ``Parallel`` of a distributed job sets up once it has joined: a failed collective ends
+    with its one-line cause (:func:`~paratrain.env.failures.explain_uncaught`), and the record of
+    every collective checks each one across the ranks first when ``check_collectives`` (:mod:`paratrain.trace`)."""
+    if dist_info.backend is None:
+        return
+    failures.explain_uncaught()
+    from ..trace.recorder import active
+
+    rec = active()
+    if rec is not None:
+        rec.checking = check_collectives
 
 
 def _as_the_group_says(info: ProcessInfo) -> ProcessInfo:

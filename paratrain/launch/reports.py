@@ -78,7 +78,7 @@ def failure_line(err: Any, prefix: str = PREFIX, records: Any = None) -> tuple[s
     said = None if kind == "CollectiveTimeoutError" else _records_say(records, rank, root)  # it compared them
     if said is not None and said[1]:  # the ranks went different ways: that is the cause, whoever ended first
         return f"{prefix} {said[0]} (worker rank {rank} {how.replace('exit code', 'exited with code')})", rc
-    if sep and kind == "CollectiveTimeoutError":  # it names the rank that did not arrive: that is the news
+    if sep and kind in ("CollectiveTimeoutError", "CollectiveMismatchError"):  # it names the ranks: that is the news
         return f"{prefix} {text}", rc
     if said is not None:
         root = f"{root}; {said[0]}" if root else said[0]

@@ -182,6 +182,8 @@ def launch(
                         + "; all workers were killed")
         except ProcessRaisedException as e:
             line = exception_line(str(e))
+            if line.partition(": ")[0].rpartition(".")[2] in _SAID:  # the records were compared already
+                raise LaunchError(f"rank {e.error_index} failed: {line}") from e
             said = _records_say(worker_env[TRACE_DIR], e.error_index, line)
             if said is not None and said[1]:  # the ranks went different ways: the cause, whoever raised first
                 raise LaunchError(f"{said[0]} (rank {e.error_index}: {line.partition(': ')[2]})") from e
@@ -208,6 +210,9 @@ def launch(
         if done is None:  # every process exited 0 without a result: only a worker's own os._exit(0) does that
             raise LaunchError("a rank exited with code 0 before returning from the launched function")
         return done
+
+
+_SAID = ("CollectiveTimeoutError", "CollectiveMismatchError")  # errors whose line compared the ranks' records
 
 
 def _records_say(trace_dir: str, failed: int | None, message: str) -> tuple[str, bool] | None:

@@ -273,7 +273,7 @@ def check_resolvable(host: str) -> None:
 
 def torchrun(cfg: LaunchConfig, program: list[str], module: bool = False, command: str = "run",
              worker: Callable[..., Any] | None = None, worker_args: tuple = (),
-             resumes_from: Callable[[], int | None] | None = None) -> int:
+             resumes_from: Callable[[], int | None] | None = None, trace_dir: str | None = None) -> int:
     """Run ``program`` (``[script.py, *args]``, or ``[module, *args]`` with ``module``) under torchrun.
 
     With ``worker``, each worker runs ``worker(*worker_args, environ)`` instead, ``environ`` being
@@ -288,6 +288,8 @@ def torchrun(cfg: LaunchConfig, program: list[str], module: bool = False, comman
     (``128 + signal`` when killed by a signal, else at least 1). Each restart (``max_restarts``)
     is one line too, naming the rank that failed and, with ``resumes_from`` (a function giving the
     step of the checkpoint the restarted workers resume from, None for none), that step.
+    ``trace_dir``: where the workers keep their records of their collectives (``paratrain doctor``
+    reads them; default: the run's private folder, removed at the end).
     """
     if not program:
         raise ValueError("no program to run: give a script path (or a module with -m) and its arguments")
@@ -307,8 +309,8 @@ def torchrun(cfg: LaunchConfig, program: list[str], module: bool = False, comman
     argv = _torchrun_argv(cfg, program[:1], module, set(parser._option_string_actions), store_dir)
     # a preemption signal reaches the workers, and the agent waits for their checkpoint (env.preemption)
     stopped_dir = os.path.join(store_dir, "stopped")
-    own_trace = TRACE_DIR not in os.environ  # the workers' records of their collectives: in the run's private folder
-    trace_dir = os.environ.setdefault(TRACE_DIR, os.path.join(store_dir, "trace"))
+    own_trace = TRACE_DIR not in os.environ  # the workers' records of their collectives (the user's folder wins)
+    trace_dir = os.environ.setdefault(TRACE_DIR, trace_dir or os.path.join(store_dir, "trace"))
     flags = preemption.agent_flags(cfg.torchrun_args, stopped_dir)
     argv[-1:-1] = [f for f in flags if f.split("=")[0] in parser._option_string_actions]
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")

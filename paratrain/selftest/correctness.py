@@ -128,12 +128,14 @@ def plan_checks(strategies: list[str], precisions: list[str], world: int, gpus: 
     return checks
 
 
-def plan_layouts(world: int, gpus: int, precision: str = "32") -> list[Check]:
+def plan_layouts(world: int, gpus: int, precision: str | None = None) -> list[Check]:
     """One layout for each set of two mesh dimensions that ``world`` processes make (and of three from 8),
-    its sizes as even as :data:`LAYOUT_MODEL` allows; a row that says why when there is none."""
+    its sizes as even as :data:`LAYOUT_MODEL` allows; a row that says why when there is none. ``precision``:
+    the reference one by default."""
     from ..bench.layouts import candidate_layouts
     from ..strategies.mesh import describe
 
+    precision = precision or _precision.reference()
     accelerator = "cuda" if gpus >= world else "cpu"
     chosen: dict[tuple[str, ...], dict[str, int]] = {}
     for sizes in candidate_layouts(world, world, LAYOUT_MOST["pp"]):

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from .calls import COLLECTIVES, group_name, group_of, tensor_of
 
-__all__ = ["Record", "Recorder", "start", "stop", "active", "original", "read_file", "read_dir", "ddp_hook", "TRACE_DIR",
+__all__ = ["Record", "Recorder", "CollectiveMismatchError", "start", "stop", "active", "original", "read_file", "read_dir", "ddp_hook", "TRACE_DIR",
            "SWITCH", "set_position"]
 
 TRACE_DIR = "PARATRAIN_TRACE_DIR"
@@ -43,7 +43,7 @@ SWITCH = "PARATRAIN_TRACE"
 """``0`` turns the record off (it is on by default)."""
 
 STARTED, DONE, ISSUED = 1, 2, 3
-STATES = {STARTED: "started", DONE: "done", ISSUED: "issued"}
+STATES = {STARTED: "started", DONE: "done", ISSUED: "issued"}  # 0: an empty slot
 
 _MAGIC = b"PTTRACE1"
 _HEADER = struct.Struct("<8siiiq")  # magic, rank, world, slots, records written
@@ -143,6 +143,8 @@ class Recorder:
         self.written = 0
         self.seq: dict[str, int] = {}
         self._lock = threading.Lock()
+        self.checking = False
+        """Checked mode (``Parallel(check_collectives=True)``): :meth:`check` each collective before it runs."""
 
     def enter(self, op: str, group: Any, tensor: Any, by: str | None = None, depth: int = 2) -> int:
         """Write the record of a collective about to start; its number (for :meth:`leave`)."""
@@ -170,6 +172,24 @@ class Recorder:
         if 0 <= index and self.written - index <= self.slots:
             self.buf[_HEAD + (index % self.slots) * _SLOT + 36] = state  # the state byte (after seq, step, numel, time, micro)
 
+    def record(self, index: int) -> Record:
+        """Record ``index`` (:meth:`enter`'s)."""
+        at = _HEAD + (index % self.slots) * _SLOT
+        return _parse_one(self.rank, bytes(self.buf[at:at + _RECORD.size]))
+
+    def check(self, index: int, group: Any) -> None:
+        """Checked mode: every rank of ``group`` shows the others the collective it is about to run
+        (record ``index``); where they differ (a skipped collective, other sizes or dtypes, another op),
+        :class:`CollectiveMismatchError` on every rank, before the collective could hang or abort."""
+        from .analyze import first_divergence
+
+        mine = self.record(index).as_dict()
+        every: list[Any] = [None] * dist.get_world_size(group)
+        dist.distributed_c10d.all_gather_object(every, mine, group=group)
+        finding = first_divergence({d["rank"]: [Record(**d)] for d in every})
+        if finding is not None:
+            raise CollectiveMismatchError(finding.line)
+
     def records(self) -> list[Record]:
         """What the ring holds, oldest first."""
         return _parse(bytes(self.buf))
@@ -182,6 +202,16 @@ class Recorder:
             self.buf.flush()
 
 
+class CollectiveMismatchError(RuntimeError):
+    """Checked mode: the ranks were about to run different collectives (or sizes, dtypes): one line."""
+
+
+def _parse_one(rank: int, data: bytes) -> Record:
+    seq, step, numel, when, micro, state, by, op, group, dtype, where = _RECORD.unpack_from(data, 0)
+    return Record(rank, seq, _text(op), _text(group), numel, _text(dtype), step, micro, STATES.get(state, "?"),
+                  _text(by), _text(where), when)
+
+
 def _parse(data: bytes) -> list[Record]:
     if len(data) < _HEAD or data[:8] != _MAGIC:
         return []
@@ -191,11 +221,9 @@ def _parse(data: bytes) -> list[Record]:
         at = _HEAD + (k % slots) * _SLOT
         if at + _RECORD.size > len(data):
             break
-        seq, step, numel, when, micro, state, by, op, group, dtype, where = _RECORD.unpack_from(data, at)
-        if not state:
-            continue
-        out.append(Record(rank, seq, _text(op), _text(group), numel, _text(dtype), step, micro,
-                          STATES.get(state, "?"), _text(by), _text(where), when))
+        record = _parse_one(rank, data[at:at + _RECORD.size])
+        if record.state != "?":
+            out.append(record)
     return out
 
 
@@ -248,7 +276,10 @@ def _wrap(name: str, fn: Any) -> Any:
         rec = _active
         if rec is None:
             return fn(*args, **kwargs)
-        slot = rec.enter(name, group(args, kwargs), tensor(args, kwargs))
+        g = group(args, kwargs)
+        slot = rec.enter(name, g, tensor(args, kwargs))
+        if rec.checking:
+            rec.check(slot, g)
         out = fn(*args, **kwargs)
         rec.leave(slot, ISSUED if kwargs.get("async_op") else DONE)
         return out
@@ -309,6 +340,8 @@ def ddp_hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP refuses anno
     size = dist.get_world_size(group)
     rec = _active
     slot = rec.enter("all_reduce", group, tensor, by="DDP") if rec is not None else -1
+    if rec is not None and rec.checking:
+        rec.check(slot, group)
     tensor.mul_(1.0 / size)
     work = original("all_reduce")(tensor, group=group, async_op=True)
 

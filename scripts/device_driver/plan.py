@@ -48,7 +48,7 @@ STEPS: tuple[Step, ...] = (
 """Wants and needs (seconds) as measured or expected on one H100 with 16 cores (the dry run's on 2
 CPU cores): the fixed steps' wants are generous caps; selftest, last, fills what they leave."""
 
-SELFTEST_SECTIONS = ("correctness", "collectives", "speed", "memory", "resnet50", "compile")
+SELFTEST_SECTIONS = ("correctness", "layouts", "collectives", "speed", "memory", "resnet50", "compile")
 """paratrain.selftest.run.SECTIONS (this driver imports nothing from paratrain; a test keeps them equal)."""
 
 OPTIONAL = {

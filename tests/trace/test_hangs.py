@@ -21,8 +21,8 @@ JOB = """
 import sys, time, torch, torch.distributed as dist
 import paratrain
 
-def job(rank, case, strategy="ddp", timeout_s=TIMEOUT_S):
-    pt = paratrain.Parallel(strategy=strategy, timeout_s=timeout_s, global_batch=8)
+def job(rank, case, strategy="ddp", check=False):
+    pt = paratrain.Parallel(strategy=strategy, timeout_s=TIMEOUT_S, global_batch=8, check_collectives=check)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -102,13 +102,39 @@ def test_an_error_in_an_fsdp_step_names_the_rank_and_what_the_other_waits_in():
 
 
 @pytest.mark.parametrize("case", ["skip", "mismatch"])
+def test_checked_mode_stops_before_the_collective_on_every_rank(case):
+    """Parallel(check_collectives=True): the ranks compare each collective before it runs; the first
+    difference raises the same line on every rank (no abort, no timeout)."""
+    t0 = time.monotonic()
+    with pytest.raises(LaunchError) as e:
+        launch(job, 2, args=(case, "ddp", True), timeout=120)
+    line = str(e.value)
+    assert time.monotonic() - t0 < scaled(30)  # no timeout waited out
+    assert "CollectiveMismatchError: " in line and EXPECTED[case] in line and "\n" not in line, line
+    assert "SIGABRT" not in line
+
+
+@pytest.mark.parametrize("case", ["skip", "mismatch"])
 def test_paratrain_run_says_it_in_its_last_line(tmp_path, case):
     script = tmp_path / "hangjob.py"
     script.write_text(JOB)
     t0 = time.monotonic()
-    res = run_cli(["run", "--nproc-per-node", "2", str(script), case, "ddp"], timeout=150)
+    res = run_cli(["run", "--nproc-per-node", "2", "--log-dir", str(tmp_path / "logs"), str(script), case, "ddp"],
+                  timeout=150)
     _ends_in_time(t0)
     assert res.returncode != 0
     last = res.stderr.strip().splitlines()[-1]
     assert last.startswith("paratrain run: error: ") and EXPECTED[case] in last, res.stderr[-3000:]
     assert "killed by SIGABRT)" in last
+    # the post-mortem reads the same records from the run's folder
+    doctor = run_cli(["doctor", str(tmp_path / "logs")], timeout=60)
+    assert doctor.returncode == 1, doctor.stderr
+    lines = doctor.stdout.splitlines()
+    assert lines[0].startswith("records of 2 rank(s) (0, 1) in ") and lines[1] == f"doctor: {EXPECTED[case]}" or \
+        lines[1].startswith(f"doctor: {EXPECTED[case]}"), doctor.stdout
+    assert lines[3].split()[:3] == ["rank", "seq", "op"] and any(" all_reduce " in ln for ln in lines[4:])
+
+
+def test_doctor_on_a_folder_without_records_is_one_line(tmp_path):
+    res = run_cli(["doctor", str(tmp_path)], timeout=60)
+    assert res.returncode == 2 and res.stderr.count("\n") == 1 and "holds no records of collectives" in res.stderr
