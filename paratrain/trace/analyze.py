@@ -15,9 +15,10 @@ job went wrong:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence
 
-from .recorder import Record
+if TYPE_CHECKING:  # the records only pass through here: the recorder asks this module in checked mode
+    from .recorder import Record
 
 __all__ = ["Finding", "first_divergence", "explain", "cause", "table"]
 
