@@ -163,7 +163,8 @@ def cause(records: Mapping[int, Sequence[Record]], failed: int | None = None,
 
     Ranks that went different ways (a skipped collective, other sizes, another op) are the cause,
     whatever the first failure said (a SIGABRT from gloo's size check, a lost peer): that line,
-    decisive (it replaces the failure's own). Otherwise a clause to add to the failed rank's error
+    decisive (it replaces the failure's own); so are ranks that never arrived where the failed
+    rank, killed by a signal (``message`` empty), was waiting. Otherwise a clause to add to the failed rank's error
     (``failed``, its ``message``): the collective it left the others waiting in, or the step it was
     at and its last collective. Nothing after a timeout's own line, which compared the records."""
     finding = first_divergence(records)
@@ -171,6 +172,10 @@ def cause(records: Mapping[int, Sequence[Record]], failed: int | None = None,
         return finding.line, True
     if message.split(":")[0].strip().rpartition(".")[2] in _EXPLAINED or failed is None:
         return None
+    if finding is not None and not message and failed in finding.at:
+        # killed waiting (NCCL's watchdog aborts a rank whose collective timed out): the ranks that
+        # never arrived are the news, not the one the watchdog ended
+        return finding.line, True
     if finding is not None and failed in finding.missing:
         r = next(iter(finding.at.values()))
         waiting = sorted(finding.at)

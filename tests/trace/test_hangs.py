@@ -1,6 +1,7 @@
 """Ranks that fall out of step end in one line (issue 36): a skipped collective, other sizes, another
 op, and an error inside an fsdp step, under ``paratrain.launch`` and ``paratrain run``, each with 2
-real processes over gloo. gloo aborts a rank (SIGABRT) on a size mismatch; the launcher reads every
+real processes over gloo. gloo aborts a rank (SIGABRT) on a size mismatch, as NCCL's watchdog aborts a
+rank whose collective timed out (simulated: a timer aborts the waiting rank); the launcher reads every
 rank's record of its collectives (``paratrain.trace``) and names the rank, the collective and the step."""
 
 from __future__ import annotations
@@ -40,6 +41,12 @@ def job(rank, case, strategy="ddp", check=False):
             dist.all_reduce(torch.ones(10 if rank == 0 else 20))  # MISMATCH_LINE
         elif pt.global_step == 3 and case == "other" and rank == 1:
             dist.broadcast(torch.ones(1), src=0)  # OTHER_LINE
+        elif pt.global_step == 3 and case == "watchdog" and rank == 1:
+            time.sleep(120)  # frozen
+        elif pt.global_step == 3 and case == "watchdog":
+            import os, threading  # NCCL's watchdog, simulated: it aborts a rank whose collective timed out
+            threading.Timer(2.0, os.abort).start()
+            dist.all_reduce(metric)  # WATCHDOG_LINE
         else:
             dist.all_reduce(metric)  # METRIC_LINE
         opt.step()
@@ -70,6 +77,8 @@ EXPECTED = {
              "DDP's all_reduce #8 (hangjob.py:"),
     "mismatch": (f"all_reduce #8 at step 3 got 10 float32 on rank 0 (hangjob.py:{MISMATCH}) and 20 float32 on rank 1 "
                  f"(hangjob.py:{MISMATCH}): every rank must pass the same size"),
+    "watchdog": (f"rank 1 did not reach all_reduce #8 (hangjob.py:{_line_of('WATCHDOG_LINE')}, step 3), where rank 0 waits: rank 1's "
+                 "last was DDP's all_reduce #7 (hangjob.py:"),
     "other": (f"the ranks called different collectives as #8: rank 0 in all_reduce #8 (hangjob.py:{METRIC}, step 3), "
               f"rank 1 in broadcast #8 (hangjob.py:{OTHER}, step 3)"),
 }
@@ -80,7 +89,7 @@ def _ends_in_time(t0: float) -> None:
     assert time.monotonic() - t0 < TIMEOUT_S + 15 + scaled(15)
 
 
-@pytest.mark.parametrize("case", ["skip", "mismatch", "other"])
+@pytest.mark.parametrize("case", ["skip", "mismatch", "other", "watchdog"])
 def test_launch_names_the_rank_the_collective_and_the_step(case):
     t0 = time.monotonic()
     with pytest.raises(LaunchError) as e:

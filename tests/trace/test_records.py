@@ -102,6 +102,8 @@ def test_other_ops_and_a_rank_that_never_arrived():
     assert analyze.cause(records, 1, "ValueError: boom") == (
         "rank 0 waits in FSDP's all_gather_into_tensor #5 (t.py:9, step 3), which rank 1 did not reach", False)
     assert analyze.cause(records, 1, "CollectiveTimeoutError: rank 1 did not arrive") is None  # said already
+    # rank 0 killed while it waited (NCCL's watchdog): rank 1's absence is the cause
+    assert analyze.cause(records, 0, "") == (f.line, True)
     # rank 0's own error: where it was, not rank 1's absence
     assert analyze.cause(records, 0, "ValueError: boom") == (
         "rank 0's last collective was FSDP's all_gather_into_tensor #5 (t.py:9, step 3), started", False)
