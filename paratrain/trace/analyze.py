@@ -52,13 +52,13 @@ def _who(r: Record) -> str:
 
 
 def _where(r: Record) -> str:
-    parts = [r.where, "backward" if r.by == "DDP" else "", f"step {r.step}"]
-    return "(" + ", ".join(p for p in parts if p) + ")"
+    parts = [p for p in (r.where, "backward" if r.by == "DDP" else "", f"step {r.step}" if r.step >= 0 else "") if p]
+    return "(" + ", ".join(parts) + ")" if parts else ""
 
 
 def describe(r: Record) -> str:
     """``DDP's all_reduce #58 (train.py:40, step 4)``."""
-    return f"{_who(r)}{r.op} #{r.seq} {_where(r)}"
+    return f"{_who(r)}{r.op} #{r.seq} {_where(r)}".rstrip()
 
 
 def _size(r: Record) -> str:
@@ -135,7 +135,8 @@ def _line(f: Finding, several_groups: bool) -> str:
             r = f.at[ranks[0]]
             parts.append(f"{_size(r)} on {_ranks(ranks)} ({r.where or r.by or '?'})")
         r0 = next(iter(f.at.values()))
-        return (f"{_who(r0)}{r0.op} #{f.seq}{on} at step {r0.step} got " + " and ".join(parts)
+        at = f" at step {r0.step}" if r0.step >= 0 else ""
+        return (f"{_who(r0)}{r0.op} #{f.seq}{on}{at} got " + " and ".join(parts)
                 + ": every rank must pass the same size")
     if f.kind == "ops":
         parts = [f"{_ranks(ranks)} in {describe(f.at[ranks[0]])}" for ranks in _clusters(f.at, lambda r: r.op)]
@@ -191,8 +192,9 @@ def cause(records: Mapping[int, Sequence[Record]], failed: int | None = None,
 def table(records: Mapping[int, Sequence[Record]], last: int = 12) -> str:
     """Each rank's last ``last`` records, a column per field: what ``logs/collectives.txt`` holds."""
     head = ("rank", "seq", "op", "group", "size", "step", "micro", "state", "by", "where")
-    rows = [(str(r.rank), str(r.seq), r.op, r.group, _size(r), str(r.step), str(r.micro), r.state, r.by or "you",
-             r.where) for rank in sorted(records) for r in list(records[rank])[-last:]]
+    rows = [(str(r.rank), str(r.seq), r.op, r.group, _size(r), str(r.step) if r.step >= 0 else "-",
+             str(r.micro) if r.step >= 0 else "-", r.state, r.by or "you", r.where)
+            for rank in sorted(records) for r in list(records[rank])[-last:]]
     widths = [max(len(x) for x in col) for col in zip(head, *rows)]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
     return "\n".join(fmt.format(*row).rstrip() for row in (head, *rows)) + "\n"

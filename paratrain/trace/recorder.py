@@ -27,7 +27,7 @@ import sys
 import threading
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -96,22 +96,27 @@ _TORCH_PARTS = (("ddp_comm_hooks", "DDP"), (os.sep + "nn" + os.sep + "parallel" 
                 (os.sep + "tensor" + os.sep, "DTensor"), (os.sep + "checkpoint" + os.sep, "checkpoint"))
 
 
-def _caller(frame: Any) -> tuple[str, str]:
-    """``(by, where)`` for a call whose caller is ``frame``: the innermost library on the stack and the
-    first line outside torch and paratrain."""
+def caller_of_frames(frames: Iterable[tuple[str, int]]) -> tuple[str, str]:
+    """``(by, where)`` of a call from its stack, innermost first (``(file, line)`` pairs): the innermost
+    library on it (torch's part or paratrain; "" for the user's own call) and the first line outside torch
+    and paratrain (``train.py:42``; "" when there is none)."""
     by = None
-    while frame is not None:
-        path = frame.f_code.co_filename
+    for path, line in frames:
         if path.startswith(_TORCH_DIR):
-            if by is None:
-                by = next((who for part, who in _TORCH_PARTS if part in path), "torch")
+            if by is None:  # torch.distributed's own functions name nobody: the caller does
+                by = next((who for part, who in _TORCH_PARTS if part in path), None)
         elif path.startswith(_OWN_DIR):
             if by is None:
                 by = "paratrain"
         elif not path.startswith("<frozen"):
-            return by or "", f"{os.path.basename(path)}:{frame.f_lineno}"
-        frame = frame.f_back
+            return by or "", f"{os.path.basename(path)}:{line}"
     return by or "", ""
+
+
+def _stack(frame: Any) -> Iterator[tuple[str, int]]:
+    while frame is not None:
+        yield frame.f_code.co_filename, frame.f_lineno
+        frame = frame.f_back
 
 
 def _text(b: bytes) -> str:
@@ -155,7 +160,7 @@ class Recorder:
         else:
             first, numel = (tensor, tensor.numel()) if isinstance(tensor, torch.Tensor) else (None, -1)
         dtype = str(first.dtype).replace("torch.", "") if first is not None else ""
-        found_by, where = _caller(sys._getframe(depth))
+        found_by, where = caller_of_frames(_stack(sys._getframe(depth)))
         step, micro = _position()
         with self._lock:
             seq = self.seq[name] = self.seq.get(name, 0) + 1

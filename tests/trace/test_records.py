@@ -122,3 +122,39 @@ def test_ranks_that_agree_or_lost_their_oldest_records_say_nothing():
     text = analyze.table(same)
     assert text.splitlines()[0].split() == ["rank", "seq", "op", "group", "size", "step", "micro", "state", "by", "where"]
     assert len(text.splitlines()) == 5
+
+
+def test_doctor_reads_flight_recorder_dumps(tmp_path, monkeypatch):
+    """A real Flight Recorder dump (gloo's, torch 2.13: the format NCCL writes on a timeout), and the same
+    with one size changed as another rank's: doctor names the collective, both sizes and both lines."""
+    import pickle
+
+    from clitools import run_cli
+
+    from paratrain.trace.flight import read_flight_dumps
+
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "64")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        dist.all_reduce(torch.ones(10))
+        line = test_doctor_reads_flight_recorder_dumps.__code__.co_firstlineno + 14
+        dist.broadcast(torch.ones(3), src=0)
+        dump = pickle.loads(torch._C._distributed_c10d._dump_fr_trace(True, True, False))
+    finally:
+        dist.destroy_process_group()
+    dump["entries"] = dump["entries"][-2:]  # the recorder is one per process: an earlier test's group is in it too
+    (tmp_path / "nccl_trace_rank_0").write_bytes(pickle.dumps(dump))
+    dump["entries"][1]["input_sizes"] = [[5]]
+    (tmp_path / "nccl_trace_rank_1").write_bytes(pickle.dumps(dump))
+    (tmp_path / "notes_2").write_text("not a dump")  # other files are left alone
+    got = read_flight_dumps(str(tmp_path))
+    assert sorted(got) == [0, 1] and [(r.seq, r.op, r.numel, r.dtype) for r in got[0]] == [
+        (1, "all_reduce", 10, "float32"), (2, "broadcast", 3, "float32")]
+    assert got[0][1].where == f"test_records.py:{line}" and got[0][1].step == -1
+    res = run_cli(["doctor", str(tmp_path)], timeout=60)
+    assert res.returncode == 1, res.stderr
+    assert res.stdout.splitlines()[1] == (f"doctor: broadcast #2 got 3 float32 on rank 0 (test_records.py:{line}) and "
+                                          f"5 float32 on rank 1 (test_records.py:{line}): every rank must pass the "
+                                          "same size"), res.stdout
+    (tmp_path / "evil_3").write_bytes(pickle.dumps(__import__("collections").OrderedDict()))
+    assert 3 not in read_flight_dumps(str(tmp_path))  # a class in the pickle: not read
