@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import os
+import random
 import socket
 import urllib.parse
 from datetime import timedelta
@@ -19,8 +20,32 @@ __all__ = ["free_port", "interface_towards", "default_route_interface", "gloo_in
            "loopback_store", "store_init_method"]
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    """The ports the kernel hands out for outgoing connections and ``bind(port 0)`` (Linux's default 32768-60999)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = (int(x) for x in f.read().split()[:2])
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """Return a TCP port that is free on ``host`` right now."""
+    """Return a TCP port that is free on ``host`` right now, chosen at random *outside* the kernel's
+    ephemeral range where there is room: a port from ``bind(0)`` is one the kernel also gives to
+    outgoing connections (gloo opens many), which can take it between this check and the launch's bind."""
+    lo, hi = _ephemeral_range()
+    spans = [(start, end) for start, end in ((max(1024, lo - 12000), lo), (hi + 1, 65536)) if end - start >= 1000]
+    pick = random.SystemRandom()  # not the global RNG: a seeded run's draws stay the same
+    for _ in range(64 if spans else 0):
+        start, end = pick.choice(spans)
+        port = pick.randrange(start, end)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]

@@ -300,3 +300,21 @@ def test_one_seed_mixing_function_derives_every_seed():
                     and any(a.name == "hashlib" for a in node.names)):
                 mixers.append(f"{path.relative_to(root.parent)}:{node.lineno}")
     assert mixers == []
+
+
+def test_a_free_port_is_chosen_outside_the_ports_outgoing_connections_take():
+    """The launch's port is free when chosen and stays so until rank 0 binds it: not one of the kernel's
+    ephemeral ports, which gloo's many outgoing connections (another job's, another test's) may take first."""
+    import random
+    import socket
+
+    from paratrain.env.network import _ephemeral_range, free_port
+
+    lo, hi = _ephemeral_range()
+    state = random.getstate()
+    ports = {free_port() for _ in range(20)}
+    assert random.getstate() == state  # a seeded run's random draws are not disturbed
+    assert len(ports) > 1 and all(not lo <= p <= hi for p in ports), (lo, hi, ports)
+    for port in ports:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", port))
