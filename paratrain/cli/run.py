@@ -144,7 +144,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     add_launch_arguments(p, program=True)
     add_default_arguments(p)
-    p.add_argument("--log-dir", "--log_dir", default=None, metavar="DIR", help="torchrun log directory")
+    p.add_argument("--log-dir", "--log_dir", default=None, metavar="DIR",
+                   help="torchrun log directory; each rank's output is kept in DIR/logs/rank-N.log and its records "
+                        "of collectives in DIR/trace (paratrain doctor DIR)")
     p.add_argument("-m", "--module", action="store_true", help="run the program as a module, like python -m")
     p.add_argument("script", help="the training script (or module with -m)")
     p.add_argument("script_args", nargs=argparse.REMAINDER,
@@ -224,4 +226,5 @@ def main(args: argparse.Namespace) -> int:
         raise FileNotFoundError(f"script {args.script!r} does not exist: give the path to a Python file (or use -m)")
     os.environ.update(defaults_environment(args))  # torchrun hands this process's environment to the workers
     return torchrun(cfg, [args.script, *args.script_args], module=args.module,
-                    trace_dir=os.path.join(args.log_dir, "trace") if args.log_dir else None)  # for paratrain doctor
+                    trace_dir=os.path.join(args.log_dir, "trace") if args.log_dir else None,  # for paratrain doctor
+                    logs_dir=os.path.join(args.log_dir, "logs") if args.log_dir else None)  # each rank's output

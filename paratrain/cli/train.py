@@ -198,7 +198,8 @@ def _start(args: argparse.Namespace, cfg: TrainConfig, worker: bool, launch: Lau
     ckpt = cfg.checkpoint_dir
     return torchrun(launch, ["paratrain", *argv], module=True, command="train", worker=train_worker,
                     worker_args=(argv,), resumes_from=(lambda: newest_step(ckpt)) if ckpt else None,
-                    trace_dir=os.path.join(cfg.log_dir, "trace") if cfg.log_dir else None)  # for paratrain doctor
+                    trace_dir=os.path.join(cfg.log_dir, "trace") if cfg.log_dir else None,  # for paratrain doctor
+                    logs_dir=os.path.join(cfg.log_dir, "logs") if cfg.log_dir else None)  # each rank's output
 
 
 def _ended(summary: dict[str, Any]) -> int:

@@ -60,11 +60,20 @@ def _signal_name(code: int) -> str:
         return f"signal {code}"
 
 
-def failure_line(err: Any, prefix: str = PREFIX, records: Any = None) -> tuple[str, int]:
+def failure_line(err: Any, prefix: str = PREFIX, records: Any = None,
+                 log_of: Callable[[int], str] | None = None) -> tuple[str, int]:
     """One line and an exit code for a ``ChildFailedError``: the rank that failed first, with its
     recorded error, and no rank that merely lost it (:func:`_culprits`). ``records``: each rank's
     record of its collectives (:func:`paratrain.trace.recorder.read_dir`): where the ranks went
-    different ways, that is the cause, and the line says it (:func:`paratrain.trace.analyze.cause`)."""
+    different ways, that is the cause, and the line says it (:func:`paratrain.trace.analyze.cause`).
+    ``log_of(rank)``: the file that keeps a rank's output, named at the end of the line."""
+    line, rc = _failure_line(err, prefix, records)
+    if log_of is not None:
+        line += f" (output: {log_of(_culprits(err)[0])})"
+    return line, rc
+
+
+def _failure_line(err: Any, prefix: str, records: Any) -> tuple[str, int]:
     culprits = _culprits(err)
     rank, failure = culprits[0], err.failures[culprits[0]]
     who = f"rank {rank}" if len(culprits) == 1 else f"ranks {', '.join(map(str, sorted(culprits)))} (first: rank {rank})"

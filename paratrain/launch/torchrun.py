@@ -32,6 +32,7 @@ from typing import Any, Callable
 
 from ..env import preemption
 from ..env.network import free_port, is_loopback
+from .logs import WorkerLogs
 from .reports import one_line, failure_line, restart_lines
 from ..trace.recorder import TRACE_DIR, read_dir
 from .wake import WakeStopped
@@ -273,7 +274,8 @@ def check_resolvable(host: str) -> None:
 
 def torchrun(cfg: LaunchConfig, program: list[str], module: bool = False, command: str = "run",
              worker: Callable[..., Any] | None = None, worker_args: tuple = (),
-             resumes_from: Callable[[], int | None] | None = None, trace_dir: str | None = None) -> int:
+             resumes_from: Callable[[], int | None] | None = None, trace_dir: str | None = None,
+             logs_dir: str | None = None) -> int:
     """Run ``program`` (``[script.py, *args]``, or ``[module, *args]`` with ``module``) under torchrun.
 
     With ``worker``, each worker runs ``worker(*worker_args, environ)`` instead, ``environ`` being
@@ -289,7 +291,9 @@ def torchrun(cfg: LaunchConfig, program: list[str], module: bool = False, comman
     is one line too, naming the rank that failed and, with ``resumes_from`` (a function giving the
     step of the checkpoint the restarted workers resume from, None for none), that step.
     ``trace_dir``: where the workers keep their records of their collectives (``paratrain doctor``
-    reads them; default: the run's private folder, removed at the end).
+    reads them; default: the run's private folder, removed at the end). ``logs_dir``: where each
+    worker's output is kept as well (``rank-N.log``, :mod:`.logs`), named by the failure line; not
+    where the user passes torchrun's own ``--redirects``/``--tee``.
     """
     if not program:
         raise ValueError("no program to run: give a script path (or a module with -m) and its arguments")
@@ -307,6 +311,15 @@ def torchrun(cfg: LaunchConfig, program: list[str], module: bool = False, comman
     # (``--nproc 7``, ``--help``...) are set afterwards, untouched.
     store_dir = tempfile.mkdtemp(prefix="paratrain-rdzv-")  # private (0700): the rendezvous' FileStore
     argv = _torchrun_argv(cfg, program[:1], module, set(parser._option_string_actions), store_dir)
+    own = ("--redirects", "--tee", "-r", "-t")
+    if any(a.split("=")[0] in own for a in cfg.torchrun_args):
+        logs_dir = None  # the user's own redirection wins
+    logs = None
+    if logs_dir is not None:
+        source = cfg.log_dir or os.path.join(store_dir, "torchelastic")  # where the agent redirects the output
+        argv[-1:-1] = ["--redirects=3"] + ([] if cfg.log_dir else [f"--log-dir={source}"])
+        first = cfg.node_rank * cfg.nproc_per_node if cfg.max_nodes > 1 else 0
+        logs = WorkerLogs(source, logs_dir, lambda local: first + local)
     # a preemption signal reaches the workers, and the agent waits for their checkpoint (env.preemption)
     stopped_dir = os.path.join(store_dir, "stopped")
     own_trace = TRACE_DIR not in os.environ  # the workers' records of their collectives (the user's folder wins)
@@ -331,17 +344,23 @@ def torchrun(cfg: LaunchConfig, program: list[str], module: bool = False, comman
         args = parser.parse_args(argv)
         args.training_script_args = list(program[1:])
         with WakeStopped(), preemption.LauncherSignals(stopped_dir), restart_lines(resumes_from):
-            if worker is None:
-                from ..env.process import AGENT_PID
+            if logs is not None:
+                logs.start()
+            try:
+                if worker is None:
+                    from ..env.process import AGENT_PID
 
-                os.environ[AGENT_PID] = str(os.getpid())  # the script's workers: their launcher is this process
-                trun.run(args)
-            else:
-                _run_function(trun, args, worker, worker_args, cfg)
+                    os.environ[AGENT_PID] = str(os.getpid())  # the script's workers: their launcher is this process
+                    trun.run(args)
+                else:
+                    _run_function(trun, args, worker, worker_args, cfg)
+            finally:
+                if logs is not None:
+                    logs.stop()  # every line shown and kept before the launcher's own last line
     except ChildFailedError as e:
         if preemption.read_reports(stopped_dir) is not None:  # a worker got the signal itself: saved, stopped
             return preemption.PREEMPTED_EXIT_CODE
-        line, rc = failure_line(e, prefix, read_dir(trace_dir))
+        line, rc = failure_line(e, prefix, read_dir(trace_dir), logs.path if logs is not None else None)
         print(line, file=sys.stderr, flush=True)
         return rc
     except (RendezvousError, DistError) as e:  # DistError: the TCP store cannot bind, connect or time out

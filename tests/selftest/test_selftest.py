@@ -194,7 +194,7 @@ def test_layouts_plan_one_per_set_of_dimensions():
 def test_selftest_proves_layouts_at_four_processes(tmp_path):
     # what the layouts section runs for real: composed meshes of the built-in transformer against
     # one process; the budget decides how many (at least the first), none may fail
-    r = run_cli(["selftest", "--budget", str(round(scaled(20))), "--sections", "layouts", "--nproc-per-node", "4",
+    r = run_cli(["selftest", "--budget", str(round(scaled(17))), "--sections", "layouts", "--nproc-per-node", "4",
                  "--out", str(tmp_path), "--no-progress"], timeout=240)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rows = [row for row in json.loads((tmp_path / "selftest.json").read_text())["rows"] if row["section"] == "layouts"]
