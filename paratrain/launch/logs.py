@@ -32,6 +32,7 @@ class WorkerLogs:
         self.source, self.folder, self.rank_of, self.interval_s = source, folder, rank_of, interval_s
         self._offsets: dict[str, int] = {}
         self._pending: dict[str, bytes] = {}
+        self._heads: dict[str, bytes] = {}  # each file's first bytes: a file written anew starts otherwise
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._follow, name="paratrain-worker-logs", daemon=True)
         self._files: dict[int, IO[bytes]] = {}
@@ -78,9 +79,19 @@ class WorkerLogs:
         for path, local, stream in self._streams():
             self._file(self.rank_of(local))  # a rank that printed nothing has its (empty) file too
             with open(path, "rb") as f:
-                f.seek(self._offsets.get(path, 0))
+                offset = self._offsets.get(path, 0)
+                head = f.read(64)
+                if offset and (os.fstat(f.fileno()).st_size < offset or not self._heads.get(path, b"").startswith(
+                        head[:len(self._heads.get(path, b""))])):
+                    # the agent started this rank's workers again into the same file (a restart after the
+                    # hosts changed keeps the attempt's number): the file was truncated, read it anew
+                    offset = 0
+                    self._pending.pop(path, None)
+                f.seek(offset)
                 data = f.read()
-            self._offsets[path] = self._offsets.get(path, 0) + len(data)
+            if offset == 0:
+                self._heads[path] = head
+            self._offsets[path] = offset + len(data)
             data = self._pending.pop(path, b"") + data
             cut = max(data.rfind(b"\n"), data.rfind(b"\r")) + 1  # whole pieces only
             if final:

@@ -59,3 +59,18 @@ def test_paratrain_run_keeps_each_ranks_output_and_names_the_file(tmp_path):
     kept = log.read_text()
     assert "rank 1 line 199 end\n" in kept and "ValueError: bad batch" in kept and "goodbye on stderr" in kept
     assert "rank 0" not in kept
+
+
+def test_a_rank_started_again_into_the_same_file_is_read_from_its_start(tmp_path, capfdbinary):
+    # torchrun's agent keeps the attempt's number when the hosts change: the new workers' file is truncated
+    out = tmp_path / "agent" / "run_id" / "attempt_0" / "0" / "stdout.log"
+    out.parent.mkdir(parents=True)
+    out.write_bytes(b"world of one: a long first line\n")
+    logs = WorkerLogs(str(tmp_path / "agent"), str(tmp_path / "logs"))
+    logs._read_all(final=False)
+    out.write_bytes(b"world of two\n")
+    logs._read_all(final=False)
+    out.write_bytes(b"world of two\nand more than the first attempt wrote, before the launcher looked\n")
+    logs.stop()
+    assert capfdbinary.readouterr().out == (b"world of one: a long first line\nworld of two\nand more than the first "
+                                            b"attempt wrote, before the launcher looked\n")
