@@ -188,7 +188,7 @@ def load_checkpoint(source: str | os.PathLike, run: Run, module: nn.Module, opti
         raise CheckpointError(why)
     try:
         run.load_state_dict({k: state.get(k) for k in ("global_step", "global_batch", "seed", "world_size",
-                                                       "precision")})
+                                                       "precision", "data")})
     except ValueError as e:
         raise ValueError(f"checkpoint {path!r} {e}") from None
     if state.get("sharded"):  # DCP reshards to this run's world size and strategy

@@ -29,13 +29,18 @@ class DataConfig:
     """Which data, and how it is loaded."""
 
     dataset: str = "digits"
-    """digits (bundled, real), cifar10 (needs data_dir), synthetic (throughput only)."""
+    """digits (bundled, real), cifar10 (needs data_dir), synthetic (throughput only), or tokens:PATH (a token
+    file, nanoGPT's train.bin, or a folder with train.bin and val.bin: windows of block_size tokens, for gpt)."""
     data_dir: str | None = None
     """Folder holding cifar-10-batches-py (for cifar10)."""
     synthetic_size: int = 4096
     """Number of training samples of the synthetic dataset."""
     augment: bool = True
     """Batched random crop + flip on the device (cifar10/synthetic)."""
+    block_size: int = 256
+    """Tokens per sample of a tokens: dataset (the model's context)."""
+    token_dtype: str = "uint16"
+    """The token files' integer type: uint16 (nanoGPT's), uint32, int32 or int64."""
     num_workers: int = 0
     pin_memory: bool = False
     persistent_workers: bool = False
@@ -43,6 +48,8 @@ class DataConfig:
     def __post_init__(self) -> None:
         if self.num_workers < 0:
             raise ValueError(f"num_workers {self.num_workers} must be >= 0")
+        if self.block_size < 1:
+            raise ValueError(f"block_size {self.block_size} must be at least 1")
         if self.persistent_workers and self.num_workers == 0:
             raise ValueError("persistent_workers needs num_workers > 0")
         if self.dataset == "cifar10" and self.data_dir is None:
@@ -105,7 +112,8 @@ class TrainConfig:
     """A whole ``paratrain train`` job."""
 
     model: str = "mlp"
-    """mlp, cnn, resnet8, resnet20, resnet50, transformer, or torchvision:<name>."""
+    """mlp, cnn, resnet8, resnet20, resnet50, transformer, gpt (nanoGPT's, small), gpt2 (GPT-2 124M's shape), or
+    torchvision:<name>."""
     epochs: int = 10
     max_steps: int | None = None
     """Stop after this many optimizer steps (overrides epochs when reached first)."""
@@ -219,7 +227,8 @@ class TrainConfig:
         synthetic set of ``data.synthetic_size``, split and patterned by ``parallel.seed``. The one
         place that turns a config into its data: the job, its pre-launch checks, bench and verify."""
         d = self.data
-        return build_dataset(d.dataset, train, d.data_dir, d.synthetic_size, self.parallel.seed)
+        return build_dataset(d.dataset, train, d.data_dir, d.synthetic_size, self.parallel.seed, d.block_size,
+                             d.token_dtype)
 
     def train_size(self) -> int:
         """Samples in the training split: counted without building it where the data set can say
@@ -234,7 +243,7 @@ class TrainConfig:
         a config into its model, for the job, bench's pre-launch check and its predictor."""
         from ..models import build_model  # only where a model is built: not on every config load
 
-        info = dataset_info(self.data.dataset, self.data.data_dir)
+        info = dataset_info(self.data.dataset, self.data.data_dir, self.data.block_size, self.data.token_dtype)
         return build_model(self.model, tuple(info["input_shape"]), info["num_classes"])
 
     def to_dict(self) -> dict[str, Any]:

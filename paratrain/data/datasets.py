@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import pickle
+from pathlib import Path
 from collections.abc import Mapping
 from typing import Any
 
@@ -272,20 +273,45 @@ def _torchvision_dataset(class_name: str, train: bool, data_dir: str | None) -> 
         )
 
 
+def token_files(name: str, train: bool) -> Path:
+    """The token file of ``tokens:PATH``'s split: a folder holds nanoGPT's ``train.bin`` and
+    ``val.bin``; a file is the training split, evaluated on the ``val.bin`` beside it, or on itself
+    when there is none."""
+    path = Path(name.split(":", 1)[1]).expanduser()
+    if path.is_dir():
+        split = path / ("train.bin" if train else "val.bin")
+        if not split.is_file():
+            raise FileNotFoundError(f"dataset {name!r}: the folder has no {split.name} (nanoGPT's layout: train.bin and "
+                                    "val.bin): point tokens: at a token file or such a folder")
+        return split
+    if not path.is_file():
+        raise FileNotFoundError(f"dataset {name!r}: {str(path)!r} does not exist: point tokens: at a token file "
+                                "(nanoGPT's train.bin) or a folder holding train.bin and val.bin")
+    return path if train or not (path.parent / "val.bin").is_file() else path.parent / "val.bin"
+
+
 def build_dataset(
     name: str,
     train: bool,
     data_dir: str | None = None,
     synthetic_size: int | None = None,
     seed: int = 0,
+    block_size: int = 256,
+    token_dtype: str = "uint16",
 ) -> Dataset:
     """Build the train or test split of a dataset by name.
 
     ``name`` is one of :data:`DATASET_NAMES` or ``"torchvision:<ClassName>"`` (e.g.
-    ``"torchvision:CIFAR10"``, read from ``data_dir`` with ``download=False`` and ``ToTensor``).
+    ``"torchvision:CIFAR10"``, read from ``data_dir`` with ``download=False`` and ``ToTensor``), or
+    ``"tokens:PATH"`` (a token file, or a folder with nanoGPT's ``train.bin``/``val.bin``: windows
+    of ``block_size`` tokens of ``token_dtype``, :class:`~paratrain.data.tokens.TokenWindows`).
     ``synthetic_size`` is the train size of ``"synthetic"`` (default 4096); its test split has a
     fifth of that. ``seed`` seeds the digits split and the synthetic patterns.
     """
+    if name.startswith("tokens:"):
+        from .tokens import TokenWindows
+
+        return TokenWindows(token_files(name, train), block_size, token_dtype)
     if name.startswith("torchvision:"):
         return _torchvision_dataset(name.split(":", 1)[1], train, data_dir)
     if is_user_spec(name):  # the user's own: fn(train=..., data_dir=...) -> Dataset of (input, label)
@@ -357,9 +383,15 @@ def _infer_info(ds: Dataset, name: str) -> dict[str, Any]:
     return {"input_shape": tuple(torch.as_tensor(x).shape), "num_classes": int(num_classes)}
 
 
-def dataset_info(name: str, data_dir: str | None = None) -> dict[str, Any]:
+def dataset_info(name: str, data_dir: str | None = None, block_size: int = 256,
+                 token_dtype: str = "uint16") -> dict[str, Any]:
     """``{"input_shape": (C, H, W), "num_classes": K}`` for a dataset name, without loading it (a
-    user's own dataset, ``file.py:function``, is built from ``data_dir`` and its first sample read)."""
+    user's own dataset, ``file.py:function``, is built from ``data_dir`` and its first sample read);
+    for ``tokens:PATH``, ``(block_size,)`` and the vocabulary (:func:`~paratrain.data.tokens.token_vocab`)."""
+    if name.startswith("tokens:"):
+        from .tokens import token_vocab
+
+        return {"input_shape": (block_size,), "num_classes": token_vocab(token_files(name, True), token_dtype)}
     if name in _INFO:
         info = _INFO[name]
     elif name.startswith("torchvision:") and name.split(":", 1)[1] in _TORCHVISION_INFO:

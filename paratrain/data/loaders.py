@@ -194,6 +194,9 @@ def _batch_loader(dataset: Dataset, batches: Any, kwargs: dict[str, Any], seed: 
     """A DataLoader over ``batches`` (a sampler of index lists): one read per batch where
     :func:`batch_view` allows it, else per-sample reads and the collate function, each sample's
     random draws seeded (:class:`SeededSamples`) when ``seed`` is given."""
+    if getattr(dataset, "reads_batches", False) and kwargs.get("collate_fn") in (None, default_collate):
+        # it reads a whole micro-batch from its index list (a TokenWindows): one call per batch
+        return DataLoader(dataset, sampler=batches, batch_size=None, **{**kwargs, "collate_fn": default_convert})
     view = batch_view(dataset, kwargs.get("collate_fn"))
     if view is None:
         if seed is not None and _reads_samples(dataset):
@@ -208,7 +211,14 @@ def _read(dataloader: DataLoader) -> Iterator[Any]:
     pinning) is indexed directly, as the DataLoader would index it, without its per-batch
     machinery, and with the rows as a tensor (no list of ints to convert): 15-25 µs less a batch."""
     view = dataloader.dataset
-    if not isinstance(view, TensorBatchView) or dataloader.num_workers or dataloader.pin_memory:
+    if dataloader.num_workers or dataloader.pin_memory:
+        return iter(dataloader)
+    if getattr(view, "reads_batches", False) and dataloader.batch_size is None:
+        sampler = dataloader.sampler
+        if isinstance(sampler, GlobalBatchSampler):  # the rows as an array, straight to its reader
+            return (view.read_batch(rows, epoch) for epoch, rows in sampler.iter_arrays())  # type: ignore[attr-defined]
+        return (view[indices] for indices in sampler)  # type: ignore[index]
+    if not isinstance(view, TensorBatchView):
         return iter(dataloader)
     sampler = dataloader.sampler
     batches = sampler.iter_rows() if isinstance(sampler, GlobalBatchSampler) else iter(sampler)

@@ -56,7 +56,7 @@ def loader_settings(loader: DataLoader) -> dict[str, Any]:
 def train_loader(dataset: Dataset | DataLoader, plan: BatchPlan, rank: int, device: torch.device, seed: int, *,
                  position: Callable[[], int], reduce_max: Callable[[torch.Tensor], torch.Tensor], where: str = "",
                  transform: Callable[..., torch.Tensor] | None = None, shuffle: bool | None = None,
-                 **dataloader_kwargs: Any) -> GlobalBatchLoader | StreamLoader:
+                 say: Callable[[str], None] | None = None, **dataloader_kwargs: Any) -> GlobalBatchLoader | StreamLoader:
     """Data-parallel rank ``rank``'s micro-batches under ``plan``, from the global step ``position()``
     on, epoch after epoch (what :meth:`paratrain.Parallel.train_loader` returns).
 
@@ -74,7 +74,8 @@ def train_loader(dataset: Dataset | DataLoader, plan: BatchPlan, rank: int, devi
     :class:`~paratrain.data.stream.ShardedStream` of files) gives the same global batches at
     any world size and the same number of steps on every rank (see :mod:`paratrain.data.stream`).
     ``reduce_max`` is the strategy's all-reduce of the maximum over every rank (a collective: streams
-    agree on their steps with it); ``where`` follows the global batch in the one-line error of a dataset that
+    agree on their steps with it, and share a count of their shards' lengths); ``say`` prints a line on the main
+    process (what a stream reports: its dropped tail, a count of its shards, a resume that re-reads); ``where`` follows the global batch in the one-line error of a dataset that
     cannot fill one.
     """
     for k in ("batch_size", "sampler", "batch_sampler", "drop_last"):
@@ -91,7 +92,11 @@ def train_loader(dataset: Dataset | DataLoader, plan: BatchPlan, rank: int, devi
         def min_all(n: int) -> int:  # the smallest n over every rank
             return -int(reduce_max(torch.tensor([-n], dtype=torch.int64, device=device)).item())
 
-        return StreamLoader(data, plan, rank, device, min_all, position=position, **dataloader_kwargs)
+        def gather_max(ns: list[int]) -> list[int]:  # the elementwise largest over every rank
+            return [int(n) for n in reduce_max(torch.tensor(ns, dtype=torch.int64, device=device)).tolist()]
+
+        return StreamLoader(data, plan, rank, device, min_all, position=position, gather_max=gather_max,
+                            say=say or print, **dataloader_kwargs)
     return GlobalBatchLoader(data, plan, rank, device, seed, position=position, transform=transform,
                              shuffle=True if shuffle is None else shuffle, where=where, **dataloader_kwargs)
 

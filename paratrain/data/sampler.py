@@ -193,8 +193,23 @@ class GlobalBatchSampler(Sampler[list[int]]):
                 lo = base + a * chunk + self.rank * p.micro_batch
                 yield perm[lo : lo + p.micro_batch]
 
+    def micro_batch_arrays(self, epoch: int, start_step: int = 0) -> Iterator[tuple[int, Any]]:
+        """:meth:`micro_batches` as ``(epoch, int64 NumPy array)`` (views: no copy)."""
+        perm = epoch_permutation(self.n, self.seed, epoch, self.shuffle).numpy()
+        p = self.plan
+        chunk = p.global_batch // p.accumulation
+        for step in range(start_step, self.steps_per_epoch):
+            base = step * p.global_batch
+            for a in range(p.accumulation):
+                lo = base + a * chunk + self.rank * p.micro_batch
+                yield epoch, perm[lo : lo + p.micro_batch]
+
     def __iter__(self) -> Iterator[list[int]]:
         return self._play(self.micro_batches)
+
+    def iter_arrays(self) -> Iterator[tuple[int, Any]]:
+        """``iter()`` with each micro-batch as ``(epoch, int64 NumPy array)`` (:meth:`micro_batch_arrays`)."""
+        return self._play(self.micro_batch_arrays)
 
     def iter_rows(self) -> Iterator[torch.Tensor]:
         """``iter()`` with each micro-batch as an int64 tensor (:meth:`micro_batch_rows`)."""

@@ -1,37 +1,31 @@
 """Streaming data (``IterableDataset``): the same global batches at any world size, no hang at the end.
 
-A stream has no length and cannot be indexed, so its global order is defined by reading it:
+Two kinds of stream:
 
-* A stream is one or more *shards*: a plain ``IterableDataset`` is one shard; a
-  :class:`ShardedStream` has one per source (a file, a URL...), read by ``read(source)``.
-* Global batch ``s`` (``B`` samples) takes the next chunk of every shard: shard ``k`` of ``K``
-  gives samples ``[s*c_k, (s+1)*c_k)``, with chunk sizes ``c_k`` that add up to ``B`` (``B/K``
-  each when ``K`` divides ``B``). Positions ``0..B-1`` of the global batch are the chunks in
-  shard order.
-* Rank ``r`` of ``W`` takes the contiguous positions ``[r*B/W, (r+1)*B/W)``, micro-step ``a``
-  the ``a``-th ``m`` of them. So every optimizer step holds the same samples at world size 1, 2
-  or 4. (Without accumulation a micro-step's samples are the same too; with it, unlike the
-  map-style sampler, which samples share a micro-step — what BatchNorm sees — follows the ranks.)
-* A rank reads only the shards its positions fall in (4 shards on 4 ranks: one file each; on 2
-  ranks: two each), reading and dropping the rest of a chunk it shares with another rank.
-* The stream ends at the first global batch that some shard cannot fill: before each step, the
-  ranks agree (one all-reduce of one number) whether all of them have it, so every rank runs the
-  same number of steps, whatever the shards' unknown lengths.
-* DataLoader workers split the rank's micro-batches round-robin (worker ``w`` of ``n`` collates
-  micro-batches ``w, w+n, ...``), so no sample is duplicated and the order is kept; each worker
-  reads the rank's shards itself.
+* A :class:`~.shards.ShardedStream` (files, URLs, table fragments, each read by ``read(source)``):
+  its shards' lengths are known (given, read from an index, or counted once and cached), so its
+  global order is arithmetic (:mod:`paratrain.data.shards`): every sample of every shard, whatever
+  their lengths, the same steps at every world size, and a resumed run opens each shard at its
+  position.
+* A plain ``IterableDataset`` is one shard of unknown length, read by every rank: global batch ``s``
+  is its samples ``[s*B, (s+1)*B)``; rank ``r`` of ``W`` keeps the contiguous positions
+  ``[r*B/W, (r+1)*B/W)``, micro-step ``a`` the ``a``-th ``m`` of them. The stream ends at the first
+  global batch it cannot fill: before each step the ranks agree (one all-reduce of one number)
+  whether all of them have it. A resumed run finds its place by reading up to its step.
 
-Each pass over the loader is a pass over the stream (``set_epoch(epoch)`` is called on the
-dataset when it has one). A resumed run finds its place by reading: every rank counts the steps
-its shards fill in each pass before the checkpoint's step (the smallest count over ranks is that
-pass's length), then skips to the step within its pass. A stream cannot seek, so resuming costs
-a read of what was already trained on.
+So every optimizer step holds the same samples at world size 1, 2 or 4. (Without accumulation a
+micro-step's samples are the same too; with it, unlike the map-style sampler, which samples share
+a micro-step — what BatchNorm sees — follows the ranks.) DataLoader workers split the rank's
+micro-batches round-robin (worker ``w`` of ``n`` collates micro-batches ``w, w+n, ...``), so no
+sample is duplicated and the order is kept; each worker reads the rank's shards itself. Each pass
+over the loader is a pass over the stream (``set_epoch(epoch)`` is called on the dataset when it
+has one).
 """
 
 from __future__ import annotations
 
 from itertools import islice
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterator
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
@@ -39,130 +33,141 @@ from torch.utils.data._utils import worker as _worker_state
 
 from .batch import to_device
 from .sampler import BatchPlan
+from .shards import ShardedStream, ShardOrder, ShardReader, lengths_digest, resolve_lengths
 
-__all__ = ["ShardedStream", "RankStream", "StreamLoader"]
-
-
-class ShardedStream(IterableDataset):
-    """A stream made of shards (files...), each read by ``read(source)`` on the ranks that need it.
-
-    Iterated by itself (outside paratrain) it yields the shards one after another.
-    """
-
-    def __init__(self, sources: Sequence[Any], read: Callable[[Any], Iterable[Any]]) -> None:
-        if not sources:
-            raise ValueError("ShardedStream needs at least one source")
-        self.sources = list(sources)
-        self.read = read
-
-    def __iter__(self) -> Iterator[Any]:
-        for source in self.sources:
-            yield from self.read(source)
-
-
-def _shards(dataset: IterableDataset) -> int:
-    return len(dataset.sources) if isinstance(dataset, ShardedStream) else 1
-
-
-def _read_shard(dataset: IterableDataset, k: int) -> Iterator[Any]:
-    return iter(dataset.read(dataset.sources[k])) if isinstance(dataset, ShardedStream) else iter(dataset)
+__all__ = ["ShardedStream", "RankStream", "ShardedRankStream", "StreamLoader"]
 
 
 class RankStream(IterableDataset):
-    """One rank's samples of a stream, in micro-batch order, from step ``skip`` of a pass on
-    (the steps before are read and dropped). In a DataLoader worker, only that worker's share
-    of the micro-batches."""
+    """One rank's samples of a plain stream (one shard of unknown length, read by every rank), in
+    micro-batch order, from step ``skip`` of a pass on (the steps before are read and dropped). In
+    a DataLoader worker, only that worker's share of the micro-batches."""
 
     def __init__(self, dataset: IterableDataset, plan: BatchPlan, rank: int, skip: int = 0, epoch: int = 0) -> None:
-        k = _shards(dataset)
-        if plan.global_batch < k:
-            raise ValueError(f"a global batch of {plan.global_batch} cannot take a sample from each of {k} shards: "
-                             f"use a global batch of at least {k}")
         self.dataset, self.plan, self.rank, self.skip, self._epoch = dataset, plan, rank, skip, epoch
-        self.bounds = [plan.global_batch * i // k for i in range(k + 1)]  # chunk k = positions [bounds[k], bounds[k+1])
-        share = plan.global_batch // plan.world_size  # this rank's contiguous positions: the fewest shards
-        self.positions = [[rank * share + a * plan.micro_batch + j for j in range(plan.micro_batch)]
-                          for a in range(plan.accumulation)]
-        wanted = {p for micro in self.positions for p in micro}
-        self.needed = [i for i in range(k) if any(self.bounds[i] <= p < self.bounds[i + 1] for p in wanted)]
+        share = plan.global_batch // plan.world_size  # this rank's contiguous positions of each global batch
+        self.positions = range(rank * share, (rank + 1) * share)
 
-    def _shard_of(self, p: int) -> int:
-        return next(i for i in self.needed if self.bounds[i] <= p < self.bounds[i + 1])
-
-    def _start(self) -> dict[int, Iterator[Any]]:
+    def _start(self) -> Iterator[Any]:
         set_epoch = getattr(self.dataset, "set_epoch", None)
         if callable(set_epoch):
             set_epoch(self._epoch)
-        return {k: _read_shard(self.dataset, k) for k in self.needed}
-
-    def _next_step(self, readers: dict[int, Iterator[Any]]) -> dict[int, list[Any]] | None:
-        """The next chunk of every shard this rank reads, or None when one cannot fill it."""
-        chunks = {}
-        for k, reader in readers.items():
-            size = self.bounds[k + 1] - self.bounds[k]
-            chunks[k] = list(islice(reader, size))
-            if len(chunks[k]) < size:
-                return None
-        return chunks
+        return iter(self.dataset)
 
     def count_steps(self, limit: int) -> int:
-        """How many steps of this pass this rank's shards can fill, up to ``limit`` (reads them)."""
-        readers = self._start()
+        """How many global batches this pass holds, up to ``limit`` (reads them)."""
+        reader = self._start()
         n = 0
-        while n < limit and self._next_step(readers) is not None:
+        while n < limit and len(list(islice(reader, self.plan.global_batch))) == self.plan.global_batch:
             n += 1
         return n
 
     def __iter__(self) -> Iterator[Any]:
-        info = get_worker_info()
-        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        if info is not None:
-            # paratrain splits the micro-batches between workers: the dataset must read as if alone.
-            # One that splits by worker itself (HuggingFace's IterableDataset does) would otherwise
-            # hand this worker a part of the stream, and samples would be lost. This process is the
-            # DataLoader's worker for this pass only (streams get no persistent workers).
-            _worker_state._worker_info = None
-        readers = self._start()
-        step, micro = 0, 0
+        worker, workers = _own_worker()
+        reader = self._start()
+        p, step, micro = self.plan, 0, 0
         while True:
-            chunks = self._next_step(readers)
-            if chunks is None:
-                return  # a shard cannot fill the step: the stream ends here
+            batch = list(islice(reader, p.global_batch))
+            if len(batch) < p.global_batch:
+                return  # the stream ends before this global batch is full
             if step >= self.skip:
-                for positions in self.positions:
+                mine = batch[self.positions.start:self.positions.stop]
+                for a in range(p.accumulation):
                     if micro % workers == worker:
-                        for p in positions:
-                            k = self._shard_of(p)
-                            yield chunks[k][p - self.bounds[k]]
+                        yield from mine[a * p.micro_batch:(a + 1) * p.micro_batch]
                     micro += 1
             step += 1
+
+
+class ShardedRankStream(IterableDataset):
+    """One rank's samples of a :class:`~.shards.ShardedStream` for steps ``[start, stop)``, in
+    micro-batch order, read where :class:`~.shards.ShardOrder` puts them; in a DataLoader worker,
+    only that worker's share of the micro-batches."""
+
+    def __init__(self, stream: ShardedStream, order: ShardOrder, plan: BatchPlan, rank: int, start: int,
+                 stop: int) -> None:
+        self.stream, self.order, self.plan, self.rank, self.start, self.stop = stream, order, plan, rank, start, stop
+
+    def __iter__(self) -> Iterator[Any]:
+        worker, workers = _own_worker()
+        reader, p, micro = ShardReader(self.stream), self.plan, 0
+        for step in range(self.start, self.stop):
+            for segments in self.order.micro_batches(step, self.rank, p.world_size, p.accumulation):
+                if micro % workers == worker:
+                    for seg in segments:
+                        yield from reader.take(seg)
+                micro += 1
+
+
+def _own_worker() -> tuple[int, int]:
+    """This DataLoader worker's number and the number of workers ((0, 1) outside one). paratrain
+    splits the micro-batches between workers: the dataset must read as if alone. One that splits by
+    worker itself (HuggingFace's IterableDataset does) would otherwise hand this worker a part of
+    the stream, and samples would be lost. This process is the DataLoader's worker for this pass
+    only (streams get no persistent workers)."""
+    info = get_worker_info()
+    if info is None:
+        return 0, 1
+    _worker_state._worker_info = None
+    return info.id, info.num_workers
 
 
 class StreamLoader:
     """A rank's micro-batches of a stream, on the device, with every rank running the same steps.
 
-    ``min_all(n)`` is a collective returning the smallest ``n`` over all ranks; ``position``
-    returns the global optimizer step (the trainer's, as for map-style loaders).
+    ``min_all(n)`` is a collective returning the smallest ``n`` over all ranks, ``gather_max(ns)``
+    the elementwise largest of a list over all ranks; ``position`` returns the global optimizer
+    step (the trainer's, as for map-style loaders); ``say`` prints on the main process.
+
+    A :class:`~.shards.ShardedStream` gets its shards' lengths first (given, cached, or counted:
+    a collective) and is then pure arithmetic: every pass's steps are known, a resumed run opens
+    each shard at its position. A plain ``IterableDataset`` is one shard of unknown length: the
+    ranks agree before each step whether all of them have it, and a resumed run reads up to its step.
     """
 
     def __init__(self, dataset: IterableDataset, plan: BatchPlan, rank: int, device: torch.device,
-                 min_all: Callable[[int], int], position: Callable[[], int], **dataloader_kwargs: Any) -> None:
-        RankStream(dataset, plan, rank)  # checks the plan against the shards now, not at the first batch
+                 min_all: Callable[[int], int], position: Callable[[], int],
+                 gather_max: Callable[[list[int]], list[int]] | None = None,
+                 say: Callable[[str], None] | None = None, **dataloader_kwargs: Any) -> None:
         self.dataset, self.plan, self.rank, self.device = dataset, plan, rank, device
         self.min_all, self.position = min_all, position
+        self.say = say or (lambda line: None)
         self.pin_memory = bool(dataloader_kwargs.get("pin_memory"))
         dataloader_kwargs.pop("persistent_workers", None)  # each pass is a new stream object: new workers
         self.dataloader_kwargs = dataloader_kwargs
+        self.order: ShardOrder | None = None
+        if isinstance(dataset, ShardedStream):
+            gather = gather_max or (lambda ns: list(ns))
+            lengths = resolve_lengths(dataset, rank, plan.world_size, gather, self.say)
+            dataset._resolved = lengths  # type: ignore[attr-defined]  # named in the error of a shard that ends early
+            self.order = ShardOrder(lengths, dataset.readers, plan.global_batch, dataset.tail, dataset.shuffle,
+                                    dataset.seed)
+            if self.order.dropped:
+                n = self.order.dropped
+                self.say(f"paratrain stream: each pass holds {self.order.total:,} samples, "
+                         f"{self.order.steps_per_pass:,} global batches of {plan.global_batch}; its last {n} "
+                         f"sample{'s are' if n > 1 else ' is'} not trained (ShardedStream(tail='next') opens the next "
+                         "pass with them)")
         self._epoch = 0  # passes completed over the stream
         self.pass_start = 0  # the global step at which the current pass began
         self._located = False
 
+    def state(self) -> dict[str, Any]:
+        """What identifies this stream's order (kept in a checkpoint beside the global step)."""
+        if self.order is None:
+            return {"kind": "stream"}
+        o = self.order
+        return {"kind": "sharded", "shards": len(o.lengths), "samples": o.total, "lengths": lengths_digest(o.lengths),
+                "readers": o.readers, "tail": o.tail, "shuffle": o.shuffle, "seed": o.seed}
+
     @property
     def epoch(self) -> int:
         """The pass over the stream the next batch belongs to: after a resume, ``for epoch in
-        range(loader.epoch, epochs)`` continues the epoch loop. After a resume, the first read
-        (or iteration) finds the pass by counting the stream's steps up to the global step, a
-        collective: read it on every rank."""
+        range(loader.epoch, epochs)`` continues the epoch loop. For a plain stream, after a resume,
+        the first read (or iteration) finds the pass by counting the stream's steps up to the global
+        step, a collective: read it on every rank."""
+        if self.order is not None:
+            return self.order.epoch_of_step(self.position())
         self._locate_once()
         return self._epoch
 
@@ -173,16 +178,27 @@ class StreamLoader:
 
     @property
     def steps_per_epoch(self) -> int:
+        if self.order is not None and self.order.steps_per_pass is not None:
+            return self.order.steps_per_pass
+        if self.order is not None:
+            raise TypeError("a stream with tail='next' has passes of varying steps: train for a number of steps")
         raise TypeError("a stream has no known number of steps per epoch: train for a number of steps")
 
     def __len__(self) -> int:
-        raise TypeError("a stream has no length: train for a number of steps (while pt.global_step < steps)")
+        if self.order is None:
+            raise TypeError("a stream has no length: train for a number of steps (while pt.global_step < steps)")
+        start = self.position()
+        e = self.order.epoch_of_step(start)
+        return (self.order.first_step(e + 1) - start) * self.plan.accumulation
 
     def _locate(self, position: int) -> None:
         """Find the pass and its first step for a run that starts at ``position`` (a resumed one):
-        count each pass's steps (every rank its shards, then the minimum over ranks) until the
-        pass that holds ``position``. Reads the stream up to there."""
+        count each pass's steps (the same on every rank) until the pass that holds ``position``.
+        Reads the stream up to there."""
         skip = position
+        if skip > 0:
+            self.say(f"paratrain stream: resuming at step {position:,} reads the stream up to there (a plain "
+                     "IterableDataset cannot seek: a ShardedStream with known lengths opens each shard at its position)")
         while skip > 0:
             n = self.min_all(RankStream(self.dataset, self.plan, self.rank, 0, self._epoch).count_steps(skip + 1))
             if n > skip:
@@ -192,17 +208,22 @@ class StreamLoader:
                                  f"in pass {self._epoch}: cannot resume at step {position}")
             skip, self.pass_start, self._epoch = skip - n, self.pass_start + n, self._epoch + 1
 
+    def _loader(self, stream: IterableDataset, epoch: int) -> Iterator[Any]:
+        # A generator of the pass's own: each DataLoader iterator draws a seed from one, from the
+        # global RNG (dropout's) without it, and a resumed run would then draw once more.
+        kwargs = {"generator": torch.Generator().manual_seed(epoch), **self.dataloader_kwargs}
+        return iter(DataLoader(stream, batch_size=self.plan.micro_batch, drop_last=True, **kwargs))
+
     def __iter__(self) -> Iterator[Any]:
+        if self.order is not None:
+            yield from self._sharded_pass()
+            return
         self._locate_once()
         p = self.plan
         while True:
             start = self.position()
             skip = start - self.pass_start
-            stream = RankStream(self.dataset, p, self.rank, skip, self._epoch)
-            # A generator of the pass's own: each DataLoader iterator draws a seed from one, from the
-            # global RNG (dropout's) without it, and a resumed run would then draw once more.
-            kwargs = {"generator": torch.Generator().manual_seed(self._epoch), **self.dataloader_kwargs}
-            batches = iter(DataLoader(stream, batch_size=p.micro_batch, drop_last=True, **kwargs))
+            batches = self._loader(RankStream(self.dataset, p, self.rank, skip, self._epoch), self._epoch)
             steps = 0
             while True:
                 step = list(islice(batches, p.accumulation))  # the whole step first: then agree, then train
@@ -218,3 +239,52 @@ class StreamLoader:
             self.pass_start = self.position()
             if steps:
                 return  # one pass per iteration of the loader; a loop stopped exactly at its end starts the next
+
+    def _sharded_pass(self) -> Iterator[Any]:
+        """The rest of the pass the global step lies in: its steps are known on every rank."""
+        order, p = self.order, self.plan
+        assert order is not None and isinstance(self.dataset, ShardedStream)
+        start = self.position()
+        epoch = order.epoch_of_step(start)
+        stop = order.first_step(epoch + 1)
+        if start > order.first_step(epoch) and self.dataset.seek is None and not self._located:
+            first = [seg for micro in order.micro_batches(start, 0, p.world_size, p.accumulation) for seg in micro]
+            if any(seg.start for seg in first):
+                self.say(f"paratrain stream: resuming at step {start:,} reads each open shard from its start to its "
+                         "position (give ShardedStream a seek= to open a shard at a sample)")
+        self._located = True
+        stream = ShardedRankStream(self.dataset, order, p, self.rank, start, stop)
+        for batch in self._loader(stream, epoch):
+            yield to_device(batch, self.device, non_blocking=self.pin_memory)
+
+
+class StreamState:
+    """The identity of the stream a run trains on, kept in its checkpoints beside the global step:
+    a resumed run on other shards, lengths, readers or tail would read other samples at the same
+    step, so it is refused in one line. (A map-style data set's identity is its size, checked by
+    the sampler; a plain stream has none to check.)"""
+
+    def __init__(self) -> None:
+        self.current: dict[str, Any] | None = None  # the newest stream loader's state
+        self.saved: dict[str, Any] | None = None  # the state a resumed checkpoint holds
+
+    def made(self, loader: Any) -> Any:
+        """``loader`` was made for this run: remember its stream and check it against a resumed one."""
+        if isinstance(loader, StreamLoader):
+            self.current = loader.state()
+            self._check()
+        return loader
+
+    def resumed(self, saved: dict[str, Any] | None) -> None:
+        self.saved = saved
+        self._check()
+
+    def _check(self) -> None:
+        saved, now = self.saved, self.current
+        if saved is None or now is None or saved.get("kind") != "sharded" or now.get("kind") != "sharded":
+            return
+        differ = [k for k in ("shards", "samples", "lengths", "readers", "tail", "shuffle", "seed") if saved.get(k) != now.get(k)]
+        if differ:
+            said = ", ".join(f"{k} {saved.get(k)} now {now.get(k)}" for k in differ)
+            raise ValueError(f"the checkpoint was written on another stream ({said}): resume on the same shards and "
+                             "ShardedStream settings, or start a new run")

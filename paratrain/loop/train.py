@@ -10,6 +10,7 @@ import time
 from typing import Any
 
 import torch
+from torch import nn
 
 from ..config import TrainConfig, to_toml
 from ..data.augment import augment_for, eval_augment_for
@@ -19,6 +20,7 @@ from ..env.disk import check_room, writing
 from ..env.failures import explain_failure
 from ..env.preemption import slurm_requeued
 from ..env.provenance import provenance
+from ..models.gpt import token_loss
 from ..parallel import Parallel
 from .fit import fit, planned_steps
 from .logging import RunLogger, write_atomic
@@ -87,7 +89,7 @@ def run_training(cfg: TrainConfig, plan: BatchPlan | None = None) -> dict[str, A
         loader_kwargs = {"num_workers": d.num_workers, "pin_memory": d.pin_memory,
                          "persistent_workers": d.persistent_workers}
         start = time.perf_counter()
-        result = fit(pt, model, optimizer, train_set, epochs=cfg.epochs, max_steps=cfg.max_steps,
+        result = fit(pt, model, optimizer, train_set, epochs=cfg.epochs, max_steps=cfg.max_steps, loss_fn=loss_for(d.dataset),
                      eval_set=test_set, scheduler=scheduler, augment=augment_for(d.dataset) if d.augment else None,
                      eval_transform=_eval_transform(d.dataset), logger=logger, log_every=cfg.log_every,
                      progress_bar=cfg.progress, loader_kwargs=loader_kwargs, checkpoint_dir=cfg.checkpoint_dir,
@@ -121,8 +123,10 @@ def run_training(cfg: TrainConfig, plan: BatchPlan | None = None) -> dict[str, A
         }
         logger.write_json("result.json", summary)
         logger.close()
+        tested = (f"test loss {summary['test_loss'] or math.nan:.4f}" if summary["test_accuracy"] is None
+                  else f"test accuracy {100 * summary['test_accuracy']:.2f}%")  # a language model: its loss
         pt.print(f"finished {result.steps} steps in {summary['seconds']:.1f}s: train loss {train_loss:.4f}, "
-                 f"test accuracy {100 * (summary['test_accuracy'] or 0):.2f}% on {summary['test_count']} samples"
+                 f"{tested} on {summary['test_count']} samples"
                  + (f", {result.skipped_steps} fp16 overflow steps skipped" if result.skipped_steps else ""))
     except BaseException as e:
         why = explain_failure(e, pt.global_step + 1)  # who did not arrive, or the peer that ended first
@@ -148,7 +152,7 @@ def _finished_result(log_dir: str | None, step: int) -> dict[str, Any] | None:
             result = json.load(f)
     except (OSError, ValueError):
         return None
-    complete = isinstance(result, dict) and result.get("steps") == step and result.get("test_accuracy") is not None
+    complete = isinstance(result, dict) and result.get("steps") == step and result.get("test_count") is not None
     return result if complete else None
 
 
@@ -198,6 +202,12 @@ def _same_elastic_job(pt: Parallel, checkpoint_dir: str) -> bool:
 def _restarts() -> int:
     """How often torchrun has restarted this worker group (0: first attempt)."""
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def loss_for(dataset: str) -> Any:
+    """The training loss for a dataset name: next-token cross-entropy for token windows, else
+    cross-entropy over classes."""
+    return token_loss if dataset.startswith("tokens:") else nn.functional.cross_entropy
 
 
 def _eval_transform(dataset: str) -> Any:

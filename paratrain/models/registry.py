@@ -7,6 +7,7 @@ import math
 
 from torch import nn
 
+from .gpt import GPT, GPTConfig
 from .mlp import MLP
 from .resnet import ResNet50, SmallCNN, resnet_cifar
 from ..userfn import is_user_spec, load_callable
@@ -15,7 +16,7 @@ from .transformer import TinyTransformer
 __all__ = ["MODEL_NAMES", "build_model"]
 
 #: The built-in model names (``"torchvision:<name>"`` is accepted too when torchvision is installed).
-MODEL_NAMES: tuple[str, ...] = ("mlp", "cnn", "resnet8", "resnet20", "resnet50", "transformer")
+MODEL_NAMES: tuple[str, ...] = ("mlp", "cnn", "resnet8", "resnet20", "resnet50", "transformer", "gpt", "gpt2")
 
 _TORCHVISION_MISSING = (
     "torchvision is not installed: pip install 'paratrain[data]' (torchvision matching your torch, e.g. "
@@ -37,7 +38,9 @@ def build_model(name: str, input_shape: tuple[int, ...], num_classes: int) -> nn
 
     Names: ``mlp`` (:class:`MLP`, logits), ``cnn`` (:class:`SmallCNN`), ``resnet8``/``resnet20``
     (:func:`resnet_cifar`), ``resnet50`` (:class:`ResNet50`, torchvision's
-    architecture), ``transformer`` (:class:`TinyTransformer`, image rows as tokens), or
+    architecture), ``transformer`` (:class:`TinyTransformer`, image rows as tokens), ``gpt`` and ``gpt2``
+    (nanoGPT's :class:`~paratrain.models.gpt.GPT`: 4 layers of 128, or GPT-2 124M's 12 of 768; for token
+    windows, ``num_classes`` is the vocabulary), or
     ``torchvision:<name>`` (``torchvision.models.get_model(name, weights=None,
     num_classes=num_classes)``; untrained, nothing is downloaded), or the user's own factory
     ``module:function`` / ``file.py:function`` called as ``function(input_shape=..., num_classes=...)``.
@@ -51,6 +54,13 @@ def build_model(name: str, input_shape: tuple[int, ...], num_classes: int) -> nn
         return MLP(in_features=math.prod(input_shape), num_classes=num_classes)
     if name == "cnn":
         return SmallCNN(_channels(name, input_shape), num_classes)
+    if name in ("gpt", "gpt2"):  # tokens in, every position's logits out: (T,) windows of a vocabulary
+        if len(input_shape) != 1:
+            raise ValueError(f"model {name!r} reads windows of tokens, shape (T,), got {input_shape}: train it on "
+                             "--dataset tokens:PATH")
+        if name == "gpt2":  # GPT-2 124M's shape
+            return GPT(GPTConfig(block_size=input_shape[0], vocab_size=num_classes))
+        return GPT(GPTConfig(block_size=input_shape[0], vocab_size=num_classes, n_layer=4, n_head=4, n_embd=128))
     if name == "transformer":
         # Images (C, H, W) are H tokens of C*W features (one per row); (T, F) is T tokens; (F,) one.
         if len(input_shape) == 3:

@@ -1,7 +1,8 @@
 """Streaming data (``IterableDataset``): the samples of every optimizer step are the same at world
 size 1, 2 and 4; every rank runs the same number of steps whatever the stream's unknown length;
-DataLoader workers duplicate nothing; each file of a sharded stream is read by the ranks that
-need it; a resumed run continues where it stopped, in a later pass too."""
+DataLoader workers duplicate nothing; a sharded stream trains every sample of shards of any
+length (1, 7, 100, 0, 20) exactly once per pass; a resumed run continues where it stopped, in a
+later pass too."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ import paratrain
 from paratrain.data import ShardedStream
 
 B = 8
-FILE_LENGTHS = (20, 17, 25, 30)  # unknown to paratrain; the shortest ends the stream: 17 // (8 / 4) = 8 steps
+FILE_LENGTHS = (20, 17, 25, 30)  # counted by paratrain (and cached beside the files): 92 samples, 11 steps
+UNEQUAL = (1, 7, 100, 0, 20)  # the issue's shards: 128 samples, 32 global batches of 4
 OPENED: list[str] = []  # files opened by this process
 
 
@@ -52,9 +54,19 @@ def write_files(directory):
     return paths
 
 
+def round_robin(lengths):
+    """The global order of shards with one virtual reader each: one sample of every shard that has
+    one left, in shard order, round after round (the ids ``1000 * shard + sample``)."""
+    return [1000 * k + t for t in range(max(lengths)) for k, n in enumerate(lengths) if t < n]
+
+
 def expected_files_step(s):
-    chunk = B // len(FILE_LENGTHS)
-    return sorted(1000 * k + j for k in range(len(FILE_LENGTHS)) for j in range(s * chunk, (s + 1) * chunk))
+    return sorted(round_robin(FILE_LENGTHS)[B * s:B * (s + 1)])
+
+
+def read_unequal(k):
+    for j in range(UNEQUAL[k]):
+        yield {"id": 1000 * k + j, "x": torch.tensor([float(j)])}
 
 
 def train(pt, data, steps=None, passes=1, **loader_kwargs):
@@ -90,6 +102,10 @@ def stream_worker(rank, files):
     OPENED.clear()
     report["files"], _ = train(pt, ShardedStream(files, read_file))
     report["opened"] = sorted(set(OPENED))
+    for workers in (0, 2):  # the unequal shards, 0 and 2 DataLoader workers
+        small = paratrain.Parallel(strategy="ddp", global_batch=4)
+        stream = ShardedStream(range(len(UNEQUAL)), read_unequal)  # lengths counted (not files: nothing cached)
+        report[f"unequal {workers}"], _ = train(small, stream, passes=2, num_workers=workers)
     for strategy in ("ddp", "fsdp"):  # an evaluation stream: each sample once; fsdp agrees on every forward
         ev = paratrain.Parallel(strategy=strategy, global_batch=B)
         model = ev.setup(eval_model())
@@ -103,13 +119,13 @@ def eval_model():
     return nn.Linear(3, 1).double()
 
 
-def union_per_step(reports, key):
+def union_per_step(reports, key, batch=B):
     steps = {len(r[key]) for r in reports}
     assert len(steps) == 1, f"ranks ran different numbers of steps: {steps}"
     merged = []
     for s in range(steps.pop()):
         ids = [i for r in reports for i in r[key][s]]
-        assert len(ids) == len(set(ids)) == B, f"step {s}: {sorted(ids)}"  # nothing duplicated, nothing missing
+        assert len(ids) == len(set(ids)) == batch, f"step {s}: {sorted(ids)}"  # nothing duplicated, nothing missing
         merged.append(sorted(ids))
     return merged
 
@@ -129,10 +145,13 @@ def test_streams_give_the_same_steps_at_any_world_size(world, files):
     assert union_per_step(reports, "generator") == generator * 2  # two passes, the same stream
     if world <= 2:
         assert union_per_step(reports, "workers") == generator
-    assert union_per_step(reports, "files") == [expected_files_step(s) for s in range(8)]
-    names = [f"shard-{k}.txt" for k in range(4)]
-    per_rank = {1: [names], 2: [names[:2], names[2:]], 4: [[n] for n in names]}[world]
-    assert [r["opened"] for r in reports] == per_rank  # each file read by the rank(s) that need it
+    assert union_per_step(reports, "files") == [expected_files_step(s) for s in range(92 // B)]
+    if world == 4:  # while all four files last (17 rounds: 4 steps), rank r reads file r alone
+        assert all(f"shard-{r}.txt" in got["opened"] for r, got in enumerate(reports))
+    order = round_robin(UNEQUAL)
+    for workers in (0, 2):  # every sample of every shard once per pass, in the same steps at every world size
+        got = union_per_step(reports, f"unequal {workers}", batch=4)
+        assert got == [sorted(order[4 * s:4 * s + 4]) for s in range(32)] * 2, workers
     xs, ys = map(torch.stack, zip(*Pairs(21)))
     with torch.no_grad():
         expected = nn.functional.mse_loss(eval_model()(xs), ys).item()

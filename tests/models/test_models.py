@@ -10,7 +10,10 @@ from paratrain.strategies._split import check_sequential, split_model
 SHAPES = {"digits": (1, 8, 8), "cifar": (3, 32, 32)}
 
 
-@pytest.mark.parametrize("name", MODEL_NAMES)
+IMAGE_MODELS = [n for n in MODEL_NAMES if not n.startswith("gpt")]
+
+
+@pytest.mark.parametrize("name", IMAGE_MODELS)
 @pytest.mark.parametrize("data", sorted(SHAPES))
 def test_forward_shapes(name, data):
     torch.manual_seed(0)
@@ -102,3 +105,30 @@ def test_resnet50_is_torchvisions_architecture():
     model = build_model("resnet50", (3, 224, 224), num_classes=1000)
     assert sum(p.numel() for p in model.parameters()) == 25_557_032
     assert sum(isinstance(m, (nn.Conv2d, nn.Linear)) for m in model.modules()) == 54
+
+
+def test_the_built_in_gpt_is_nanogpts_model_returning_every_position():
+    from paratrain.models.gpt import GPT, GPTConfig, flops_per_token, token_loss
+
+    torch.manual_seed(0)
+    model = build_model("gpt", (16,), num_classes=50)
+    assert isinstance(model, GPT) and model.config == GPTConfig(block_size=16, vocab_size=50, n_layer=4, n_head=4,
+                                                                n_embd=128)
+    assert model.lm_head.weight is model.transformer.wte.weight  # tied, as nanoGPT ties them
+    idx = torch.randint(0, 50, (3, 16))
+    logits = model(idx)
+    assert logits.shape == (3, 16, 50)  # every position, in training and out
+    loss = token_loss(logits, idx)
+    torch.testing.assert_close(loss, nn.functional.cross_entropy(logits.reshape(-1, 50), idx.reshape(-1)))
+    loss.backward()
+    names = [n for n, _ in model.named_parameters()]  # nanoGPT's names: its checkpoints load
+    assert names[:3] == ["transformer.wte.weight", "transformer.wpe.weight", "transformer.h.0.ln_1.weight"]
+    assert "transformer.h.3.attn.c_attn.weight" in names and "lm_head.weight" not in names  # tied: listed once
+    gpt2 = GPTConfig()  # GPT-2 124M: nanoGPT's 6N + 12LHQT
+    assert (gpt2.n_layer, gpt2.n_embd, gpt2.vocab_size, gpt2.block_size) == (12, 768, 50304, 1024)
+    n = sum(p.numel() for p in model.parameters()) - 16 * 128
+    assert flops_per_token(model) == 6 * n + 12 * 4 * 4 * 32 * 16
+    with pytest.raises(ValueError, match=r"reads windows of tokens, shape \(T,\), got \(3, 32, 32\)"):
+        build_model("gpt", (3, 32, 32), num_classes=10)
+    with pytest.raises(ValueError, match="more than its block_size 16"):
+        model(torch.zeros(1, 17, dtype=torch.long))
