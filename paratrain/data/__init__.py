@@ -4,10 +4,11 @@ from .batch import batch_size, map_tensors, to_device
 from .loaders import EvalLoader, GlobalBatchLoader
 from .stream import ShardedStream, StreamLoader
 from .tokens import TokenWindows
+from .parquet import parquet_stream
 from .sampler import BatchPlan, GlobalBatchSampler, ShardedEvalSampler, epoch_permutation
 
 __all__ = [
     "BatchPlan", "GlobalBatchSampler", "ShardedEvalSampler", "epoch_permutation",
     "GlobalBatchLoader", "EvalLoader", "to_device", "map_tensors", "batch_size", "ShardedStream", "StreamLoader",
-    "TokenWindows",
+    "TokenWindows", "parquet_stream",
 ]

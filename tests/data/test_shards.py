@@ -235,3 +235,30 @@ def test_sharded_stream_errors_are_one_line():
         ShardOrder([1, 2], 2, 4)
     with pytest.raises(ValueError, match="hold no sample"):
         ShardOrder([0, 0], 2, 4, tail="next")
+
+
+def test_parquet_files_are_a_stream_that_seeks(tmp_path):
+    """Three Parquet files (rows 10, 0 and 23, row groups of 7): every row once per pass, lengths
+    from the footers (nothing counted), and a loader started at step 5 (a resumed run) gives the
+    uninterrupted run's batches from step 5 on."""
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    from paratrain.data.parquet import parquet_stream
+
+    paths = []
+    for k, n in enumerate((10, 0, 23)):
+        table = pa.table({"id": [1000 * k + j for j in range(n)], "x": [[float(j), 1.0] for j in range(n)],
+                          "text": [f"row {j}" for j in range(n)]})
+        paths.append(tmp_path / f"part-{k}.parquet")
+        pq.write_table(table, paths[-1], row_group_size=7)
+    pt = paratrain.Parallel(global_batch=4)
+    stream = parquet_stream(paths, columns=["id", "x"], readers=2, tail="next")
+    full = [b for _, b in zip(range(12), pt.train_loader(stream))]
+    assert full[0]["x"].shape == (4, 2) and "text" not in full[0]
+    ids = [i for b in full[:33 // 4] for i in b["id"].tolist()]
+    assert len(set(ids)) == len(ids) == 32  # the first 8 steps: 32 of the 33 rows, none twice
+    pt.global_step = 5
+    resumed = [b["id"].tolist() for _, b in zip(range(3), pt.train_loader(parquet_stream(paths, ["id", "x"], readers=2,
+                                                                                          tail="next")))]
+    assert resumed == [b["id"].tolist() for b in full[5:8]]
+    pt.close()
