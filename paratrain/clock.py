@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from .data.stream import StreamState
 from .trace.recorder import set_position
 
 __all__ = ["StepClock", "GradientWatch", "ClockCount"]
@@ -109,6 +110,7 @@ class StepClock:
         self._warned_lr_change = False
         self._watching = False
         self.watch = GradientWatch()  # gradients edited mid-accumulation (a clip in the loop body)
+        self.stream = StreamState()  # the stream the position counts in: a checkpoint keeps its identity
         set_position(self.position)  # the newest clock: each collective's record names its step (paratrain.trace)
 
     # --- where the global batch stands ---------------------------------------------------

@@ -36,7 +36,7 @@ from .clock import ClockCount, StepClock
 from .config import ParallelConfig
 from .data import prepare
 from .data.loaders import EvalLoader, GlobalBatchLoader
-from .data.stream import StreamLoader, StreamState
+from .data.stream import StreamLoader
 from .data.sampler import BatchPlan
 from .env import lock, preemption, process, seeding
 from .env.provenance import provenance
@@ -94,7 +94,6 @@ class Parallel(process.OnProcess, tracking.TrackedRun):
         seeding.seed_everything(cfg.seed)
         self._clock = StepClock(self.plan.accumulation, lambda opt, ends: self.strategy.step(opt, self._models, ends))
         self._models: list[nn.Module] = []  # what the strategy made of each model set up
-        self._stream = StreamState()  # the stream trained on: a checkpoint keeps its identity
         # checked on every rank (a bad name fails everywhere alike); opened on the main process only
         self.trackers = tracking.Trackers(log_to, log_dir, loggers, enabled=self.is_main_process, config=self._run_config)
         self._deferred = Deferred(self.strategy.sharded_state and self.world_size > 1, self.device)
@@ -274,7 +273,7 @@ class Parallel(process.OnProcess, tracking.TrackedRun):
         """Micro-batches of this rank, from the current global step, epoch after epoch, of a
         dataset, a stream (``IterableDataset``) or your own ``DataLoader`` (its sampler and batch size
         replaced, its other settings kept): see :func:`paratrain.data.prepare.train_loader`."""
-        return self._stream.made(prepare.train_loader(
+        return self._clock.stream.made(prepare.train_loader(
             dataset, self.plan, self.strategy.data_parallel_rank, self.device, self.config.seed,
             position=lambda: self.global_step, reduce_max=self.strategy.all_reduce_max, say=self.print,
             where=f" over {self.world_size} processes", transform=transform, shuffle=shuffle, **dataloader_kwargs))
@@ -333,14 +332,15 @@ class Parallel(process.OnProcess, tracking.TrackedRun):
         """What a checkpoint holds of the run itself: the global step (the data position), the
         global batch, seed and world size it was written with, and the precision's state."""
         return {"global_step": self.global_step, "global_batch": self.plan.global_batch, "seed": self.config.seed,
-                "world_size": self.world_size, "precision": self.precision.state_dict(), "data": self._stream.current}
+                "world_size": self.world_size, "precision": self.precision.state_dict(),
+                "data": self._clock.stream.current}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from ``state`` (:meth:`state_dict` of a run of this global batch and seed; any world size)."""
         checkpoint_lib.check_continues(state, self.plan.global_batch, self.config.seed)
         self.precision.load_state_dict(state["precision"])
         self._clock.restore(int(state["global_step"]))
-        self._stream.resumed(state.get("data"))
+        self._clock.stream.resumed(state.get("data"))
         self.trackers.resume_at(self.global_step)  # a run continued: its logs go on from this step
 
     def save_checkpoint(self, directory: str, model: nn.Module, optimizer: Any, scheduler: Any = None,

@@ -6,7 +6,7 @@ global-batch sampler holds (the same steps at any world size, resume by the glob
 re-read). ``windows="contiguous"``: a file of ``n`` tokens gives ``(n - 1) // block_size`` windows
 that tile it; ``windows="random"``: as many windows, each at a random offset drawn from ``(seed,
 epoch, index)`` (nanoGPT's ``get_batch``, made reproducible: the same at every world size and
-after a resume). Several files are one data set; no window crosses a file's end.
+after a resume; an epoch's offsets are drawn at once, 8 bytes a window). Several files are one data set; no window crosses a file's end.
 
 A micro-batch is read with one gather per file (``reads_batches``: paratrain's loaders index it
 with the micro-batch's index list), not one ``__getitem__`` per sample: the same cost as nanoGPT's
@@ -28,7 +28,6 @@ from ..env.seeding import mix_seed
 
 __all__ = ["TokenWindows", "token_vocab"]
 
-_TABLE_WINDOWS = 1 << 22  # random offsets of up to this many windows are drawn for a whole epoch at once (32 MiB)
 _DTYPES = {"uint16": np.uint16, "uint32": np.uint32, "int32": np.int32, "int64": np.int64}
 
 
@@ -99,19 +98,15 @@ class TokenWindows(Dataset):
             files = np.searchsorted(self.starts, indices, side="right") - 1
         if self.windows == "contiguous":
             return files, (indices - self.starts[files]) * self.block_size
-        if len(self) <= _TABLE_WINDOWS:  # the epoch's offsets at once (a few ms), then one lookup a batch
-            if self._table is None or self._table[0] != epoch:
-                every = np.arange(len(self))
-                self._table = (epoch, self._random(self._file_of(every), every, epoch))
-            return files, self._table[1][indices]
-        return files, self._random(files, indices, epoch)
+        if self._table is None or self._table[0] != epoch:  # the epoch's offsets at once (10 ms a million windows)
+            every = np.arange(len(self))
+            high = self._sizes[self._file_of(every)].astype(np.int64) - self.block_size  # offsets 0..n-T-1
+            rng = np.random.Generator(np.random.PCG64(mix_seed(self.seed, epoch)))
+            self._table = (epoch, rng.integers(0, high, dtype=np.int64))
+        return files, self._table[1][indices]
 
     def _file_of(self, indices: np.ndarray) -> np.ndarray:
         return np.searchsorted(self.starts, indices, side="right") - 1
-
-    def _random(self, files: np.ndarray, indices: np.ndarray, epoch: int) -> np.ndarray:
-        span = self._sizes[files] - np.uint64(self.block_size)  # offsets 0..n-T-1
-        return (_mix(mix_seed(self.seed, epoch), indices) % span).astype(np.int64)
 
     def __getitem__(self, index: Any) -> Any:
         if isinstance(index, (int, np.integer)) or (isinstance(index, torch.Tensor) and index.dim() == 0):
@@ -140,19 +135,6 @@ class TokenWindows(Dataset):
                 out[mine] = maps[f][starts[mine, None] + self._span]  # one gather per file
         t = torch.from_numpy(out)
         return [t[:, :-1], t[:, 1:]]  # what default_collate makes of (x, y) samples: a list
-
-
-_GOLDEN, _M1, _M2 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
-_S30, _S27, _S31, _ONE = np.uint64(30), np.uint64(27), np.uint64(31), np.uint64(1)
-
-
-def _mix(seed: int, indices: np.ndarray) -> np.ndarray:
-    """A 64-bit hash of ``(seed, index)`` for each index (SplitMix64's finaliser, wrapping as uint64
-    arithmetic does): offsets that look random, from the position alone."""
-    z = np.uint64(seed) + (indices.astype(np.uint64) + _ONE) * _GOLDEN
-    z = (z ^ (z >> _S30)) * _M1
-    z = (z ^ (z >> _S27)) * _M2
-    return z ^ (z >> _S31)
 
 
 def token_vocab(paths: str | os.PathLike | Sequence[str | os.PathLike], dtype: str = "uint16") -> int:

@@ -320,3 +320,27 @@ def test_a_pass_over_a_stream_draws_nothing_from_the_global_generator():
     batches = list(loader)
     assert batches and torch.equal(torch.get_rng_state(), state)
     pt.close()
+
+
+def test_a_streamed_hf_dataset_resumed_mid_epoch_gives_the_uninterrupted_samples(tmp_path):
+    """HuggingFace's streamed ``IterableDataset`` (4 shards; it splits itself between DataLoader
+    workers, which paratrain hides from it), checkpointed at step 3 of 5 and resumed with 2 workers:
+    the same samples in every step as the run that was not stopped."""
+    datasets = pytest.importorskip("datasets")
+    table = {"id": list(range(43)), "x": [[float(i)] for i in range(43)]}
+    stream = datasets.Dataset.from_dict(table).to_iterable_dataset(num_shards=4).with_format("torch")
+    pt = paratrain.Parallel(global_batch=B, accumulation=2)
+    full, _ = train(pt, stream, passes=2)
+    pt.close()
+    assert len(full) == 10 and sorted(i for s in full[:5] for i in s) == list(range(40))
+    pt = paratrain.Parallel(global_batch=B, accumulation=2)
+    model, opt = pt.setup(net := nn.Linear(1, 1), torch.optim.SGD(net.parameters(), lr=0.0))
+    pt.global_step = 3
+    pt.save_checkpoint(str(tmp_path), model, opt)
+    pt.close()
+    pt = paratrain.Parallel(global_batch=B, accumulation=2)
+    model, opt = pt.setup(net := nn.Linear(1, 1), torch.optim.SGD(net.parameters(), lr=0.0))
+    pt.load_checkpoint(str(tmp_path), model, opt)
+    resumed, _ = train(pt, stream, steps=10, passes=2, num_workers=2)
+    assert resumed == full[3:]
+    pt.close()

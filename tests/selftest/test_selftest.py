@@ -19,11 +19,12 @@ from paratrain.selftest.seed import seed_cells, seed_config
 def test_selftest_passes_on_this_machine_within_its_budget(tmp_path):
     # what CI proves: the CPU rows run for real, within the budget, and pass. The budget has this
     # machine's room (tests/pace.py); the other sections run in CI's floor step (device_check --dry-run).
-    # 30 s do on an idle machine (the rows below, the rest skipped for the budget); the other pytest
-    # worker shares its cores
-    budget = round(scaled(50))
-    r = run_cli(["selftest", "--budget", str(budget), "--sections", "correctness,collectives,speed", "--out",
-                 str(tmp_path), "--no-progress"], timeout=180)
+    # the rows below; the other strategies' and precisions' rows are the same code, each proven by its
+    # own tests (tests/selftest: the layouts; a wrong strategy fails the run). The other pytest worker
+    # shares the cores
+    budget = round(scaled(40))
+    r = run_cli(["selftest", "--budget", str(budget), "--sections", "correctness,collectives,speed", "--strategies",
+                 "dp,ddp", "--precisions", "32", "--out", str(tmp_path), "--no-progress"], timeout=180)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     report = json.loads((tmp_path / "selftest.json").read_text())
     assert report["passed"] and report["elapsed_s"] <= budget, (report["elapsed_s"], r.stdout[-3000:])
