@@ -22,7 +22,7 @@ def test_selftest_passes_on_this_machine_within_its_budget(tmp_path):
     # the rows below; the other strategies' and precisions' rows are the same code, each proven by its
     # own tests (tests/selftest: the layouts; a wrong strategy fails the run). The other pytest worker
     # shares the cores
-    budget = round(scaled(40))
+    budget = round(scaled(50))
     r = run_cli(["selftest", "--budget", str(budget), "--sections", "correctness,collectives,speed", "--strategies",
                  "dp,ddp", "--precisions", "32", "--out", str(tmp_path), "--no-progress"], timeout=180)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
