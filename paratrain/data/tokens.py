@@ -26,7 +26,7 @@ from torch.utils.data import Dataset
 
 from ..env.seeding import mix_seed
 
-__all__ = ["TokenWindows", "token_vocab"]
+__all__ = ["TokenWindows", "token_vocab", "document_mask"]
 
 _DTYPES = {"uint16": np.uint16, "uint32": np.uint32, "int32": np.int32, "int64": np.int64}
 
@@ -34,6 +34,12 @@ _DTYPES = {"uint16": np.uint16, "uint32": np.uint32, "int32": np.int32, "int64":
 class TokenWindows(Dataset):
     """Windows of ``block_size`` tokens from one or more token files (``dtype``: ``uint16``, as
     nanoGPT writes them, ``uint32`` for vocabularies over 65,536, ``int32`` or ``int64``).
+
+    ``eos``: the end-of-text token id (GPT-2's 50256) of files that pack documents one after another, as
+    nanoGPT's do: each sample gets a third tensor, the document of each position (0, 1, ... from the
+    window's start; the token after an ``eos`` starts the next), from which :func:`document_mask`
+    makes an attention mask that keeps each document to itself. Windows do not depend on it: the
+    packing is the file's, so the same at every world size and after a resume.
 
     ``dataset[i]`` is ``(x, y)``; ``dataset[[i, j, ...]]`` is a batch ``[x, y]`` of shape
     ``(len, block_size)``, read at once (a list with an ``epoch`` attribute, as paratrain's sampler
@@ -44,7 +50,8 @@ class TokenWindows(Dataset):
     reads_batches = True  # paratrain's loaders hand it whole micro-batches of indices
 
     def __init__(self, paths: str | os.PathLike | Sequence[str | os.PathLike], block_size: int,
-                 dtype: str = "uint16", windows: Literal["contiguous", "random"] = "contiguous", seed: int = 0) -> None:
+                 dtype: str = "uint16", windows: Literal["contiguous", "random"] = "contiguous", seed: int = 0,
+                 eos: int | None = None) -> None:
         if dtype not in _DTYPES:
             raise ValueError(f"token dtype {dtype!r}: use one of {', '.join(_DTYPES)}")
         if windows not in ("contiguous", "random"):
@@ -55,7 +62,7 @@ class TokenWindows(Dataset):
         self.paths = [Path(paths)] if isinstance(paths, (str, os.PathLike)) else [Path(p) for p in paths]
         if not self.paths:
             raise ValueError("TokenWindows needs at least one token file")
-        self.block_size, self.dtype, self.windows, self.seed = block_size, dtype, windows, seed
+        self.block_size, self.dtype, self.windows, self.seed, self.eos = block_size, dtype, windows, seed, eos
         item = np.dtype(_DTYPES[dtype]).itemsize
         self.tokens = []
         for p in self.paths:
@@ -110,8 +117,7 @@ class TokenWindows(Dataset):
 
     def __getitem__(self, index: Any) -> Any:
         if isinstance(index, (int, np.integer)) or (isinstance(index, torch.Tensor) and index.dim() == 0):
-            x, y = self[[int(index)]]
-            return x[0], y[0]
+            return tuple(t[0] for t in self[[int(index)]])
         rows = np.asarray(index.tolist() if isinstance(index, torch.Tensor) else index, dtype=np.int64)
         if len(rows) and (rows.min() < 0 or rows.max() >= len(self)):
             raise IndexError(f"window index out of range 0..{len(self) - 1}")
@@ -134,7 +140,21 @@ class TokenWindows(Dataset):
                 mine = files == f
                 out[mine] = maps[f][starts[mine, None] + self._span]  # one gather per file
         t = torch.from_numpy(out)
-        return [t[:, :-1], t[:, 1:]]  # what default_collate makes of (x, y) samples: a list
+        x, y = t[:, :-1], t[:, 1:]
+        if self.eos is None:
+            return [x, y]  # what default_collate makes of (x, y) samples: a list
+        ends = x == self.eos  # a document ends with its end-of-text token; the next token starts the next
+        return [x, y, torch.cumsum(ends, dim=1) - ends.long()]
+
+
+def document_mask(documents: torch.Tensor) -> torch.Tensor:
+    """The attention mask of packed windows: causal, and within a document only. ``documents`` is
+    ``(batch, T)`` (a :class:`TokenWindows` batch's third tensor, given ``eos``); the mask is
+    ``(batch, 1, T, T)`` booleans, True where attention is allowed, as
+    ``torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)`` takes it."""
+    T = documents.size(1)
+    causal = torch.ones(T, T, dtype=torch.bool, device=documents.device).tril()
+    return (documents[:, :, None] == documents[:, None, :]).logical_and(causal).unsqueeze(1)
 
 
 def token_vocab(paths: str | os.PathLike | Sequence[str | os.PathLike], dtype: str = "uint16") -> int:

@@ -76,20 +76,7 @@ def train_ids(pt, stream, steps, **loader_kwargs):
     """A tiny model trained on ``stream`` to global step ``steps``: the ids of each step."""
     torch.manual_seed(0)
     model, opt = pt.setup(net := nn.Linear(1, 1).double(), torch.optim.SGD(net.parameters(), lr=0.01))
-    loader = pt.train_loader(stream, **loader_kwargs)
-    ids, current = [], []
-    while pt.global_step < steps:
-        for batch in loader:
-            current += batch["id"].tolist()
-            opt.zero_grad()
-            pt.backward(model(batch["x"].double()).pow(2).mean())
-            opt.step()
-            if pt.micro_step == 0:
-                ids.append(current)
-                current = []
-            if pt.global_step >= steps:
-                break
-    return ids, model, opt
+    return _continue(pt, model, opt, stream, steps, **loader_kwargs)
 
 
 def stream(**kw):
@@ -135,8 +122,8 @@ def test_a_resumed_stream_opens_each_shard_at_its_position(tmp_path, capsys, see
     pt.close()
 
 
-def _continue(pt, model, opt, data, steps):
-    loader = pt.train_loader(data)
+def _continue(pt, model, opt, data, steps, **loader_kwargs):
+    loader = pt.train_loader(data, **loader_kwargs)
     ids, current = [], []
     while pt.global_step < steps:
         for batch in loader:

@@ -71,6 +71,34 @@ def test_token_file_errors_are_one_line(tmp_path):
         dataset_info(f"tokens:{tmp_path / 'nothing'}")
 
 
+def test_packed_documents_get_their_positions_documents_and_a_mask(tmp_path):
+    """A file of documents ended by an end-of-text token (nanoGPT's layout): each window says which
+    document each position belongs to, and the mask keeps attention causal and within a document;
+    with it, a document's logits do not depend on the document before it."""
+    from paratrain.data.tokens import document_mask
+    from paratrain.models.gpt import GPT, GPTConfig
+
+    EOS = 9
+    tokens = [1, 2, EOS, 3, 4, 5, EOS, 6, EOS]  # documents [1 2 EOS] [3 4 5 EOS] [6 EOS]
+    ds = TokenWindows(write(tmp_path / "t.bin", tokens * 3), block_size=8, eos=EOS)
+    x, y, docs = ds[0]
+    assert x.tolist() == [1, 2, EOS, 3, 4, 5, EOS, 6] and docs.tolist() == [0, 0, 0, 1, 1, 1, 1, 2]
+    xs, ys, ds_ = ds[[0, 1]]
+    mask = document_mask(ds_)
+    assert mask.shape == (2, 1, 8, 8) and mask[0, 0, 4].tolist() == [False, False, False, True, True, False, False, False]
+    # the second document's attention, masked: the same as the document alone
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=8, vocab_size=10, n_layer=1, n_head=2, n_embd=8))
+    attn = model.transformer.h[0].attn
+    h = torch.randn(1, 8, 8)
+    B, T, C = h.shape
+    q, k, v = attn.c_attn(h).split(8, dim=2)
+    q, k, v = (t.view(B, T, 2, 4).transpose(1, 2) for t in (q, k, v))
+    masked = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(docs[None]))
+    alone = torch.nn.functional.scaled_dot_product_attention(q[:, :, 3:7], k[:, :, 3:7], v[:, :, 3:7], is_causal=True)
+    torch.testing.assert_close(masked[:, :, 3:7], alone)
+
+
 def first_tokens(rank, path, workers):
     pt = paratrain.Parallel(global_batch=8, seed=1)
     loader = pt.train_loader(TokenWindows(path, 4, windows="random", seed=2), num_workers=workers)
