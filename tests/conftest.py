@@ -60,7 +60,7 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: unknown where xdist is absent or -p no:xdist
 def pytest_xdist_make_scheduler(config, log):
-    """``-n 3`` (``scripts/test.sh``): xdist's load-scope scheduler over :func:`work_unit` (largest
+    """``-n 2`` (``scripts/test.sh``): xdist's load-scope scheduler over :func:`work_unit` (largest
     units first). pytest-xdist's own ``--dist loadgroup`` cannot be used: it renames a test's
     ``_nodeid``, which pytest 9.2 no longer reads, so its groups are silently ignored."""
     from xdist.scheduler import LoadScopeScheduling
