@@ -29,7 +29,8 @@ def pytest_configure(config):
 
 def pytest_report_header(config):
     return (f"paratrain: this machine's pace {pace.pace():.2f} (a fresh import of torch against the reference "
-            f"{pace.REFERENCE_IMPORT_S} s): real time limits get that much more room (tests/pace.py)")
+            f"{pace.REFERENCE_IMPORT_S} s), times the tests run at once per core: real time limits get that much "
+            f"more room (tests/pace.py)")
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -48,7 +49,7 @@ def pytest_runtest_protocol(item, nextitem):
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    room = pace.pace()
+    room = pace.pace() * pace.share()
     if room > 1:  # each test's hard limit (pytest-timeout's, and the stack dump above) with the machine's room
         for item in items:
             marker = item.get_closest_marker("timeout")

@@ -8,6 +8,11 @@ interpreter that imports torch; :data:`PACE` is that time over the reference mac
 below 1. :func:`scaled` gives a limit room in proportion. The measurement is handed to pytest-xdist's
 workers and to every child process through ``PARATRAIN_TEST_PACE`` (set it to skip the measurement).
 
+The suite may also run more tests at once than the machine has cores (``scripts/test.sh``: three
+pytest-xdist workers on two cores, as many tests wait on a signal, a timeout or a rendezvous). Then
+each test gets ``cores / workers`` of the machine while the others compute: :func:`share` is that
+oversubscription (never below 1), and :func:`scaled` gives it room too.
+
 A limit that states what the product promises (e.g. "the job ends within timeout_s + 15 s") keeps
 its product term and scales only the allowance for the machine.
 """
@@ -42,9 +47,18 @@ def pace() -> float:
     return float(os.environ[ENV])
 
 
+def share() -> float:
+    """How many tests run at once per core, never below 1: pytest-xdist's worker count (in its workers)
+    over the cores this process may use."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1.0, workers / max(1, cores))
+
+
 def scaled(seconds: float) -> float:
-    """``seconds`` of a real limit set on the reference machine, with this machine's room."""
-    return seconds * pace()
+    """``seconds`` of a real limit set on the reference machine, with this machine's room: its pace,
+    and the share of it each test gets when the suite runs more tests at once than it has cores."""
+    return seconds * pace() * share()
 
 
 if __name__ == "__main__":  # `python tests/pace.py [SECONDS]`: the pace measured now, or SECONDS with its room
