@@ -5,6 +5,10 @@
 Steps, in this order (each in a process group of its own, killed at the end of its slice):
 
 * ``nccl``: nccl at world size 1: collectives, paratrain's ``all_gather``/``reduce``, DDP = plain loop;
+* ``lm``: ``paratrain selftest --sections lm``: a GPT-2 124M-shaped model, the plain loop of nanoGPT's
+  ``train.py`` against ``Parallel`` single, ddp x1, fsdp x1, Accelerate and Fabric, interleaved:
+  tokens/s, MFU and peak memory, bf16-mixed and fp16-mixed; its report is copied into OUT as
+  ``lm.md``/``.json``;
 * ``fsdp_bf16``: ``paratrain train --strategy fsdp --precision bf16-mixed`` = ``--strategy single``;
 * ``fp16_scaler``: a ``Parallel`` loop in fp16-mixed drives torch.amp's CUDA ``GradScaler``, follows
   fp32 and skips an inf step;
@@ -15,8 +19,8 @@ Steps, in this order (each in a process group of its own, killed at the end of i
 * ``predict``: the ``bench --predict`` model against ddp measured at 4 and 8 workers over loopback gloo;
 * ``seed_table``: ``paratrain selftest --sections resnet50``: the seed's table on ResNet-50; its
   report is copied into OUT as ``seed_table.md``/``.json``;
-* ``selftest``: ``paratrain selftest --budget ...`` with the time left (without its resnet50 section
-  when ``seed_table`` ran it); its ``selftest.md``/``.json`` are copied into OUT.
+* ``selftest``: ``paratrain selftest --budget ...`` with the time left (without its resnet50 and lm
+  sections when ``seed_table`` and ``lm`` ran them); its ``selftest.md``/``.json`` are copied into OUT.
 
 The first five need CUDA (without it they are skipped, with the reason); the checks themselves are
 in ``scripts/device_checks``. Everything goes under ``--out`` (default ``$OUT`` when set, else
@@ -27,7 +31,7 @@ optional rows skipped for a missing package), ``selftest.md``/``.json`` and ``se
 ``<step>.log`` per step and what the steps wrote. Exit status 1 when a step failed
 (or the run was interrupted), else 0.
 
-The steps share ``--budget`` (default 420 s: the whole run ends within 8 minutes). Each step gets
+The steps share ``--budget`` (default 540 s: the whole run ends within 10 minutes). Each step gets
 a slice (:func:`plan_slice`): at most what it wants, and never what the steps after it need;
 ``selftest``, last, takes what the others leave. Time a step does not use goes to the steps after
 it. A step whose slice would fall below its need is skipped, listed as such.

@@ -36,11 +36,11 @@ want() {  # does this run include step $1 (wheel, floor, or the main ones: main)
 }
 # the pytest runs use both cores (pytest-xdist; tests/conftest.py says what shares one worker: the lab's
 # tests, a module's tests that share a trained fixture); PARATRAIN_TEST_WORKERS=0 runs them in one process.
-# Three workers on two cores (many tests wait on a signal, a timeout or a rendezvous) run the suite in
-# about 935 s against 1,060 s with two; each test then gets 2/3 of a core's share while others compute,
-# and its real time limits get that room too (tests/pace.py: share)
-workers=(-n "${PARATRAIN_TEST_WORKERS:-3}")
-[ "${PARATRAIN_TEST_WORKERS:-3}" = 0 ] && workers=(-p no:xdist)
+# Two workers, one per core: three (many tests wait on a signal, a timeout or a rendezvous) gained
+# nothing in CI, where the cores are busy 94% of the run (process accounting: 3,425 of 3,656 core-s).
+# With more workers than cores each test's real time limits get the share it has (tests/pace.py: share)
+workers=(-n "${PARATRAIN_TEST_WORKERS:-2}")
+[ "${PARATRAIN_TEST_WORKERS:-2}" = 0 ] && workers=(-p no:xdist)
 stages=()  # "name seconds", printed at the end, failed or not
 stage_start=$SECONDS
 stage() {  # the stage that ends now took the time since the last call

@@ -9,6 +9,7 @@ name        alias           what it does
 ``bf16-mixed`` ``bf16``     autocast bf16, no scaling needed
 ``bf16-true``               bf16 weights/activations/gradients, fp32 master weights + optimizer
 ``fp16-true``  ``O2``, ``O3``  fp16 weights/activations/gradients, fp32 master weights, loss scaling
+``fp8-mixed``  ``fp8``      bf16 autocast + torchao's Float8 linears (compute capability 8.9+)
 ==========  ==============  ==============================================================
 
 Apex's ``O1`` patched functions to run in fp16 where safe: native autocast (``fp16-mixed``) does
@@ -30,9 +31,10 @@ import torch
 
 from .amp import BF16Mixed, FP16Mixed
 from .base import FP32, TF32, Precision
+from .fp8 import FP8Mixed
 from .half import BF16True, FP16True
 
-__all__ = ["Precision", "FP32", "TF32", "FP16Mixed", "BF16Mixed", "BF16True", "FP16True", "PRECISIONS", "ALIASES",
+__all__ = ["Precision", "FP32", "TF32", "FP16Mixed", "BF16Mixed", "BF16True", "FP16True", "FP8Mixed", "PRECISIONS", "ALIASES",
            "MASTER_WEIGHTS", "resolve", "lookup", "reference", "bench_defaults", "build", "PrecisionName"]
 
 PRECISIONS: dict[str, type[Precision]] = {
@@ -42,13 +44,14 @@ PRECISIONS: dict[str, type[Precision]] = {
     "bf16-mixed": BF16Mixed,
     "bf16-true": BF16True,
     "fp16-true": FP16True,
+    "fp8-mixed": FP8Mixed,
 }
 ALIASES = {"O0": "32", "O1": "fp16-mixed", "O2": "fp16-true", "O3": "fp16-true", "16-mixed": "fp16-mixed",
-           "fp32": "32", "bf16": "bf16-mixed", "fp16": "fp16-mixed", "16-true": "fp16-true"}
+           "fp32": "32", "bf16": "bf16-mixed", "fp16": "fp16-mixed", "16-true": "fp16-true", "fp8": "fp8-mixed"}
 # The names and aliases above as a type, for editors' completion of ``Parallel(precision=...)`` (a test
 # keeps it equal).
-PrecisionName = Literal["32", "tf32", "fp16-mixed", "bf16-mixed", "bf16-true", "fp16-true", "O0", "O1", "O2", "O3",
-                        "16-mixed", "fp32", "bf16", "fp16", "16-true"]
+PrecisionName = Literal["32", "tf32", "fp16-mixed", "bf16-mixed", "bf16-true", "fp16-true", "fp8-mixed", "O0", "O1",
+                        "O2", "O3", "16-mixed", "fp32", "bf16", "fp16", "16-true", "fp8"]
 # low-precision weights + fp32 masters: plain-tensor strategies only
 MASTER_WEIGHTS = tuple(name for name, cls in PRECISIONS.items() if cls.master_weights)
 

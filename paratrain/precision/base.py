@@ -26,6 +26,7 @@ class Precision:
     scales_loss: ClassVar[bool] = False  # the loss is scaled and a step whose gradients overflow is skipped (fp16)
     param_dtype: ClassVar[torch.dtype | None] = None  # the dtype the parameters compute in (None: their own)
     reduce_dtype: ClassVar[torch.dtype | None] = None  # the dtype sharded gradients are reduced in (None: theirs)
+    float8: ClassVar[bool] = False  # replaces the model's nn.Linear layers with torchao's Float8Linear (fp8-mixed)
     reference: ClassVar[bool] = False  # full fp32: the precision every other one is checked against
     bench_default: ClassVar[str] = "no"  # in paratrain bench's default matrices: "quick" (and full), "full", "no"
 

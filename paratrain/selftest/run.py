@@ -12,11 +12,11 @@ from .report import OK, SKIPPED, Report
 
 __all__ = ["SECTIONS", "SelftestOptions", "run_selftest"]
 
-SECTIONS = ("correctness", "layouts", "collectives", "speed", "memory", "resnet50", "compile")
+SECTIONS = ("correctness", "layouts", "collectives", "speed", "lm", "memory", "resnet50", "compile")
 """In the order they run; each takes a share of the time left when it starts (``SHARES``), the last
 one run all of it."""
 COLLECTIVES_AT_LEAST_S = 15.0  # a backend's collectives need 10 s to start and report (collectives.py), then sizes
-SHARES = {"correctness": 0.45, "layouts": 0.3, "collectives": 0.15, "speed": 0.3, "memory": 0.35, "resnet50": 0.75, "compile": 1.0}
+SHARES = {"correctness": 0.45, "layouts": 0.3, "collectives": 0.15, "speed": 0.3, "lm": 0.3, "memory": 0.35, "resnet50": 0.75, "compile": 1.0}
 
 
 @dataclass(kw_only=True)
@@ -98,6 +98,10 @@ def run_selftest(opts: SelftestOptions, progress: Callable[[str], None] | None =
             job = {"data": cfg.dataset(train=True), "input_shape": shape, "num_classes": 10, "model": cfg.model,
                    "global_batch": 256 if gpus else 64}
             run_speed(report, ddp_world, accelerator, deadline, job, steps=100 if gpus else 40)
+        elif name == "lm":
+            from .lm import run_lm
+
+            run_lm(report, accelerator, deadline)
         elif name == "memory":
             from .speed import run_strategy_cells
 

@@ -59,6 +59,9 @@ class Strategy:
     master_weights: ClassVar[bool] = False  # bf16-true/fp16-true: low-precision model + fp32 masters in the optimizer
     master_weights_hint: ClassVar[str] = "bf16-mixed or 32"  # what to use instead when master_weights is False
     local_overflow_skip: ClassVar[bool] = True  # fp16-mixed: can a rank skip an overflowing step without the others?
+    # each process runs every layer whole, once (not split over processes, not copied per device, no server): what
+    # fp8-mixed's Float8Linear layers need, and the language-model rows of selftest run
+    whole_layers: ClassVar[bool] = False
     in_process_micro_batches: ClassVar[bool] = False  # can options.micro_batches pipeline parts inside one process?
     reference: ClassVar[bool] = False  # the one-device run the others are checked against (bench speedups, verify)
     plain_data_parallel: ClassVar[bool] = False  # a replica per process, gradients all-reduced: the multi-process reference
@@ -91,6 +94,9 @@ class Strategy:
         if precision.master_weights and not cls.master_weights:
             raise ValueError(f"precision {cfg.precision} (low-precision weights with fp32 master copies) is not "
                              f"supported with strategy {cls.name}: use {cls.master_weights_hint}")
+        if precision.float8 and not cls.whole_layers:  # names the strategies that declare it (a test keeps them so)
+            raise ValueError(f"precision {cfg.precision} (torchao's Float8 linears) is not supported with strategy "
+                             f"{cls.name}: use single, ddp or fsdp")
         if precision.scales_loss and not cls.local_overflow_skip:
             raise ValueError(f"precision {cfg.precision} is not supported with strategy {cls.name} (each rank would "
                              "skip overflowing steps on its own): use bf16-mixed or 32")

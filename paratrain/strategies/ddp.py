@@ -58,6 +58,7 @@ class DDPOptions:
 
 class DDPStrategy(Strategy):
     name = "ddp"
+    whole_layers = True
     master_weights = True
     plain_data_parallel = True
     comm_hooks = COMM_HOOKS

@@ -332,6 +332,7 @@ class DTensorStrategy(Strategy):
 
 class FSDPStrategy(DTensorStrategy):
     name = "fsdp"
+    whole_layers = True
     bench_default = "quick"
     options_class = FSDPOptions
 

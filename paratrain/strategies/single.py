@@ -12,6 +12,7 @@ class SingleDeviceStrategy(Strategy):
     processes = "one"
     master_weights = True
     reference = True
+    whole_layers = True
     bench_default = "quick"
 
     def convert_batchnorm(self, model: nn.Module) -> nn.Module:

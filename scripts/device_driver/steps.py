@@ -50,6 +50,8 @@ class Ctx:
     probe: dict[str, Any]
     seed_table_ok: bool = False
     """The seed_table step ran its rows: selftest then skips its own resnet50 section."""
+    lm_ok: bool = False
+    """The lm step ran its rows: selftest then skips its own lm section."""
 
     @property
     def logs(self) -> str:
@@ -79,9 +81,41 @@ def _read_check(ctx: Ctx, name: str, code: int | None, log: str) -> tuple[str, s
 def _selftest_cmd(ctx: Ctx, slice_s: float) -> list[str]:
     cmd = [ctx.python, "-m", "paratrain", "selftest", "--budget", f"{inner_budget(slice_s):.0f}",
            "--out", os.path.join(ctx.logs, "selftest"), "--no-progress"]
-    if ctx.seed_table_ok:
-        cmd += ["--sections", ",".join(s for s in SELFTEST_SECTIONS if s != "resnet50")]
+    done = {"resnet50"} if ctx.seed_table_ok else set()
+    done |= {"lm"} if ctx.lm_ok else set()
+    if done:
+        cmd += ["--sections", ",".join(s for s in SELFTEST_SECTIONS if s not in done)]
     return cmd
+
+
+def _lm_cmd(ctx: Ctx, slice_s: float) -> list[str]:
+    return [ctx.python, "-m", "paratrain", "selftest", "--sections", "lm", "--budget",
+            f"{inner_budget(slice_s):.0f}", "--out", os.path.join(ctx.logs, "lm"), "--no-progress"]
+
+
+def _read_lm(ctx: Ctx, code: int | None, log: str) -> tuple[str, str, dict[str, Any]]:
+    """The LM rows (``selftest --sections lm``): each loop's tokens/s against the plain loop's, per precision."""
+    status, summary, details = _read_selftest(ctx, code, log, "lm")
+    try:
+        with open(os.path.join(ctx.logs, "lm", "selftest.json")) as f:
+            rows = [r for r in json.load(f).get("rows", []) if isinstance(r, dict) and r.get("section") == "lm"]
+    except (OSError, ValueError):
+        rows = []
+    ran = [r for r in rows if r.get("status") in ("ok", "FAIL") and isinstance(r.get("data"), dict)
+           and "tokens_per_s" in r["data"]]
+    details["lm"] = [{"check": r.get("check"), "status": r.get("status"), **r["data"]} for r in ran]
+    failed = [r for r in rows if r.get("status") == "FAIL"]
+    parts = []
+    for r in ran:
+        d = r["data"]
+        mfu = f", MFU {d['mfu']:.0%}" if isinstance(d.get("mfu"), (int, float)) else ""
+        ratio = f" = {d['ratio']:.3f}x plain" if isinstance(d.get("ratio"), (int, float)) else ""
+        parts.append(f"{r.get('check')}: {d['tokens_per_s']:,.0f} tok/s{mfu}{ratio}")
+    line = "; ".join(parts) if parts else "no LM rows ran"
+    ctx.lm_ok = status == "ok" and bool(ran)
+    if status == "ok" and failed:
+        return "failed", f"{len(failed)} LM row(s) failed: {failed[0].get('check')}: {failed[0].get('result')}", details
+    return status, line if status == "ok" else summary, details
 
 
 def _seed_table_cmd(ctx: Ctx, slice_s: float) -> list[str]:
@@ -223,6 +257,7 @@ MakeCommand = Callable[[Ctx, float], list[str]]
 ReadResult = Callable[[Ctx, "int | None", str], tuple[str, str, dict]]
 """``(status, summary, details)`` from the exit status (None: killed at the slice's end) and the log."""
 COMMANDS: dict[str, tuple[MakeCommand, ReadResult]] = {
+    "lm": (_lm_cmd, _read_lm),
     "selftest": (_selftest_cmd, _read_selftest),
     "seed_table": (_seed_table_cmd, _read_seed_table),
     "bench_quick": (_bench_cmd, _read_bench),
