@@ -100,7 +100,8 @@ def run_collectives(report: Report, world: int, backend: str, accelerator: str, 
         return
     try:
         ranks = launch(measure, world, args=(backend, accelerator, sizes, per_size),
-                       timeout=max(30.0, deadline.left * 2), env={"OMP_NUM_THREADS": "1"})
+                       timeout=max(30.0, deadline.left * 2), env={"OMP_NUM_THREADS": "1"},
+                       start_method="forkserver", preload=["paratrain"])  # forked: no import of torch per worker
     except LaunchError as e:
         report.add("collectives", check, FAIL, str(e))
         return

@@ -24,6 +24,7 @@ import functools
 import importlib.util
 import io
 import statistics
+import time
 import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Generator
@@ -41,11 +42,12 @@ __all__ = ["LMJob", "lm_job", "lm_strategies", "lm_precisions", "peak_bf16_flops
 
 GOAL = 0.98
 """paratrain single and ddp reach at least this share of the plain loop's tokens per second (on a GPU)."""
-LM_SECONDS = {"cpu": 20.0, "cuda": 150.0}
+LM_SECONDS = {"cpu": 20.0, "cuda": 200.0}
 LOSS_TOLERANCE = 0.05
 """Every loop's loss after the same steps is within this share of the plain loop's (fp8-mixed's too,
 against the plain loop in bf16)."""
-"""What one precision's rows take, start-up and compilation included: not started when less is left."""
+"""What the first precision's rows take, start-up and compilation included: not started when less is left
+(the worker judges the later ones by what the first took)."""
 PEAK_BF16_TFLOPS: tuple[tuple[str, float], ...] = (
     ("GH200", 989.5), ("H200", 989.5), ("H100 PCIe", 756.0), ("H100", 989.5), ("H800", 989.5), ("B200", 2250.0),
     ("A100", 312.0), ("A800", 312.0), ("L40S", 362.0), ("L40", 181.0), ("L4", 121.0), ("A10G", 70.0),
@@ -248,8 +250,12 @@ def fabric_lm_steps(job: LMJob, device: torch.device, batches: list[Any]) -> Gen
             yield loss.detach()
 
 
-def lm_worker(local_rank: int, jobs: list[LMJob]) -> list[dict[str, Any]]:
-    """In the one launched process: each job's loops, one job after the other (:func:`run_job`)."""
+def lm_worker(local_rank: int, jobs: list[LMJob], until: float = float("inf")) -> list[dict[str, Any]]:
+    """In the one launched process: each job's loops, one job after the other (:func:`run_job`). A job
+    after the first runs only if it fits before ``until`` (``time.time()``), judged by the time the
+    jobs before it took per loop (compilation included); else its result is ``{"skipped": why}``."""
+    import time
+
     import torch.distributed as dist
 
     from ..env.devices import select_device
@@ -261,8 +267,20 @@ def lm_worker(local_rank: int, jobs: list[LMJob]) -> list[dict[str, Any]]:
     else:
         torch.set_num_threads(1)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    results: list[dict[str, Any]] = []
+    per_loop, loops_run = 0.0, 0
     try:
-        return [run_job(job, device) for job in jobs]
+        for job in jobs:
+            n = len(job.loops) + len(job.frameworks)
+            expect = per_loop / loops_run * n if loops_run else 0.0
+            if time.time() + expect > until:
+                results.append({"skipped": f"budget: {max(0.0, until - time.time()):.0f} s left, its {n} loops take "
+                                           f"about {expect:.0f} s here"})
+                continue
+            t0 = time.monotonic()
+            results.append(run_job(job, device))
+            per_loop, loops_run = per_loop + time.monotonic() - t0, loops_run + n
+        return results
     finally:
         dist.destroy_process_group()
 
@@ -393,21 +411,24 @@ def run_lm(report: Report, accelerator: str, deadline: Deadline,
                 report.add("lm", f"LM rows {name}", SKIPPED, why)
     jobs = [lm_job(accelerator, p, tuple(frameworks)) for p in precisions]
     seconds = LM_SECONDS["cuda" if accelerator == "cuda" else "cpu"]
-    while jobs and not deadline.allows(seconds * len(jobs), "lm"):  # the later precisions go first
-        job = jobs.pop()
-        report.add("lm", f"LM rows {job.precision}", SKIPPED, f"budget: {deadline.left:.0f} s left, the rows take "
-                                                               f"about {deadline.expect(seconds, 'lm'):.0f} s here")
-    if not jobs:
+    if not deadline.allows(seconds, "lm"):  # the first precision's rows; the worker judges the others by it
+        for job in jobs:
+            report.add("lm", f"LM rows {job.precision}", SKIPPED, f"budget: {deadline.left:.0f} s left, the rows "
+                                                                   f"take about {deadline.expect(seconds, 'lm'):.0f} s here")
         return []
     try:  # one process for every precision: one start-up
         with deadline.part(seconds * len(jobs), "lm"):
-            (results,) = launch(lm_worker, 1, args=(jobs,), timeout=max(120.0, deadline.left * 2),
-                                env={"OMP_NUM_THREADS": "1"})
+            (results,) = launch(lm_worker, 1, args=(jobs, time.time() + deadline.left),
+                                timeout=max(120.0, deadline.left * 2), env={"OMP_NUM_THREADS": "1"},
+                                start_method="forkserver", preload=["paratrain"])
     except LaunchError as e:
         report.add("lm", f"LM rows {', '.join(j.precision for j in jobs)}", FAIL, str(e))
         return []
     out: list[dict[str, Any]] = []
     for job, result in zip(jobs, results):
+        if "skipped" in result:
+            report.add("lm", f"LM rows {job.precision}", SKIPPED, result["skipped"])
+            continue
         judged = accelerator == "cuda" and not precision_lib.lookup(job.precision).float8  # fp8: its speed-up
         size = f"GPT {job.config.n_layer}x{job.config.n_embd}, seq {job.config.block_size}, batch {job.batch}"
         for row in lm_rows(job, result):

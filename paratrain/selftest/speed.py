@@ -153,7 +153,7 @@ def run_speed(report: Report, world: int, accelerator: str, deadline: Deadline, 
         try:
             with deadline.part(SPEED_SECONDS, "speed"):
                 ranks = launch(speed_worker, world, args=(job,), timeout=max(60.0, deadline.left * 2),
-                               env={"OMP_NUM_THREADS": "1"})
+                               env={"OMP_NUM_THREADS": "1"}, start_method="forkserver", preload=["paratrain"])
         except LaunchError as e:
             errors.append(str(e))
     if ranks is None:

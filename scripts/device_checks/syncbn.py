@@ -49,8 +49,9 @@ def syncbn(mode: str, budget: float) -> Result:
     init = copy.deepcopy(ref.state_dict())
     ref = ref.to(device)
     _plain_sgd(ref, batches, device)
+    # forked from a server that imported paratrain (and torch) once, not a new interpreter per rank
     results = paratrain.launch(_syncbn_worker, nprocs=2, args=(mode, batches, init), timeout=max(30.0, budget - 20),
-                               env={"OMP_NUM_THREADS": "1"})
+                               env={"OMP_NUM_THREADS": "1"}, start_method="forkserver", preload=["paratrain"])
     want_kind = "torch.nn.modules.batchnorm.SyncBatchNorm" if mode == "gpu" else "paratrain.nn.syncbn.SyncBatchNorm"
     for r in results:
         if r["kinds"] != [want_kind]:

@@ -33,7 +33,7 @@ class Step:
 STEPS: tuple[Step, ...] = (
     Step("nccl", "nccl at world size 1: collectives, all_gather/reduce, DDP = plain loop", 45, 20, 30, 10, True),
     Step("lm", "GPT-2 124M: tokens/s, MFU and memory of the plain loop, paratrain, Accelerate, Fabric "
-         "(paratrain selftest --sections lm)", 240, 120, 40, 15),
+         "(paratrain selftest --sections lm)", 300, 120, 40, 15),
     Step("fsdp_bf16", "fsdp + bf16-mixed = single + bf16-mixed, and with cpu_offload (paratrain train)",
          90, 30, 60, 15, True),
     Step("fp16_scaler", "fp16-mixed with torch.amp's CUDA GradScaler: follows fp32, skips an inf step",

@@ -27,6 +27,7 @@ patches paratrain only when a ``PARATRAIN_TEST_*`` variable asks for a fault:
 """
 
 import os
+import sys
 
 _FAULTS = ("KILL", "HANG", "STOP")
 
@@ -192,21 +193,28 @@ def _install_wrong_strategy(name: str) -> None:
     cls.wrap = wrong_wrap
 
 
-if os.environ.get("PARATRAIN_TEST_WRONG_STRATEGY"):
-    _install_wrong_strategy(os.environ["PARATRAIN_TEST_WRONG_STRATEGY"])
-if os.environ.get("PARATRAIN_TEST_STEP_SLEEP"):
-    _install_step_sleep(float(os.environ["PARATRAIN_TEST_STEP_SLEEP"]))
-if os.environ.get("PARATRAIN_TEST_WAIT_ALONE_AT"):
-    _install_wait_alone(int(os.environ["PARATRAIN_TEST_WAIT_ALONE_AT"]))
-for _name in _FAULTS:
-    if os.environ.get(f"PARATRAIN_TEST_{_name}_AT"):
-        _install_step_fault(_name, os.environ[f"PARATRAIN_TEST_{_name}_AT"])
-        break
-if os.environ.get("PARATRAIN_TEST_SIGNAL_AT"):
-    _install_signal_at(os.environ["PARATRAIN_TEST_SIGNAL_AT"])
-if os.environ.get("PARATRAIN_TEST_SLOW_SAVE_AFTER"):
-    _install_slow_save(os.environ["PARATRAIN_TEST_SLOW_SAVE_AFTER"])
-if os.environ.get("PARATRAIN_TEST_SLOW_STEPS"):
-    _install_slow_steps(float(os.environ["PARATRAIN_TEST_SLOW_STEPS"]))
-if os.environ.get("PARATRAIN_TEST_CRASH_AFTER_BYTES"):
-    _install_write_crash(int(os.environ["PARATRAIN_TEST_CRASH_AFTER_BYTES"]))
+def _install_all() -> None:
+    if os.environ.get("PARATRAIN_TEST_WRONG_STRATEGY"):
+        _install_wrong_strategy(os.environ["PARATRAIN_TEST_WRONG_STRATEGY"])
+    if os.environ.get("PARATRAIN_TEST_STEP_SLEEP"):
+        _install_step_sleep(float(os.environ["PARATRAIN_TEST_STEP_SLEEP"]))
+    if os.environ.get("PARATRAIN_TEST_WAIT_ALONE_AT"):
+        _install_wait_alone(int(os.environ["PARATRAIN_TEST_WAIT_ALONE_AT"]))
+    for _name in _FAULTS:
+        if os.environ.get(f"PARATRAIN_TEST_{_name}_AT"):
+            _install_step_fault(_name, os.environ[f"PARATRAIN_TEST_{_name}_AT"])
+            break
+    if os.environ.get("PARATRAIN_TEST_SIGNAL_AT"):
+        _install_signal_at(os.environ["PARATRAIN_TEST_SIGNAL_AT"])
+    if os.environ.get("PARATRAIN_TEST_SLOW_SAVE_AFTER"):
+        _install_slow_save(os.environ["PARATRAIN_TEST_SLOW_SAVE_AFTER"])
+    if os.environ.get("PARATRAIN_TEST_SLOW_STEPS"):
+        _install_slow_steps(float(os.environ["PARATRAIN_TEST_SLOW_STEPS"]))
+    if os.environ.get("PARATRAIN_TEST_CRASH_AFTER_BYTES"):
+        _install_write_crash(int(os.environ["PARATRAIN_TEST_CRASH_AFTER_BYTES"]))
+
+
+# multiprocessing's resource tracker (a new interpreter each launch starts) runs no paratrain code: it
+# imports nothing of it, which would cost it torch's import (seconds of CPU a launch)
+if not any("multiprocessing.resource_tracker" in arg for arg in getattr(sys, "orig_argv", ())):
+    _install_all()

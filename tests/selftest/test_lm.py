@@ -111,4 +111,29 @@ def test_a_budget_too_small_skips_the_rows_with_the_reason() -> None:
     report = Report()
     assert run_lm(report, "cpu", Budget(1).section(1.0)) == []
     budget = [r for r in report.rows if r.result.startswith("budget:")]
-    assert [(r.check, r.status) for r in budget] == [("LM rows fp16-mixed", SKIPPED), ("LM rows bf16-mixed", SKIPPED)]
+    assert [(r.check, r.status) for r in budget] == [("LM rows bf16-mixed", SKIPPED), ("LM rows fp16-mixed", SKIPPED)]
+
+
+def test_a_later_precision_that_would_not_fit_is_skipped_by_the_worker_with_the_reason(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import time
+
+    import torch.distributed as dist
+
+    from paratrain.selftest import lm
+
+    monkeypatch.setattr(dist, "init_process_group", lambda *a, **k: None)
+    monkeypatch.setattr(dist, "destroy_process_group", lambda *a, **k: None)
+
+    def run_job(job, device):  # every job's loops take 0.5 s: 6 loops for bf16, 2 for the twin's fp16
+        time.sleep(0.5)
+        return {"wall": {}, "precision": job.precision}
+
+    monkeypatch.setattr(lm, "run_job", run_job)
+    jobs = [lm_job("cpu", frameworks=("accelerate", "lightning")), lm_job("cpu", "fp16-mixed")]
+    # the first job always runs (run_lm checked that it fits); the second would end 0.17 s after `until`
+    first, second = lm.lm_worker(0, jobs, until=time.time() + 0.6)
+    assert first["precision"] == "bf16-mixed"
+    assert second["skipped"].startswith("budget: 0 s left, its 2 loops take about 0 s here"), second
+    first, second = lm.lm_worker(0, jobs, until=time.time() + 5)  # both fit
+    assert second["precision"] == "fp16-mixed"

@@ -152,7 +152,7 @@ def test_a_speed_launch_that_fails_once_is_tried_again_and_says_so(monkeypatch):
 
     calls = []
 
-    def flaky(fn, world, args, timeout, env):  # the first launch fails as a taken port would
+    def flaky(fn, world, args, timeout, env, **how):  # the first launch fails as a taken port would
         calls.append(world)
         if len(calls) == 1:
             raise LaunchError("rank 0 failed: DistNetworkError: address already in use")
