@@ -43,11 +43,11 @@ __all__ = ["LMJob", "lm_job", "lm_strategies", "lm_precisions", "peak_bf16_flops
 GOAL = 0.98
 """paratrain single and ddp reach at least this share of the plain loop's tokens per second (on a GPU)."""
 LM_SECONDS = {"cpu": 20.0, "cuda": 200.0}
+"""What the first precision's rows take, start-up and compilation included: not started when less is left
+(the worker judges the later ones by what the first took)."""
 LOSS_TOLERANCE = 0.05
 """Every loop's loss after the same steps is within this share of the plain loop's (fp8-mixed's too,
 against the plain loop in bf16)."""
-"""What the first precision's rows take, start-up and compilation included: not started when less is left
-(the worker judges the later ones by what the first took)."""
 PEAK_BF16_TFLOPS: tuple[tuple[str, float], ...] = (
     ("GH200", 989.5), ("H200", 989.5), ("H100 PCIe", 756.0), ("H100", 989.5), ("H800", 989.5), ("B200", 2250.0),
     ("A100", 312.0), ("A800", 312.0), ("L40S", 362.0), ("L40", 181.0), ("L4", 121.0), ("A10G", 70.0),

@@ -167,7 +167,7 @@ def test_a_speed_launch_that_fails_once_is_tried_again_and_says_so(monkeypatch):
     assert len(calls) == 2 and rows["paratrain ddp x2"].status == OK
     assert "second try, the first failed: rank 0 failed: DistNetworkError" in rows["hand-written DDP x2"].result
 
-    def broken(fn, world, args, timeout, env):
+    def broken(fn, world, args, timeout, env, **how):
         calls.append(world)
         raise LaunchError("boom")
 
