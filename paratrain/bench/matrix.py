@@ -225,6 +225,9 @@ def cuda_devices(accelerator: str = "auto") -> int:
 
 def _probe_precision(precision: str, device: str) -> str | None:
     """Why ``precision`` cannot run on ``device`` here, or None."""
+    why = _precision.lookup(precision).unsupported(torch.device(device))  # its own answer first (fp8-mixed's)
+    if why is not None:
+        return why
     dtype = _precision.lookup(precision).param_dtype  # what it computes in, under autocast
     if dtype is None:
         return None

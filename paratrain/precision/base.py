@@ -34,6 +34,12 @@ class Precision:
         self.device = device
         self.skipped_steps = 0
 
+    @classmethod
+    def unsupported(cls, device: torch.device) -> str | None:
+        """Why this precision cannot run on ``device`` here (one line that says what to use), or None.
+        Asked before any worker starts (bench's and selftest's cells skip with it)."""
+        return None
+
     def setup_model(self, model: nn.Module) -> nn.Module:
         return model
 

@@ -62,9 +62,13 @@ class FP8Mixed(BF16Mixed):
 
     def __init__(self, device: torch.device) -> None:
         super().__init__(device)
-        why = float8_unsupported(device)
+        why = self.unsupported(device)
         if why is not None:
             raise ValueError(why)
+
+    @classmethod
+    def unsupported(cls, device: torch.device) -> str | None:
+        return float8_unsupported(device)
 
     def setup_model(self, model: nn.Module) -> nn.Module:
         from torchao.float8 import convert_to_float8_training

@@ -34,7 +34,6 @@ import torch
 from .. import precision as precision_lib
 from .. import strategies
 from ..models.gpt import GPT, GPTConfig, flops_per_token, token_loss
-from ..precision.fp8 import float8_unsupported
 from .budget import Deadline
 from .report import FAIL, OK, SKIPPED, Report
 
@@ -404,7 +403,7 @@ def run_lm(report: Report, accelerator: str, deadline: Deadline,
         precisions = tuple(lm_precisions())
         device = torch.device("cuda", 0) if accelerator == "cuda" else torch.device("cpu")
         for name in float8_precisions():
-            why = float8_unsupported(device)
+            why = precision_lib.lookup(name).unsupported(device)
             if why is None:
                 precisions += (name,)
             else:

@@ -44,6 +44,14 @@ def test_the_command_line_refuses_it_on_the_cpu_in_one_line(tmp_path) -> None:
     assert "precision fp8-mixed needs a CUDA GPU" in lines[0] and "use bf16-mixed" in lines[0]
 
 
+def test_bench_and_selftest_skip_its_cells_with_the_reason_instead_of_starting_them() -> None:
+    from paratrain.bench.matrix import _probe_precision
+
+    assert FP8Mixed.unsupported(torch.device("cpu")) == float8_unsupported(torch.device("cpu"))
+    assert _probe_precision("fp8-mixed", "cpu").startswith("precision fp8-mixed needs a CUDA GPU")
+    assert _probe_precision("bf16-mixed", "cpu") is None
+
+
 def test_an_older_gpu_is_refused_with_its_capability(monkeypatch: pytest.MonkeyPatch) -> None:
     device = _gpu(monkeypatch, (8, 0), "NVIDIA A100-SXM4-80GB")
     assert float8_unsupported(device) == ("precision fp8-mixed needs compute capability 8.9 or newer, and NVIDIA "
