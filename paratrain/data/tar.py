@@ -5,14 +5,15 @@ each sample the files that share a key (``000123.jpg``, ``000123.cls`` → ``{"_
 
 An uncompressed tar seeks: its members' headers are read once (tarfile steps over their data), so a
 shard's length is its count of keys and a resumed run opens the shard at its sample's first header,
-reading no sample before it. A compressed one (``.tar.gz``, ``.tgz``, ...) cannot seek: its length is
-counted by reading (once, cached beside the data) and a resume reads the shard from its start,
-skipping to its sample.
+reading no sample before it. A compressed one (gzip, bzip2, xz: told by its first bytes, not its name)
+cannot seek: its length is counted by reading its members (not decoding them) and a resume reads the
+shard from its start, skipping to its sample.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import tarfile
 from typing import Any, Callable, Iterator, Sequence
 
@@ -20,8 +21,12 @@ from .shards import ShardedStream, Tail
 
 __all__ = ["tar_stream"]
 
-COMPRESSED = (".gz", ".tgz", ".bz2", ".xz", ".zst")
-"""Endings of tar files that cannot seek (their members are read by decompressing from the start)."""
+COMPRESSED = (b"\x1f\x8b", b"BZh", b"\xfd7zXZ\x00")
+"""The first bytes of gzip, bzip2 and xz files: tars that cannot seek (their members are reached by
+decompressing from the start)."""
+ZSTD = b"\x28\xb5\x2f\xfd"
+META = re.compile(r"__[^/]*__($|/)")
+"""Members webdataset's tar iterator skips (``__key__``-style metadata), which are no samples."""
 
 
 def _webdataset() -> Any:
@@ -33,9 +38,22 @@ def _webdataset() -> Any:
     return ti
 
 
+def _head(path: str | os.PathLike) -> bytes:
+    with open(path, "rb") as f:
+        return f.read(6)
+
+
 def seekable(path: str | os.PathLike) -> bool:
     """Whether ``path`` is an uncompressed tar, whose members can be reached by their offsets."""
-    return not os.fspath(path).endswith(COMPRESSED)
+    return not _head(path).startswith(COMPRESSED)
+
+
+def _is_sample_file(member: tarfile.TarInfo) -> bool:
+    """What webdataset's tar iterator yields: regular files that are not its metadata."""
+    name = member.name
+    if not member.isreg() or META.match(name):
+        return False
+    return not ("/" not in name and name.startswith("__") and name.endswith("__"))
 
 
 class _TarReader:
@@ -51,7 +69,7 @@ class _TarReader:
         last = None
         with tarfile.open(path, "r:") as tf:
             for member in tf:
-                key = ti.base_plus_ext(member.name)[0] if member.isreg() else None
+                key = ti.base_plus_ext(member.name)[0] if _is_sample_file(member) else None
                 if key is None or key == last:
                     continue
                 out.append(member.offset)
@@ -61,12 +79,16 @@ class _TarReader:
     def length(self, path: str | os.PathLike) -> int:
         if seekable(path):
             return len(self.starts(path))
-        return sum(1 for _ in self.seek(path, 0))
+        return sum(1 for _ in self._samples(path, 0))  # read, not decoded
 
     def read(self, path: str | os.PathLike) -> Iterator[Any]:
         return self.seek(path, 0)
 
     def seek(self, path: str | os.PathLike, offset: int) -> Iterator[Any]:
+        for sample in self._samples(path, offset):
+            yield self.decode(sample) if self.decode is not None else sample
+
+    def _samples(self, path: str | os.PathLike, offset: int) -> Iterator[dict[str, Any]]:
         ti = _webdataset()
         skip = offset
         with open(path, "rb") as f:
@@ -81,7 +103,7 @@ class _TarReader:
                 if skip:
                     skip -= 1
                     continue
-                yield self.decode(sample) if self.decode is not None else sample
+                yield sample
 
 
 def tar_stream(paths: Sequence[str | os.PathLike], decode: Callable[[dict[str, Any]], Any] | None = None, *,
@@ -96,8 +118,15 @@ def tar_stream(paths: Sequence[str | os.PathLike], decode: Callable[[dict[str, A
     _webdataset()  # the one-line error now, not in a worker
     if not paths:
         raise ValueError("tar_stream needs at least one file")
-    reader = _TarReader(decode)
     sources = [os.fspath(p) for p in paths]
+    for p in sources:
+        if _head(p).startswith(ZSTD):
+            raise ValueError(f"tar_stream: {p} is zstd-compressed, which Python's tarfile reads only from Python 3.14: "
+                             "decompress it (zstd -d) or write .tar or .tar.gz shards")
+    reader = _TarReader(decode)
+    # plain tars: lengths from the headers, seek by header offset. With a compressed one among them the
+    # stream counts by reading (once, its ranks sharing the shards; decode runs then too) and caches the
+    # lengths beside the shards, and a resume reads each open shard from its start (and says so)
     every_seeks = all(seekable(p) for p in sources)
     return ShardedStream(sources, reader.read, lengths=reader.length if every_seeks else None,
                          seek=reader.seek if every_seeks else None, readers=readers, tail=tail, shuffle=shuffle,

@@ -33,9 +33,10 @@ HEAD_NAMES = ("lm_head", "output", "head", "classifier")
 
 def float8_unsupported(device: torch.device) -> str | None:
     """Why fp8-mixed cannot run on ``device`` here (one line naming what to do), or None."""
-    if device.type != "cuda":
+    if device.type != "cuda" or torch.version.hip is not None:  # ROCm's capability numbers are not CUDA's
+        where = "ROCm" if device.type == "cuda" else device.type
         return (f"precision fp8-mixed needs a CUDA GPU of compute capability {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} "
-                f"or newer (Ada, Hopper, Blackwell), and this run is on {device.type}: use bf16-mixed")
+                f"or newer (Ada, Hopper, Blackwell), and this run is on {where}: use bf16-mixed")
     capability = torch.cuda.get_device_capability(device)
     if tuple(capability) < MIN_CAPABILITY:
         return (f"precision fp8-mixed needs compute capability {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} or newer, and "
@@ -71,10 +72,13 @@ class FP8Mixed(BF16Mixed):
         return float8_unsupported(device)
 
     def setup_model(self, model: nn.Module) -> nn.Module:
-        from torchao.float8 import convert_to_float8_training
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
         from torchao.float8.float8_linear import Float8Linear
 
-        model = convert_to_float8_training(model, module_filter_fn=float8_filter)
+        # pad_inner_dim: the weight gradient's inner size is the number of tokens of the micro-batch, which
+        # torch._scaled_mm wants a multiple of 16 (a short last batch, an odd sequence length): padded
+        config = Float8LinearConfig(pad_inner_dim=True)
+        model = convert_to_float8_training(model, module_filter_fn=float8_filter, config=config)
         if not any(isinstance(m, Float8Linear) for m in model.modules()):
             raise ValueError("precision fp8-mixed found no nn.Linear with both sizes a multiple of 16 in the model "
                              "(the output head stays bf16): nothing would train in fp8; use bf16-mixed")

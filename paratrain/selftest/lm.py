@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import importlib.util
 import io
 import statistics
@@ -253,7 +254,6 @@ def lm_worker(local_rank: int, jobs: list[LMJob], until: float = float("inf")) -
     """In the one launched process: each job's loops, one job after the other (:func:`run_job`). A job
     after the first runs only if it fits before ``until`` (``time.time()``), judged by the time the
     jobs before it took per loop (compilation included); else its result is ``{"skipped": why}``."""
-    import time
 
     import torch.distributed as dist
 
@@ -300,27 +300,37 @@ def run_job(job: LMJob, device: torch.device) -> dict[str, Any]:
     memory = PeakMemory(device)
     loops: dict[str, Any] = {}
     peaks: dict[str, int] = {}
-    first_loss: dict[str, float] = {}
+    failed: dict[str, str] = {}
     try:
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             for name in (*job.loops, *job.frameworks):
                 before = memory.current()
                 memory.reset()
-                loops[name] = makers[name]()
-                next(loops[name])  # built
-                losses = [next(loops[name]) for _ in range(job.warmup)]  # compiled, optimizer state made
-                first_loss[name] = float(losses[0]) if losses else float("nan")
+                try:
+                    loop = makers[name]()
+                    next(loop)  # built
+                    for _ in range(job.warmup):  # compiled, optimizer state made
+                        next(loop)
+                except Exception as e:  # another framework's set-up fails alone; paratrain's and the plain loop's do not
+                    if name not in job.frameworks:
+                        raise
+                    failed[name] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                    continue
+                loops[name] = loop
                 peaks[name] = max(0, memory.read() - before)
             sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
             timed = interleave(loops, job.steps, job.block, warmup=0, first="plain", sync=sync)
         flops, device_name = peak_bf16_flops(device)
-        return {"wall": timed["wall"], "peak_bytes": peaks, "first_loss": first_loss,
+        return {"wall": timed["wall"], "peak_bytes": peaks, "failed": failed,
                 "last_loss": {n: float(v[-1]) for n, v in timed["outputs"].items()},
                 "device": device_name, "peak_flops": flops, "memory_method": memory.method}
     finally:
         for loop in loops.values():
             loop.close()
         loops.clear()
+        gc.collect()  # a Parallel is in a reference cycle: its model and optimizer state go only now
+        if job.compile:
+            torch._dynamo.reset()  # the compiled graphs (and what they hold) of this job's loops
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -429,12 +439,16 @@ def run_lm(report: Report, accelerator: str, deadline: Deadline,
             report.add("lm", f"LM rows {job.precision}", SKIPPED, result["skipped"])
             continue
         judged = accelerator == "cuda" and not precision_lib.lookup(job.precision).float8  # fp8: its speed-up
+        for name, why in result.get("failed", {}).items():
+            report.add("lm", f"{label(name)} {job.precision}", FAIL, f"its loop did not set up: {why}")
         size = f"GPT {job.config.n_layer}x{job.config.n_embd}, seq {job.config.block_size}, batch {job.batch}"
         for row in lm_rows(job, result):
             status = OK
             if judged and row.loop in judged_loops() and row.ratio is not None and row.ratio < GOAL:
                 status = FAIL
             note = "" if judged else " (CPU twin: speed not judged)"
+            if row.loop in lm_strategies() and strategies.resolve(row.loop).processes != "one":
+                note += " (at world size 1 paratrain runs it without the strategy's wrapper, as in any one-process job)"
             report.add("lm", f"{label(row.loop)} {job.precision}", status,
                        f"{describe(row, result['device'], result['memory_method'])} ({size}){note}", **asdict(row),
                        precision=job.precision, device=result["device"], peak_flops=result["peak_flops"],

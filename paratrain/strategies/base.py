@@ -146,13 +146,14 @@ class Strategy:
         precision's model (low-precision weights...) placed and wrapped by :meth:`setup_model`."""
         adopted = self.adopt(model)
         if adopted is not None:
-            if self.precision.master_weights:
-                raise ValueError(f"precision {self.precision.name} converts the model's weights: pass the plain module "
-                                 f"to setup, not one already wrapped in {type(adopted).__name__}")
+            if self.precision.master_weights or self.precision.float8:
+                raise ValueError(f"precision {self.precision.name} converts the model's weights or layers: pass the "
+                                 f"plain module to setup, not one already wrapped in {type(adopted).__name__}")
             return adopted, self.unwrap(adopted)
         if self.activation_checkpointing:
             apply_activation_checkpointing(model, self.activation_checkpointing)  # before sharding, as torchtitan
-        wrapped = self.setup_model(self.precision.setup_model(model))
+        model = self.precision.setup_model(model)  # the user's module from now on (fp8: a bare Linear is replaced)
+        wrapped = self.setup_model(model)
         self.precision.broadcast()  # the model now holds rank 0's weights: so does what the precision keeps
         return wrapped, model
 

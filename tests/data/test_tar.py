@@ -15,9 +15,14 @@ pytest.importorskip("webdataset")
 from paratrain.data.tar import _TarReader, seekable, tar_stream  # noqa: E402
 
 
-def write_shard(path, ids, mode="w"):
-    """A tar of samples ``{id}.cls`` (the id as text) and ``{id}.x`` (two float32)."""
+def write_shard(path, ids, mode="w", extra=()):
+    """A tar of samples ``{id}.cls`` (the id as text) and ``{id}.x`` (two float32), after the
+    ``extra`` members (name, bytes) at its start."""
     with tarfile.open(path, mode) as tf:
+        for name, data in extra:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
         for i in ids:
             for ext, data in (("cls", str(i).encode()), ("x", torch.tensor([float(i), 1.0]).numpy().tobytes())):
                 info = tarfile.TarInfo(f"{i:06d}.{ext}")
@@ -40,6 +45,8 @@ def test_tar_shards_are_a_stream_that_seeks(tmp_path):
     first = next(iter(reader.seek(paths[2], 7)))  # opened at its 8th sample's header
     assert first["__key__"] == "002007" and first["cls"] == b"2007" and first["__url__"] == str(paths[2])
     assert [s["__key__"] for s in reader.seek(paths[0], 8)] == ["000008", "000009"]
+    meta = write_shard(tmp_path / "meta.tar", [1, 2, 3], extra=[("__meta__/info.json", b"{}")])
+    assert reader.length(meta) == 3 and [s["__key__"] for s in reader.seek(meta, 2)] == ["000003"]
     assert list(reader.seek(paths[0], 10)) == []
     pt = paratrain.Parallel(global_batch=4)
     full = [b for _, b in zip(range(12), pt.train_loader(tar_stream(paths, decode, readers=2, tail="next")))]
@@ -54,7 +61,9 @@ def test_tar_shards_are_a_stream_that_seeks(tmp_path):
 
 
 def test_compressed_shards_are_counted_once_and_read_from_their_start(tmp_path):
-    paths = [write_shard(tmp_path / f"shard-{k}.tar.gz", [100 * k + j for j in range(n)], "w:gz")
+    # told by their first bytes, not their names: a gzip named .tar is compressed, and metadata members
+    # (webdataset skips them) are no samples
+    paths = [write_shard(tmp_path / f"shard-{k}.tar", [100 * k + j for j in range(n)], "w:gz")
              for k, n in enumerate((5, 3))]
     assert not seekable(paths[0])
     stream = tar_stream(paths, decode)
@@ -80,3 +89,11 @@ def test_without_webdataset_it_is_one_line(monkeypatch, tmp_path):
     monkeypatch.setattr(builtins, "__import__", no_webdataset)
     with pytest.raises(ImportError, match=r"pip install 'paratrain\[tar\]' \(or webdataset\)$"):
         tar_stream([tmp_path / "a.tar"])
+
+
+def test_a_zstd_shard_is_one_line(tmp_path):
+    path = tmp_path / "a.tar.zst"
+    path.write_bytes(b"\x28\xb5\x2f\xfd" + bytes(16))
+    with pytest.raises(ValueError, match=r"a.tar.zst is zstd-compressed, which Python's tarfile reads only from "
+                                         r"Python 3.14: decompress it"):
+        tar_stream([path])
