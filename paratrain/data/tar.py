@@ -6,8 +6,8 @@ each sample the files that share a key (``000123.jpg``, ``000123.cls`` → ``{"_
 An uncompressed tar seeks: its members' headers are read once (tarfile steps over their data), so a
 shard's length is its count of keys and a resumed run opens the shard at its sample's first header,
 reading no sample before it. A compressed one (gzip, bzip2, xz: told by its first bytes, not its name)
-cannot seek: its length is counted by reading its members (not decoding them) and a resume reads the
-shard from its start, skipping to its sample.
+cannot seek: its length is counted once by reading it (``decode`` runs then too; the counts are cached
+beside the shards) and a resume reads the shard from its start, skipping to its sample.
 """
 
 from __future__ import annotations
