@@ -37,6 +37,7 @@ from .. import strategies
 from ..models.gpt import GPT, GPTConfig, flops_per_token, token_loss
 from .budget import Deadline
 from .report import FAIL, OK, SKIPPED, Report
+from .speed import FRAMEWORKS  # the other loops' names and the module each needs
 
 __all__ = ["LMJob", "lm_job", "lm_strategies", "lm_precisions", "peak_bf16_flops", "lm_worker", "run_lm", "GOAL"]
 
@@ -55,8 +56,6 @@ PEAK_BF16_TFLOPS: tuple[tuple[str, float], ...] = (
 )
 """Dense bf16 (V100, T4: fp16) tensor-core peak, TFLOPS, by a part of the device's name (first match;
 the more specific names first): the vendors' data sheets, without sparsity."""
-FRAMEWORKS = {"accelerate": "accelerate", "lightning": "lightning"}
-"""The other loops' names and the module each needs."""
 
 
 @dataclass(frozen=True)
@@ -368,6 +367,8 @@ def judged_loops() -> tuple[str, ...]:
 
 def lm_rows(job: LMJob, result: dict[str, Any]) -> list[LMRow]:
     """Tokens per second, MFU, peak memory and the ratio to the plain loop of every loop of one run."""
+    from ..bench.overhead import round_ratios
+
     with torch.device("meta"):
         per_token = flops_per_token(GPT(job.config))
     wall: dict[str, list[list[float]]] = result["wall"]
@@ -380,7 +381,7 @@ def lm_rows(job: LMJob, result: dict[str, Any]) -> list[LMRow]:
         row = LMRow(name, tps, mfu, result["peak_bytes"].get(name, 0) / 2**20)
         if name != "plain":
             row.ratio = statistics.median([s for r in plain for s in r]) / step
-            row.rounds = [statistics.median(p) / statistics.median(o) for p, o in zip(plain, rounds) if p and o]
+            row.rounds = round_ratios(plain, rounds)  # per round: the plain step over this loop's
         rows.append(row)
     return rows
 
