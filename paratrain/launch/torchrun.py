@@ -20,6 +20,7 @@ What it adds:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -28,7 +29,7 @@ import sys
 import tempfile
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from ..env import preemption
 from ..env.network import free_port, is_loopback
@@ -166,6 +167,35 @@ class LaunchConfig:
         if self.rdzv_endpoint:
             return _endpoint_host(self.rdzv_endpoint)
         return self.master_addr or "127.0.0.1"
+
+
+def local_addr_of(argv: list[str]) -> str:
+    """The ``--local-addr`` of a torchrun command line (what ``MASTER_ADDR`` will be on the rank-0 node),
+    else the wildcard address."""
+    return next((a.split("=", 1)[1] for a in argv if a.startswith("--local-addr=")), "")
+
+
+@contextlib.contextmanager
+def _master_ports_outside_the_ephemeral_range(host: str) -> Iterator[None]:
+    """While the agent runs, each rendezvous round's ``MASTER_PORT`` is :func:`free_port`'s.
+
+    With the rendezvous store not shared (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, above) the agent
+    picks each round's ``MASTER_PORT`` with ``bind(0)`` and closes it, and rank 0 binds it seconds
+    later, once the workers have started. ``bind(0)`` hands out the same ports to every other
+    process here (gloo's listeners, another job's agent), so a restart could find its port taken
+    ("rank 0 cannot listen ... Address already in use"). :func:`free_port` picks outside the
+    kernel's ephemeral range, where nothing lands by chance. torch's function is put back after."""
+    import torch.distributed.elastic.rendezvous.api as api
+
+    original = getattr(api, "get_free_port", None)
+    if original is None:  # another torch: its own choice
+        yield
+        return
+    api.get_free_port = lambda: free_port(host or "0.0.0.0")  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        api.get_free_port = original  # type: ignore[attr-defined]
 
 
 def _torchrun_argv(cfg: LaunchConfig, program: list[str], module: bool, supported: set[str],
@@ -343,7 +373,8 @@ def torchrun(cfg: LaunchConfig, program: list[str], module: bool = False, comman
     try:
         args = parser.parse_args(argv)
         args.training_script_args = list(program[1:])
-        with WakeStopped(), preemption.LauncherSignals(stopped_dir), restart_lines(resumes_from):
+        with WakeStopped(), preemption.LauncherSignals(stopped_dir), restart_lines(resumes_from), \
+                _master_ports_outside_the_ephemeral_range(local_addr_of(argv)):
             if logs is not None:
                 logs.start()
             try:

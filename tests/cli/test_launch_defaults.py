@@ -14,6 +14,7 @@ import pytest
 from clitools import run_cli
 from paratrain.config import ParallelConfig, parallel_defaults
 from paratrain.env import defaults as launch_defaults
+from paratrain.env.network import _ephemeral_range
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -23,7 +24,7 @@ import paratrain
 
 pt = paratrain.Parallel(**json.loads(sys.argv[1]))
 report = {"rank": pt.rank, "strategy": pt.describe()["strategy"], "precision": pt.config.precision,
-          "seed": pt.config.seed, "comm_hook": pt.config.ddp.comm_hook}
+          "seed": pt.config.seed, "comm_hook": pt.config.ddp.comm_hook, "port": int(os.environ["MASTER_PORT"])}
 os.write(1, f"REPORT {json.dumps(report)}\\n".encode())  # one write: the ranks share the launcher's stdout
 pt.close()
 """
@@ -39,8 +40,13 @@ def test_the_command_line_sets_every_ranks_defaults(tmp_path: Path) -> None:
                    "--set", "parallel.seed=7", "--set", "parallel.ddp.comm_hook=fp16", "s.py", "{}"],
                   timeout=120, cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
-    assert reports(res.stdout) == [{"rank": r, "strategy": "ddp", "precision": "bf16-mixed", "seed": 7,
-                                    "comm_hook": "fp16"} for r in (0, 1)]
+    got = reports(res.stdout)
+    # the agent's MASTER_PORT lies outside the kernel's ephemeral range: no other bind(0) (gloo's listeners) takes it
+    # between the agent's choice and rank 0's bind (paratrain.launch.torchrun)
+    (lo, hi), ports = _ephemeral_range(), {r.pop("port") for r in got}
+    assert len(ports) == 1 and not lo <= min(ports) <= hi, (ports, lo, hi)
+    assert got == [{"rank": r, "strategy": "ddp", "precision": "bf16-mixed", "seed": 7,
+                    "comm_hook": "fp16"} for r in (0, 1)]
     assert "in the code wins" not in res.stderr
 
 
@@ -50,8 +56,8 @@ def test_the_code_wins_then_the_command_line_then_paratrain_toml(tmp_path: Path)
     res = run_cli(["run", "--nproc-per-node", "2", "--strategy", "fsdp", "--precision", "bf16-mixed", "s.py",
                    json.dumps({"strategy": "ddp"})], timeout=120, cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
-    assert reports(res.stdout) == [{"rank": r, "strategy": "ddp", "precision": "bf16-mixed", "seed": 5,
-                                    "comm_hook": "none"} for r in (0, 1)]
+    assert [{k: v for k, v in r.items() if k != "port"} for r in reports(res.stdout)] == [
+        {"rank": r, "strategy": "ddp", "precision": "bf16-mixed", "seed": 5, "comm_hook": "none"} for r in (0, 1)]
     notices = [line for line in res.stderr.splitlines() if "in the code wins" in line]
     assert len(notices) == 1, res.stderr[-3000:]  # the main process only
     assert notices[0].endswith("paratrain: Parallel(strategy='ddp') in the code wins over the default set at launch: "
