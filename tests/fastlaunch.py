@@ -16,6 +16,12 @@ import paratrain
 from pace import scaled
 from paratrain.launch import spawn
 
+PRELOAD = ("torch", "paratrain.bench.worker", "torch.distributed.pipelining",
+           *(f"transformers.models.{m}.modeling_{m}" for m in ("llama", "gpt2", "bert")))
+"""What the tests' forkserver imports once, for every worker it forks: torch, bench's worker, pipelining (half a
+second), and the modules of the tiny HuggingFace models (``zoo.hf_model``: transformers' modeling code imports
+torchao too, about 3 s of CPU in every worker that builds one). The forkserver skips a module that is missing."""
+
 _LAUNCH_KEYS = {"WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GLOO_SOCKET_IFNAME", "RANK",
                 "LOCAL_RANK", "GROUP_RANK", "PARATRAIN_SPAWNED", "PARATRAIN_AGENT_PID", "PARATRAIN_TRACE_DIR"}
 
@@ -35,7 +41,7 @@ def launch(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), **kwar
     if kwargs.setdefault("start_method", "forkserver") != "forkserver":
         return spawn.launch(fn, nprocs, args, **kwargs)
     # The preload is read once, when the session's server starts: whoever starts it gets bench's too.
-    kwargs["preload"] = tuple(dict.fromkeys(("torch", "paratrain.bench.worker", *kwargs.get("preload", ()))))
+    kwargs["preload"] = tuple(dict.fromkeys((*PRELOAD, *kwargs.get("preload", ()))))
     extra = tuple((kwargs.get("env") or {}).keys())
     return spawn.launch(_in_callers_env, nprocs, (fn, dict(os.environ), extra, *args), **kwargs)
 
