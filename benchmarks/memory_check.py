@@ -160,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.smoke and (name == "mlp") == (strategy == "tensor"):
                 continue  # smoke: each code path once (the mlp unsplit and sharded, the GPT's fused split)
             peaks = paratrain.launch(worker, nprocs=world, args=(name, size, strategy, precision, args.steps),
-                                     timeout=600, env={"OMP_NUM_THREADS": "1"})
+                                     timeout=600, env={"OMP_NUM_THREADS": "1"},
+                                     start_method="forkserver", preload=["paratrain"])
             measured = max(peaks)
             est = estimate(facts, strategy, world, BATCH[name], precision=precision, optimizer="adamw",
                            mesh=layout(strategy)).peak

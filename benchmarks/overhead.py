@@ -161,7 +161,7 @@ def run_round(first: str, cfg: dict, nprocs: int, timeout: float):
     process CPU time (mean over ranks), and the workers' torch thread count.
     """
     results = paratrain.launch(_worker, nprocs, args=(first, cfg), timeout=timeout,
-                               env={"OMP_NUM_THREADS": str(cfg["threads"])})
+                               env={"OMP_NUM_THREADS": str(cfg["threads"])}, start_method="forkserver", preload=["paratrain"])
     results = sorted(results, key=lambda r: r["rank"])
     wall = {v: [max(step) for step in zip(*(r["step_s"][v] for r in results))] for v in VARIANTS}
     cpu = {v: [statistics.fmean(step) for step in zip(*(r["cpu_s"][v] for r in results))] for v in VARIANTS}

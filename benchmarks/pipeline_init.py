@@ -86,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     params = 12 * size["n_layer"] * size["n_embd"] ** 2 + size["vocab"] * size["n_embd"]
     print(f"GPT {size['n_layer']} blocks x {size['n_embd']}, vocabulary {size['vocab']} (~{params / 1e6:.0f} M "
           f"parameters, fp32), pipeline pp={world}, one SGD step; each rank's peak RSS over its baseline")
-    peaks = {deferred: paratrain.launch(worker, nprocs=world, args=(size, deferred), timeout=900)
+    peaks = {deferred: paratrain.launch(worker, nprocs=world, args=(size, deferred), timeout=900,
+                                              start_method="forkserver", preload=["paratrain"])
              for deferred in (False, True)}
     rows = []
     print(f"{'':>4}  {'built and set up':^34}  {'through one step':^34}")

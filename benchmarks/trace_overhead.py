@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
           f"blocks of {block}, ABBA")
     for strategy in ("ddp", "fsdp"):
         ranks = paratrain.launch(worker, nprocs=2, args=(strategy, steps, block), timeout=600,
-                                 env={"OMP_NUM_THREADS": "1"})
+                                 env={"OMP_NUM_THREADS": "1"}, start_method="forkserver", preload=["paratrain"])
         on, off, checked = (max(r[name] for r in ranks) for name in ("on", "off", "checked"))
         per_record, per_step = max(r["per_record"] for r in ranks), ranks[0]["per_step"]
         cost = per_step * per_record / off
