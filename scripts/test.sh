@@ -82,6 +82,12 @@ joined() {  # joined NAME TITLE: wait for NAME, print its output under TITLE, ad
 }
 bash scripts/setup.sh cpu
 venv=${PARATRAIN_VENV:-.venv}
+# the machine's pace (tests/pace.py: a fresh import of torch against the reference machine's), measured once
+# here, before anything runs beside: the suite's and the floor's limits and budgets scale with the machine, not
+# with this script's own background work
+PARATRAIN_TEST_PACE=${PARATRAIN_TEST_PACE:-$("$venv/bin/python" tests/pace.py)}
+export PARATRAIN_TEST_PACE
+echo "== this machine's pace: $PARATRAIN_TEST_PACE (1 = the reference 2-core machine; limits and budgets scale with it)"
 stage setup
 
 wtmp=$(mktemp -d); tmps+=("$wtmp")
@@ -119,7 +125,7 @@ floor_run() {
   PYTHONPATH="$PWD" timeout --foreground -k 30 2m "$fpy" -c 'import paratrain; print("import paratrain:", paratrain.__version__)' </dev/null
   PYTHONPATH="$PWD" timeout --foreground -k 30 3m "$fpy" -m paratrain train --strategy ddp --nproc-per-node 2 --max-steps 1 \
     --no-progress --log-dir "$ftmp/ddp" </dev/null
-  # the dry run's budget (150 s on a quiet 2-core machine) with this machine's room, as measured now (tests/pace.py)
+  # the dry run's budget (150 s on a quiet 2-core machine) with this machine's room (tests/pace.py: the pace above)
   local budget
   budget=$("$venv/bin/python" tests/pace.py 150)
   PYTHON="$fpy" timeout --foreground -k 30 8m bash scripts/device_check.sh --dry-run --budget "$budget" \

@@ -61,10 +61,11 @@ def scaled(seconds: float) -> float:
     return seconds * pace() * share()
 
 
-if __name__ == "__main__":  # `python tests/pace.py [SECONDS]`: the pace measured now, or SECONDS with its room
+if __name__ == "__main__":  # `python tests/pace.py [SECONDS]`: the pace (PARATRAIN_TEST_PACE, else measured now), or
+    # SECONDS with its room
     import argparse
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("seconds", type=float, nargs="?", help="a limit set on the reference machine")
     args = ap.parse_args()
-    print(f"{measure():.2f}" if args.seconds is None else f"{args.seconds * measure():.0f}")
+    print(f"{pace():.2f}" if args.seconds is None else f"{args.seconds * pace():.0f}")
