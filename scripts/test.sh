@@ -158,10 +158,16 @@ want floor && beside --nice floor_setup "$ftmp/floor-setup.log" bash scripts/set
 echo "== full suite, torch $("$venv/bin/python" -c 'import torch; print(torch.__version__)')"
 # test_smoke.py is for the CUDA wheel (below); the ten slowest tests are listed at the end
 suite_rc=0
-# PARATRAIN_TEST_JUNIT=FILE keeps every test's time there (JUnit XML), to see where the suite's time goes
+# PARATRAIN_TEST_JUNIT=FILE keeps every test's time there (JUnit XML), to see where the suite's time goes;
+# PARATRAIN_TEST_CPU_LOG=FILE each test's CPU seconds, its processes included (tests/cpuaccount.py; as root)
 junit=(); [ -n "${PARATRAIN_TEST_JUNIT:-}" ] && junit=(--junitxml "$PARATRAIN_TEST_JUNIT")
 timeout --foreground -k 30 45m "$venv/bin/python" -m pytest -q "${workers[@]}" --durations=10 \
   ${junit[@]+"${junit[@]}"} --ignore=tests/test_smoke.py "$@" </dev/null || suite_rc=$?
+if [ -s "${PARATRAIN_TEST_CPU_LOG:-}" ]; then  # tests/cpuaccount.py: each test's CPU, its processes included
+  echo "== the ten tests that took the most CPU (core-seconds; wall seconds; of $(awk '{s += $2} END {printf "%.0f", s}' \
+    "$PARATRAIN_TEST_CPU_LOG") core-s in all):"
+  sort -k2 -rn "$PARATRAIN_TEST_CPU_LOG" | head -10 | awk '{printf "%8s %8s  %s\n", $2, $1, $4}'
+fi
 mypy_rc=0
 wait "$mypy_pid" || mypy_rc=$?
 echo "== mypy (exit $mypy_rc):"; cat "$mlog"

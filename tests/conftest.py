@@ -7,6 +7,7 @@ import sys
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, os.path.dirname(__file__))
 
+import cpuaccount  # noqa: E402
 import fastlaunch  # noqa: E402
 import pace  # noqa: E402
 
@@ -25,6 +26,7 @@ def pytest_configure(config):
     _STDERR_FD = os.dup(sys.stderr.fileno())
     faulthandler.register(signal.SIGTERM, file=_STDERR_FD, all_threads=True, chain=True)
     pace.pace()  # measured once, before pytest-xdist starts its workers (they inherit it)
+    cpuaccount.install(config)  # PARATRAIN_TEST_CPU_LOG=FILE: each test's CPU seconds (tests/cpuaccount.py)
 
 
 def pytest_report_header(config):
