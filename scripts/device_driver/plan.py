@@ -8,7 +8,10 @@ __all__ = ["DEFAULT_BUDGET", "DEFAULT_DRY_BUDGET", "Step", "STEPS", "SELFTEST_SE
            "inner_budget"]
 
 DEFAULT_BUDGET = 540.0
-DEFAULT_DRY_BUDGET = 150.0
+DEFAULT_DRY_BUDGET = 180.0
+"""On a quiet 2-core machine: the LM twin (second, after the probe and nccl) gets its want while every
+later step keeps its need (tests/scripts/test_device_check.py)."""
+
 @dataclass(frozen=True)
 class Step:
     name: str
@@ -33,7 +36,7 @@ class Step:
 STEPS: tuple[Step, ...] = (
     Step("nccl", "nccl at world size 1: collectives, all_gather/reduce, DDP = plain loop", 45, 20, 30, 10, True),
     Step("lm", "GPT-2 124M: tokens/s, MFU and memory of the plain loop, paratrain, Accelerate, Fabric "
-         "(paratrain selftest --sections lm)", 300, 120, 40, 15),
+         "(paratrain selftest --sections lm)", 300, 120, 40, 30),
     Step("fsdp_bf16", "fsdp + bf16-mixed = single + bf16-mixed, and with cpu_offload (paratrain train)",
          90, 30, 60, 15, True),
     Step("fp16_scaler", "fp16-mixed with torch.amp's CUDA GradScaler: follows fp32, skips an inf step",

@@ -115,6 +115,20 @@ def test_the_default_plan_fits_ten_minutes_on_one_h100() -> None:
     assert spent <= dc.DEFAULT_BUDGET
 
 
+def test_the_dry_run_gives_the_lm_twin_its_rows_time() -> None:
+    """Issue 38: the dry run (CI's floor) runs the LM row's CPU twin. After the probe and nccl have used
+    their share, the lm step's slice still leaves its rows what selftest's lm section asks for."""
+    from paratrain.selftest.lm import LM_SECONDS
+
+    steps = {s.name: s for s in dc.STEPS}
+    order = [s.name for s in dc.STEPS]
+    assert order.index("lm") <= 1, order  # near the front: nothing before it can eat its slice
+    remaining = dc.DEFAULT_DRY_BUDGET - 10 - steps["nccl"].dry_need  # the probe's seconds and nccl's
+    later = [(s.dry_want, s.dry_need) for s in dc.STEPS[order.index("lm") + 1:]]
+    got = dc.plan_slice(remaining, steps["lm"].dry_want, steps["lm"].dry_need, later)
+    assert got is not None and dc.inner_budget(got) >= LM_SECONDS["cpu"] + 5, got  # 5 s: selftest's own start
+
+
 def test_inner_budget_leaves_time_to_report() -> None:
     assert dc.inner_budget(200) == 170
     assert dc.inner_budget(40) == 30
