@@ -173,7 +173,7 @@ timeout --foreground -k 30 45m "$venv/bin/python" -m pytest -q "${workers[@]}" -
 if [ -s "${PARATRAIN_TEST_CPU_LOG:-}" ]; then  # tests/cpuaccount.py: each test's CPU, its processes included
   echo "== the ten tests that took the most CPU (core-seconds; wall seconds; of $(awk '{s += $2} END {printf "%.0f", s}' \
     "$PARATRAIN_TEST_CPU_LOG") core-s in all):"
-  sort -k2 -rn "$PARATRAIN_TEST_CPU_LOG" | head -10 | awk '{printf "%8s %8s  %s\n", $2, $1, $4}'
+  sort -k2 -rn "$PARATRAIN_TEST_CPU_LOG" | awk 'NR <= 10 {printf "%8s %8s  %s\n", $2, $1, $4}'  # not head: SIGPIPE
 fi
 mypy_rc=0
 wait "$mypy_pid" || mypy_rc=$?
