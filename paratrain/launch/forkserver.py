@@ -162,6 +162,9 @@ def train_worker(argv: list[str], environ: dict[str, str]) -> None:
     os.environ.clear()
     os.environ.update(merged)  # with AGENT_PID: the worker ends with the agent (env.process.die_with_launcher)
     apply_omp_threads()
+    from .spawn import platform_start_method
+
+    platform_start_method()  # a DataLoader's workers fork, as in a worker torchrun started
     sys.argv = ["paratrain", *argv]
     from ..cli.main import main
 

@@ -36,8 +36,21 @@ class LaunchError(RuntimeError):
 _INHERITED = ("TORCHELASTIC_", "ROLE_", "GROUP_WORLD_SIZE")
 
 
+def platform_start_method() -> None:
+    """Give this worker the ``multiprocessing`` start method of a process that python started (fork on Linux
+    before Python 3.14), as a worker of torchrun has. A process started by spawn or a forkserver inherits its
+    launcher's method (``multiprocessing.spawn.prepare``): a ``DataLoader``'s worker processes would then each
+    start a new interpreter, or a forkserver of this rank's own that imports torch again: seconds per worker at
+    every epoch, where a fork takes milliseconds."""
+    import multiprocessing
+
+    multiprocessing.set_start_method(None, force=True)  # None: the platform's default, chosen at first use
+
+
 def _worker(local_rank: int, fn: Callable, nprocs: int, env: dict[str, str], args: tuple, out_dir: str,
             forked: bool = False) -> None:
+    if not forked:
+        platform_start_method()
     if forked:
         # A forked worker ends with os._exit: the parent's (a kernel's) exit handlers must never run
         # here, and its own (leaving the process group, see env.process) run below, as at a

@@ -60,9 +60,12 @@ def test_timeout_kills_workers():
 
 
 def _where(local_rank):
+    import multiprocessing
     import os
     import sys
 
+    # a DataLoader's workers fork, as in a new interpreter, not through a forkserver of this rank's own
+    assert multiprocessing.get_start_method(allow_none=True) is None, multiprocessing.get_start_method()
     return os.getpid(), os.environ["PARATRAIN_TEST_VALUE"], os.environ["RANK"], "paratrain.bench.worker" in sys.modules
 
 

@@ -17,9 +17,13 @@ from paratrain.launch.forkserver import wants_early_start, worker_environ
 
 pytestmark = pytest.mark.timeout(180)
 
+PLATFORM_START_METHOD = subprocess.run([sys.executable, "-c", "import multiprocessing; print(multiprocessing.get_start_method())"],
+                                       capture_output=True, text=True, check=True).stdout.strip()
+"""What a process that python started uses (fork on Linux before Python 3.14)."""
+
 # A model factory that records, in each worker, what the worker runs with.
 PROBE = '''
-import json, os, torch
+import json, multiprocessing, os, torch
 from paratrain.models.registry import build_model
 
 def make(input_shape, num_classes):
@@ -27,7 +31,8 @@ def make(input_shape, num_classes):
     with open(os.path.join(os.environ["PROBE_DIR"], f"rank{rank}.json"), "w") as f:
         json.dump({"pid": os.getpid(), "ppid": os.getppid(), "threads": torch.get_num_threads(),
                    "gloo_ifname": os.environ.get("GLOO_SOCKET_IFNAME"), "user": os.environ.get("PROBE_USER"),
-                   "restart": os.environ.get("TORCHELASTIC_RESTART_COUNT"), "local_rank": os.environ["LOCAL_RANK"]}, f)
+                   "restart": os.environ.get("TORCHELASTIC_RESTART_COUNT"), "local_rank": os.environ["LOCAL_RANK"],
+                   "start_method": multiprocessing.get_start_method()}, f)
     return build_model("mlp", input_shape, num_classes)
 '''
 
@@ -86,6 +91,8 @@ def test_forked_workers_train_as_spawned_ones_do(tmp_path):
     for probe in fprobes + sprobes:
         assert probe["threads"] == 1  # the launcher's OMP_NUM_THREADS (2 cores / 2 workers), not the server's
         assert probe["gloo_ifname"] == "lo" and probe["user"] == "kept" and probe["restart"] == "0"
+        # a DataLoader's workers fork, as in a new interpreter (not a forkserver of each rank's own)
+        assert probe["start_method"] == PLATFORM_START_METHOD
     assert [p["local_rank"] for p in fprobes] == ["0", "1"]
     # the same training, step for step
     assert forked["world_size"] == spawned["world_size"] == 2
