@@ -43,7 +43,9 @@ def uninterrupted(tmp_path_factory):
     return _weights(run)
 
 
-@pytest.mark.parametrize("sig", ["SIGTERM", "SIGUSR1"])
+# One signal per path, crossed: both signals go through one handler (the tests below check that each is forwarded
+# and polled), and the lab's Slurm test sends a real USR1. Each case here is two runs of a CLI.
+@pytest.mark.parametrize("sig", ["SIGTERM"])
 def test_paratrain_train_saves_on_a_stop_signal_and_resumes_bit_exact(tmp_path, uninterrupted, sig):
     run = tmp_path / "run"
     stopped = run_cli([*TRAIN, "--log-dir", str(run)], timeout=240, PARATRAIN_TEST_SIGNAL_AT=f"5:{sig}")
@@ -81,7 +83,7 @@ def uninterrupted_loop(tmp_path_factory) -> dict:
     return torch.load(tmp / "ref.pt")
 
 
-@pytest.mark.parametrize("sig", ["SIGTERM", "SIGUSR1"])
+@pytest.mark.parametrize("sig", ["SIGUSR1"])  # SIGTERM: paratrain train's case above
 def test_own_loop_stops_through_should_stop_and_resumes_bit_exact(tmp_path, uninterrupted_loop, sig):
     stopped = _loop(tmp_path / "out.pt", tmp_path / "ckpt", False, sig, 5)
     assert stopped.returncode == preemption.PREEMPTED_EXIT_CODE, stopped.stderr[-3000:]
