@@ -3,7 +3,8 @@
 #   1. static checks: ruff over paratrain/, tests/, scripts/, benchmarks/ and docs/, mypy over paratrain/ (beside
 #      step 2); zero findings;
 #   2. the whole test suite on the pinned CPU build of torch;
-#   3. the docs (scripts/docs.sh): the site in strict mode, every code block of its pages run;
+#   3. the docs: every code block of its pages runs, a page per test of the suite (tests/docs/test_doc_pages.py), and
+#      the site is built in strict mode beside the suite (scripts/docs.sh --site);
 #   4. the package as users install it: the sdist, the wheel built from it, installed (not -e) into a
 #      fresh venv beside PyPI's default CUDA build of torch (versions from requirements/lock-cuda.txt),
 #      then the smoke suite (pytest -m smoke) against the installed package, on the CPU, from a copy
@@ -11,9 +12,9 @@
 #   5. the floor: torch 2.11.0 (the oldest supported, a CUDA build, on the CPU) with only what a bare
 #      GPU machine's python has, paratrain run from the checkout: import, one ddp x2 step, and
 #      scripts/device_check.sh --dry-run (what a GPU machine's first run does, as CPU twins).
-# What leaves a core idle runs beside what does not: the floor's and the wheel's venvs are built during
-# the suite (niced: mostly unpacking), and the floor (one process at a time, most of it) runs during the
-# docs and the smoke suite, its output printed when it ends. Each stage's own seconds are printed at the
+# What leaves a core idle runs beside what does not: the floor's and the wheel's venvs (niced: mostly unpacking) and
+# the docs site (Sphinx: one core for ~20 s) are built during the suite, and the floor (one process at a time, most of it)
+# runs during the smoke suite, its output printed when it ends. Each stage's own seconds are printed at the
 # end ("== stages (s): ...", the background ones marked "beside").
 # Arguments go to the pytest runs (e.g. -x, -k NAME). PARATRAIN_SKIP_WHEEL=1 (or the older
 # PARATRAIN_SKIP_CUDA_WHEEL=1) skips step 4, PARATRAIN_SKIP_FLOOR=1 step 5;
@@ -161,6 +162,7 @@ stage static
 # the other venvs while the suite runs (niced: the suite's timing is the suite's)
 want wheel && beside --nice wheel_install "$wtmp/wheel-install.log" wheel_venv
 want floor && beside --nice floor_setup "$ftmp/floor-setup.log" bash scripts/setup.sh floor
+beside docs_site "$wtmp/docs-site.log" bash scripts/docs.sh --site  # not niced: 5 min for ~30 core-s; blocks: in the suite
 
 echo "== full suite, torch $("$venv/bin/python" -c 'import torch; print(torch.__version__)')"
 # test_smoke.py is for the CUDA wheel (below); the ten slowest tests are listed at the end
@@ -184,11 +186,9 @@ stage suite
 
 if want floor; then
   joined floor_setup "floor: the venv (scripts/setup.sh floor)"
-  beside floor "$ftmp/floor.log" floor_run  # beside the docs and the smoke suite
+  beside floor "$ftmp/floor.log" floor_run  # beside the smoke suite
 fi
-echo "== docs: the site in strict mode, and every code block of its pages run"
-bash scripts/docs.sh  # in $venv, whose lock holds the docs tools; about 2-4 minutes on 2 cores
-stage docs
+joined docs_site "docs: the site in strict mode (scripts/docs.sh --site)"
 if want wheel; then
   joined wheel_install "wheel: sdist, wheel and a fresh venv with PyPI's CUDA build"
   wheel_smoke "$@"

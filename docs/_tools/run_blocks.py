@@ -50,6 +50,9 @@ SHIMS: list[str] = []  # folders put first on the blocks' PATH (main: the zygote
 NOT_COPIED = {"runs", "build", "bench_out", ".pytest_cache"}
 PYTHON_TIMEOUT = 120
 COMMAND_TIMEOUT = 90
+ROOM = 1.0
+"""Every time limit is multiplied by this (the test suite, which runs the pages beside its other tests: its
+machine's room, tests/pace.py)."""
 
 
 class Stopped(Exception):
@@ -116,7 +119,7 @@ class Page:
         if self.python is None:
             self._start_python()
         assert self.python is not None and self.python.stdin is not None
-        timeout = float(block.options.get("timeout", PYTHON_TIMEOUT))
+        timeout = float(block.options.get("timeout", PYTHON_TIMEOUT)) * ROOM
         self.python.stdin.write(json.dumps({"code": block.code, "file": str(block.path), "line": block.line}) + "\n")
         self.python.stdin.flush()
         ready, _, _ = select.select([self.result_fd], [], [], timeout)
@@ -230,7 +233,7 @@ def run_page(path: Path, tally: Tally, list_only: bool, verbose: bool = False,
                                 body, hash_, comment = command.partition(" #")
                                 command = f"{body.rstrip()} {append}" + (f"  #{comment}" if hash_ else "")
                             page.run_command(command, int(block.options.get("exit", 0)),
-                                             float(block.options.get("timeout", COMMAND_TIMEOUT)))
+                                             float(block.options.get("timeout", COMMAND_TIMEOUT)) * ROOM)
                 else:
                     raise DocError(f"a {block.language} block cannot run: write it to a file or skip it")
                 if verbose and page and block.mode in ("run", "file"):
