@@ -568,7 +568,7 @@ def test_tensor_parallelizes_over_the_cuda_tp_mesh(two_gpus, fake_mesh, monkeypa
     assert sorted(plan) == ["0", "2"]
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved1f1b"])
 def test_pipeline_stage_lives_on_the_process_device(two_gpus, fake_to, monkeypatch, schedule):
     from paratrain.strategies.pipeline import PipelineStrategy, PipelineModule, PipelineOptions
 
@@ -585,15 +585,18 @@ def test_pipeline_stage_lives_on_the_process_device(two_gpus, fake_to, monkeypat
     monkeypatch.setattr(torch.distributed.pipelining, "PipelineStage", Stage)
     monkeypatch.setattr(torch.distributed.pipelining, "ScheduleGPipe", type("ScheduleGPipe", (Schedule,), {}))
     monkeypatch.setattr(torch.distributed.pipelining, "Schedule1F1B", type("Schedule1F1B", (Schedule,), {}))
+    monkeypatch.setattr(torch.distributed.pipelining.schedules, "ScheduleInterleaved1F1B",
+                        type("ScheduleInterleaved1F1B", (Schedule,), {}))
     net = mlp()
     s = PipelineStrategy(dist_info(cuda(1), rank=1, world=2), options=PipelineOptions(schedule=schedule, n_microbatches=2))
     pipe = s.setup_model(net)
-    assert isinstance(pipe, PipelineModule) and pipe.device == cuda(1) and pipe.index == 1
-    assert fake_to == [(pipe.module, cuda(1))]  # only this rank's stage goes to its GPU
+    mine = [1, 3] if schedule == "interleaved1f1b" else [1]  # stages_per_rank 2: rank 1 of 2 holds stages 1 and 3 of 4
+    assert isinstance(pipe, PipelineModule) and pipe.device == cuda(1) and pipe.indices == mine
+    assert fake_to == [(pipe.parts[i], cuda(1)) for i in mine]  # only this rank's stages go to its GPU
     pipe._schedule(torch.Size([8, 4]), 2, training=True)
-    (_, index, n, device), = stages
-    assert (index, n, device) == (1, 2, cuda(1))
-    assert schedules[0][0] == {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}[schedule]
+    assert [(index, n, device) for _, index, n, device in stages] == [(i, 2 * len(mine), cuda(1)) for i in mine]
+    assert schedules[0][0] == {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
+                               "interleaved1f1b": "ScheduleInterleaved1F1B"}[schedule]
 
 
 def test_devices_default_to_every_gpu(two_gpus, fake_to):

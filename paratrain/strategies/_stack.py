@@ -135,6 +135,7 @@ class StackStage(nn.Module):
         object.__setattr__(self, "_whole", model)  # not a submodule: the whole model is not this stage's
         self._stack_name, self._start, self._end, self._first, self._last = stack_name, start, end, first, last
         self._stand_ins = stand_ins  # embeddings this stage does not own -> their width
+        self._owned = list(owned)  # the model's modules it holds, by name
         self._shared: list[tuple[nn.Parameter, Any]] = []  # (parameter another stage owns too, their group)
         self._counted_elsewhere: list[nn.Parameter] = []  # shared parameters an earlier stage counts in the norm
 
@@ -226,11 +227,14 @@ class StackStage(nn.Module):
 
 
 def split_stack(model: nn.Module, n_stages: int, rank: int, split_points: Sequence[str] = (),
-                distributed: bool = True, replicas: int = 1, replica: int = 0) -> list[StackStage] | None:
+                distributed: bool = True, replicas: int = 1, replica: int = 0,
+                pp: int | None = None) -> list[StackStage] | None:
     """The ``n_stages`` stages of a stack model (None when it has no stack of blocks), and on
     every rank the groups that sum a shared parameter's gradients (a collective when
-    ``distributed``: every rank calls it). ``rank`` is this process's stage; with ``replicas``
-    pipelines (data parallel), stage ``s`` of replica ``r`` is global rank ``s * replicas + r``."""
+    ``distributed``: every rank calls it). ``rank`` is this process's place in the pipeline, of ``pp``
+    (default ``n_stages``: a stage each); stage ``s`` is held by pipeline rank ``s % pp`` (several stages
+    a rank: the interleaved schedules' loop). With ``replicas`` pipelines (data parallel), pipeline rank
+    ``q`` of replica ``r`` is global rank ``q * replicas + r``."""
     found = find_stack(model)
     if found is None:
         return None
@@ -262,25 +266,31 @@ def split_stack(model: nn.Module, n_stages: int, rank: int, split_points: Sequen
         owned = [*(before if first else []), *names[a:b], *(after if last else [])]
         stand_ins = {} if first else {n: widths[n] for n in before if n in widths}
         stages.append(StackStage(model, stack_name, a, b, first, last, owned, stand_ins))
-    _share(stages, rank, distributed, replicas, replica)
+    _share(stages, rank, distributed, replicas, replica, pp or n_stages)
     return stages
 
 
-def _share(stages: list[StackStage], rank: int, distributed: bool, replicas: int = 1, replica: int = 0) -> None:
-    """Parameters owned by several stages (tied weights): one process group per set of owners (in
-    each pipeline replica), made on every rank in the same order."""
-    owners: dict[int, list[int]] = {}
+def _share(stages: list[StackStage], rank: int, distributed: bool, replicas: int, replica: int, pp: int) -> None:
+    """Parameters owned by stages on several pipeline ranks (tied weights): one process group per set
+    of those ranks (in each pipeline replica), made on every rank in the same order. Stages of one rank
+    that share a parameter hold the same tensor: autograd sums their gradients."""
+    holders: dict[int, list[int]] = {}  # id(parameter) -> the pipeline ranks holding it, in stage order
     params: dict[int, nn.Parameter] = {}
+    first_stage: dict[tuple[int, int], int] = {}  # (id(parameter), pipeline rank) -> its first stage there
     for i, stage in enumerate(stages):
         for p in stage.parameters():
-            owners.setdefault(id(p), []).append(i)
+            ranks = holders.setdefault(id(p), [])
+            if i % pp not in ranks:
+                ranks.append(i % pp)
+                first_stage[id(p), i % pp] = i
             params[id(p)] = p
-    for pid, ranks in owners.items():
+    for pid, ranks in holders.items():
         if len(ranks) < 2:
             continue
         for r in range(replicas):
-            group = dist.new_group([s * replicas + r for s in ranks]) if distributed else None
+            group = dist.new_group([q * replicas + r for q in sorted(ranks)]) if distributed else None
             if rank in ranks and distributed and r == replica:
-                stages[rank]._shared.append((params[pid], group))
+                stage = stages[first_stage[pid, rank]]
+                stage._shared.append((params[pid], group))
                 if rank != ranks[0]:
-                    stages[rank]._counted_elsewhere.append(params[pid])
+                    stage._counted_elsewhere.append(params[pid])

@@ -31,8 +31,20 @@ class _StageForward(nn.Module):
             return self.part(x)
 
 
+def _holding(model: nn.Module, stages: Sequence[nn.Module]) -> nn.Module:
+    """One module holding ``stages`` (a rank's several) at the model's own paths: its ``state_dict`` keys
+    are the model's, as one stage's are."""
+    from ._stack import StackStage, _mirror
+
+    names: list[str] = []
+    for stage in stages:
+        names += stage._owned if isinstance(stage, StackStage) else list(stage._modules)  # Sequential: top-level
+    return _mirror(model, names)
+
+
 class PipelineModule(nn.Module):
-    """This rank's stage: ``module`` holds its layers (the user's own modules, shared).
+    """This rank's stage: ``module`` holds its layers (the user's own modules, shared); with several
+    stages a rank (the interleaved schedules), ``local`` are they and ``module`` holds them all.
 
     It cannot run the model alone: train with ``pt.training_step`` and evaluate with
     ``pt.evaluate``. One ``PipelineStage`` + schedule is kept per batch shape, because a stage
@@ -41,19 +53,22 @@ class PipelineModule(nn.Module):
     """
 
     module: nn.Module
-    stage: "_StageForward"
+    runners: "list[_StageForward]"
     original: nn.Module
     parts: Sequence[nn.Module]
+    local: Sequence[nn.Module]
 
-    def __init__(self, parts: Sequence[nn.Module], index: int, original: nn.Module, device: torch.device,
+    def __init__(self, parts: Sequence[nn.Module], indices: Sequence[int], original: nn.Module, device: torch.device,
                  options: PipelineOptions, distributed: bool, group: Any = None) -> None:
         super().__init__()
-        self.module = parts[index]
-        # Not submodules (no duplicate parameters): the stage's runner, the whole model, all parts.
-        object.__setattr__(self, "stage", _StageForward(self.module))
+        local = [parts[i] for i in indices]
+        self.module = local[0] if len(local) == 1 else _holding(original, local)
+        # Not submodules (no duplicate parameters): the stages' runners, the whole model, all parts, this rank's.
+        object.__setattr__(self, "runners", [_StageForward(stage) for stage in local])
         object.__setattr__(self, "original", original)
         object.__setattr__(self, "parts", parts)
-        self.index, self.n_stages, self.device, self.options = index, len(parts), device, options
+        object.__setattr__(self, "local", local)
+        self.indices, self.n_stages, self.device, self.options = list(indices), len(parts), device, options
         self.distributed = distributed  # False: a world of one, no process group: plain micro-batching
         self.group = group  # the stages' process group (None: every rank is a stage of one pipeline)
         # pipelines side by side shard a stage over its replicas (FSDP2): every replica's stage must run as many
@@ -65,11 +80,20 @@ class PipelineModule(nn.Module):
 
     @property
     def is_first(self) -> bool:
-        return self.index == 0
+        return 0 in self.indices
 
     @property
     def is_last(self) -> bool:
-        return self.index == self.n_stages - 1
+        return self.n_stages - 1 in self.indices
+
+    def set_context(self, context: Callable[[], Any]) -> None:
+        """What each stage's forward runs under (the precision's autocast)."""
+        for runner in self.runners:
+            runner.context = context
+
+    def counted_elsewhere(self) -> list[nn.Parameter]:
+        """Tied parameters whose gradient a stage of an earlier rank holds too (the norm counts them there)."""
+        return [p for stage in self.local for p in getattr(stage, "counted_elsewhere", list)()]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise RuntimeError(
@@ -89,12 +113,20 @@ class PipelineModule(nn.Module):
     def _schedule(self, shape: torch.Size, n: int, training: bool) -> Any:
         key = (tuple(shape), n, training)
         if key not in self._schedules:
-            from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+            from torch.distributed import pipelining
 
-            stage = PipelineStage(self.stage, self.index, self.n_stages, self.device, group=self.group)
-            cls = Schedule1F1B if training and self.options.schedule == "1f1b" else ScheduleGPipe
+            stages = [pipelining.PipelineStage(runner, index, self.n_stages, self.device, group=self.group)
+                      for runner, index in zip(self.runners, self.indices)]
             loss_fn = self._micro_loss if training else None
-            self._schedules[key] = cls(stage, n, loss_fn=loss_fn, scale_grads=False)
+            name = self.options.schedule if training else "gpipe"  # an evaluation runs forwards only
+            if len(stages) > 1:  # several stages a rank: evaluated through the looped schedule's forwards
+                name = name if training else "loopedbfs"
+                cls = next(getattr(pipelining.schedules, n) for n in dir(pipelining.schedules)
+                           if n.lower() == f"schedule{name}")
+                self._schedules[key] = cls(stages, n, loss_fn=loss_fn, scale_grads=False)
+            else:
+                cls = pipelining.Schedule1F1B if name == "1f1b" else pipelining.ScheduleGPipe
+                self._schedules[key] = cls(stages[0], n, loss_fn=loss_fn, scale_grads=False)
         return self._schedules[key]
 
     def _micro_loss(self, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -107,24 +139,32 @@ class PipelineModule(nn.Module):
         losses: list[torch.Tensor] = []
         if not self.distributed:
             for xc, yc in zip(x.chunk(n), y.chunk(n)):
-                losses.append(loss(self.stage(xc), yc))
+                losses.append(loss(self._run_local(xc), yc))
                 losses[-1].backward()
         else:
             # The schedule's ``losses``, not our own record of loss_fn calls: in torch 2.13 the
             # first step of a schedule also calls loss_fn once to infer gradient shapes.
             self._loss = loss
             schedule = self._schedule(x.shape, n, training=True)
-            shared: list[Any] = getattr(self.module, "shared_grads", list)()  # a tied weight's gradient before this backward
+            # a tied weight's gradient before this backward, per stage that syncs one
+            shared: list[list[Any]] = [getattr(stage, "shared_grads", list)() for stage in self.local]
             schedule.step(*((x,) if self.is_first else ()), target=y if self.is_last else None,
                           losses=losses if self.is_last else None, return_outputs=False)
-            if shared:
-                cast(Any, self.module).sync_shared(shared)  # summed with the other stage holding it (GPT-2's tied embedding)
+            for stage, before in zip(self.local, shared):
+                if before:  # summed with the other rank's stage holding it (GPT-2's tied embedding)
+                    cast(Any, stage).sync_shared(before)
         return [t.detach() for t in losses]
+
+    def _run_local(self, x: torch.Tensor) -> torch.Tensor:
+        """A world of one: every stage here, in order."""
+        for runner in self.runners:
+            x = runner(x)
+        return x
 
     def eval_step(self, x: torch.Tensor) -> torch.Tensor | None:
         """Forward only; the model's output on the last stage, ``None`` elsewhere."""
         if not self.distributed:
-            return self.stage(x)
+            return self._run_local(x)
         n = self.options.n_microbatches if len(x) % self.options.n_microbatches == 0 and not self.eval_whole else 1
         out = self._schedule(x.shape, n, training=False).eval(*((x,) if self.is_first else ()))
         return out if self.is_last else None

@@ -3,7 +3,10 @@
 Built on ``torch.distributed.pipelining``: the model's top-level children are cut into one
 consecutive stage per process (at ``split_points``, or balanced by parameter count), each rank
 wraps its stage in a ``PipelineStage``, and ``ScheduleGPipe`` (all forwards, then all backwards)
-or ``Schedule1F1B`` (one forward, one backward: fewer activations alive) runs a step.
+or ``Schedule1F1B`` (one forward, one backward: fewer activations alive) runs a step. The looped
+schedules (``ScheduleInterleaved1F1B``, ``ScheduleLoopedBFS``, ``ScheduleInterleavedZeroBubble``) cut
+``pp * stages_per_rank`` stages and give pipeline rank ``q`` the stages ``q``, ``q + pp``, ...: one
+``PipelineStage`` each, held in one module under the model's own keys (:class:`PipelineModule`).
 
 Data: the pipeline is *one* data-parallel replica. Every rank loads the same micro-batch
 (``data_parallel_size = 1``); the first stage feeds the inputs, the last one the targets, and the
@@ -57,18 +60,18 @@ __all__ = ["PipelineOptions", "PipelineStrategy", "PipelineModule", "cut_stages"
 
 
 def cut_stages(model: nn.Module, n_stages: int, rank: int = 0, split_points: Sequence[str] = (),
-               distributed: bool = False, replicas: int = 1, replica: int = 0) -> list[nn.Module]:
+               distributed: bool = False, replicas: int = 1, replica: int = 0, pp: int | None = None) -> list[nn.Module]:
     """The pipeline's one rule for cutting ``model`` into ``n_stages`` stages: its top-level
     children in consecutive runs (``split_model``: at ``split_points``, or balanced by parameter
     count), or, for a model whose children are no sequence (a GPT, Llama: a stack of blocks),
     between its blocks (``split_stack``; with ``distributed``, a collective that makes the groups
     of tied parameters, ``rank``'s included; ``replicas`` pipelines side by side, this one
-    ``replica``). ``NotApplicable`` when neither cuts it. The
+    ``replica``; ``pp`` pipeline ranks, stage ``s`` on rank ``s % pp``). ``NotApplicable`` when neither cuts it. The
     strategy's setup and the memory estimate (:mod:`paratrain.bench.memory`) both cut here."""
     try:
         return list(split_model(model, n_stages, split_points, "pipeline"))
     except NotApplicable:
-        stacked = split_stack(model, n_stages, rank, split_points, distributed, replicas, replica)
+        stacked = split_stack(model, n_stages, rank, split_points, distributed, replicas, replica, pp)
         if stacked is None:
             raise
         return list(stacked)
@@ -87,7 +90,11 @@ def check_positions(out: torch.Tensor, target: torch.Tensor, model: str) -> None
             "loss itself, so make forward return every position's logits when targets is None")
 
 
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b", "loopedbfs", "interleavedzerobubble")
+"""torch.distributed.pipelining's schedules by their class names (``Schedule<Name>``, any case), as torchtitan
+names them."""
+LOOPED = ("interleaved1f1b", "loopedbfs", "interleavedzerobubble")
+"""The schedules that run several stages a rank: stage ``s`` of ``pp * stages_per_rank`` on pipeline rank ``s % pp``."""
 
 
 @dataclass
@@ -109,17 +116,28 @@ class PipelineOptions:
     """Pipeline settings."""
 
     schedule: str = "gpipe"
-    """gpipe (all forwards, then all backwards) or 1f1b (steady state alternates: less activation memory)."""
+    """gpipe (all forwards, then all backwards), 1f1b (steady state alternates: less activation memory), or, with
+    several stages a rank (``stages_per_rank``, a smaller bubble): interleaved1f1b, loopedbfs, or
+    interleavedzerobubble (the weights' backward fills the bubble)."""
     n_microbatches: int = 4
     """Micro-batches each step's batch is cut into; the batch must be divisible by it."""
+    stages_per_rank: int = 0
+    """Stages each pipeline rank holds (the model is cut into ``pp * stages_per_rank``; rank ``q`` holds stages
+    ``q``, ``q + pp``, ...). 0: 2 for the interleaved schedules, 1 for gpipe and 1f1b (which take only 1)."""
     split_points: list[str] = field(default_factory=list)
     """Top-level children that start stages 2..N (e.g. ["4"] in an nn.Sequential).
     Empty: contiguous stages with parameter counts as even as possible."""
 
     def __post_init__(self) -> None:
-        self.schedule = str(self.schedule).lower()
+        self.schedule = str(self.schedule).lower().removeprefix("schedule").replace("_", "")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"pipeline schedule {self.schedule!r} is unknown: use one of {', '.join(SCHEDULES)}")
+        looped = self.schedule in LOOPED
+        self.stages_per_rank = self.stages_per_rank or (2 if looped else 1)
+        if self.stages_per_rank < 1 or (not looped and self.stages_per_rank != 1):
+            raise ValueError(f"pipeline stages_per_rank={self.stages_per_rank} with schedule {self.schedule}: "
+                             + (f"use one of {', '.join(LOOPED)} for several stages a rank" if self.stages_per_rank > 1
+                                else "it must be at least 1"))
         if self.n_microbatches < 1:
             raise ValueError(f"pipeline n_microbatches {self.n_microbatches} must be at least 1")
         self.split_points = parse_split_points(self.split_points, "pipeline")
@@ -215,6 +233,11 @@ class PipelineStrategy(Strategy):
         if self.options.schedule == "1f1b" and stages > 1 and n < stages:  # torch refuses it at the first step
             raise ValueError(f"pipeline schedule 1f1b needs at least one micro-batch per stage: n_microbatches={n} "
                              f"< {stages} stages; set n_microbatches >= {stages}, or schedule gpipe")
+        rounds = max(1, n // stages)  # the interleaved schedules run the micro-batches in rounds of pp
+        if self.options.schedule in LOOPED and n % rounds:
+            raise ValueError(f"pipeline schedule {self.options.schedule} runs micro-batches in rounds of {stages} "
+                             f"(the pipeline ranks): n_microbatches={n} is not a multiple of its {rounds} rounds; "
+                             f"use a multiple of {stages}")
         if self.sync_batchnorm:
             self.warn("sync_batchnorm has no effect with pipeline: a stage's BatchNorm is on one rank, and sees "
                       f"each of the step's {n} micro-batches on its own", rank=self.proc.rank)
@@ -230,33 +253,14 @@ class PipelineStrategy(Strategy):
         if distributed and self._composed:
             self._mesh()  # its groups, on every rank in the same order, before the tied parameters' groups
         plan = checked_plan(model, self.tp, self.parts.tensor.plan) if self.tp > 1 else {}  # the whole model's
-        parts = cut_stages(model, self.stages, self.stage_index, o.split_points, distributed, self.dp * self.tp,
-                           self.column)
-        stage = parts[self.stage_index]  # only this stage lives on this rank's device
-        if has_meta(model):
-            pass  # built under init_module: setup materialises only this stage on the device (held_parts)
-        elif isinstance(stage, StackStage):
-            stage.place(self.device)  # with the buffers its blocks share with the whole model
-        else:
-            stage.to(self.device)
-        if distributed and self._composed:
-            whole = self._mesh()[0]
-            old = self.swap.before(stage)
-            if self.tp > 1:  # the stage's part of the plan over its tp ranks, then FSDP2 over the data-parallel ones
-                from torch.distributed.tensor.parallel import parallelize_module
-
-                names = {id(m): n for n, m in stage.named_modules()}
-                mine = {names[id(model.get_submodule(fqn))]: s for fqn, s in plan.items()
-                        if id(model.get_submodule(fqn)) in names}
-                if mine:
-                    parallelize_module(stage, whole["tp"], {n: parallel_style(s) for n, s in mine.items()})
-            if self.dp > 1:  # the stage replicated or sharded over its data-parallel ranks (FSDP2, HSDP)
-                shard_model(stage, data_parallel_mesh(whole, self.layout), self.parts.fsdp, self.precision,
-                            stage.blocks() if isinstance(stage, StackStage) else None)
-            self.swap.after(stage, old)
-            if isinstance(stage, StackStage):
-                stage.follow(self.swap)
-        pipe = PipelineModule(parts, self.stage_index, model, self.device, o, self.proc.backend is not None,
+        per_rank = o.stages_per_rank
+        parts = cut_stages(model, self.stages * per_rank, self.stage_index, o.split_points, distributed,
+                           self.dp * self.tp, self.column, pp=self.stages)
+        # only this rank's stages live on its device: stage_index, and with several a rank every pp-th after it
+        mine = [self.stage_index + k * self.stages for k in range(per_rank)]
+        for index in mine:
+            self._place(model, parts[index], plan, distributed)
+        pipe = PipelineModule(parts, mine, model, self.device, o, self.proc.backend is not None,
                               self._stage_group if distributed else None)
         if self._composed:
             pipe._checked = True  # the whole model's forward would gather other stages' shards: not checked
@@ -264,19 +268,48 @@ class PipelineStrategy(Strategy):
         self._pipes[id(model)] = pipe
         return pipe
 
+    def _place(self, model: nn.Module, stage: nn.Module, plan: dict[str, Any], distributed: bool) -> None:
+        """Put one of this rank's stages on its device, split over its tp ranks and replicated or sharded over its
+        data-parallel ones in a composed layout."""
+        if has_meta(model):
+            pass  # built under init_module: setup materialises only this rank's stages on the device (held_parts)
+        elif isinstance(stage, StackStage):
+            stage.place(self.device)  # with the buffers its blocks share with the whole model
+        else:
+            stage.to(self.device)
+        if not (distributed and self._composed):
+            return
+        whole = self._mesh()[0]
+        old = self.swap.before(stage)
+        if self.tp > 1:  # the stage's part of the plan over its tp ranks, then FSDP2 over the data-parallel ones
+            from torch.distributed.tensor.parallel import parallelize_module
+
+            names = {id(m): n for n, m in stage.named_modules()}
+            mine = {names[id(model.get_submodule(fqn))]: s for fqn, s in plan.items()
+                    if id(model.get_submodule(fqn)) in names}
+            if mine:
+                parallelize_module(stage, whole["tp"], {n: parallel_style(s) for n, s in mine.items()})
+        if self.dp > 1:  # the stage replicated or sharded over its data-parallel ranks (FSDP2, HSDP)
+            shard_model(stage, data_parallel_mesh(whole, self.layout), self.parts.fsdp, self.precision,
+                        stage.blocks() if isinstance(stage, StackStage) else None)
+        self.swap.after(stage, old)
+        if isinstance(stage, StackStage):
+            stage.follow(self.swap)
+
     def unwrap(self, model: nn.Module) -> nn.Module:
-        """This rank's stage (its layers of the user's model)."""
+        """This rank's stage (its layers of the user's model; its stages' with several a rank)."""
         return self._pipeline(model).module
 
     def checkpoint_module(self, wrapped: nn.Module, original: nn.Module) -> nn.Module:
-        """This rank's stage: the only parameters a pipeline rank holds."""
+        """This rank's stage (or stages): the only parameters a pipeline rank holds."""
         return self._pipeline(wrapped).module
 
     def held_parts(self, wrapped: nn.Module, original: nn.Module) -> Held:
-        """This rank's stage, and the buffers of what every stage runs (a rotary embedding's):
+        """This rank's stages, and the buffers of what every stage runs (a rotary embedding's):
         a model built under ``init_module`` keeps the other stages' blocks on the meta device."""
-        stage = self._pipeline(wrapped).module
-        return Held((stage,), tuple(stage.run_outside()) if isinstance(stage, StackStage) else ())
+        local = self._pipeline(wrapped).local
+        outside = {id(m): m for stage in local if isinstance(stage, StackStage) for m in stage.run_outside()}
+        return Held(tuple(local), tuple(outside.values()))
 
     def setup_optimizer(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Keep only this stage's parameters in ``optimizer`` (built over the whole model): the
@@ -317,7 +350,7 @@ class PipelineStrategy(Strategy):
             )
         pipe.check(x[: len(x) // n])
         # the precision's autocast inside each stage
-        pipe.stage.context = self.precision.forward_context if self.precision.autocast else contextlib.nullcontext
+        pipe.set_context(self.precision.forward_context if self.precision.autocast else contextlib.nullcontext)
         mean = torch.zeros((), device=self.device)
 
         def run(divisor: int) -> None:
@@ -357,7 +390,7 @@ class PipelineStrategy(Strategy):
     def clip_grad_norm(self, parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
         """Clip by the norm of the whole model's gradient: the stages' squared norms are summed."""
         params = [p for p in parameters if p.grad is not None]
-        twice = {id(p) for pipe in self._pipes.values() for p in getattr(pipe.module, "counted_elsewhere", list)()}
+        twice = {id(p) for pipe in self._pipes.values() for p in pipe.counted_elsewhere()}
         # the whole stage's norm (its shards and tensor-parallel slices reduced: fsdp's total_norm)
         norm = total_norm([g for p in params if (g := p.grad) is not None and id(p) not in twice])
         total = norm.to(self.device, torch.promote_types(norm.dtype, torch.float32)) ** 2  # float64 stays float64

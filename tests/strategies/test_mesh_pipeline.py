@@ -26,13 +26,17 @@ CLIP = {"llama": 0.05, "gpt": 0.05}
 INIT_MODULE = {"pp2_dp_shard2", "pp2_tp2"}  # built under pt.init_module() (the checkpointed run is built whole)
 
 
+INTERLEAVED = {"schedule": "interleaved1f1b", "stages_per_rank": 2}  # a 4-block GPT in 4 stages, 2 a pipeline rank
+
+
 def build(kind: str) -> torch.nn.Module:
-    return zoo.GPT() if kind == "gpt" else zoo.hf_model(kind)
+    return zoo.GPT() if kind == "gpt" else zoo.GPT(n_layer=4) if kind == "gpt4" else zoo.hf_model(kind)
 
 
 def train(mesh: dict[str, int] | None, kind: str, steps: int = STEPS, save: str | None = None,
-          load: str | None = None, init_module: bool = False) -> dict[str, torch.Tensor]:
-    pt = paratrain.Parallel(global_batch=GLOBAL_BATCH, seed=SEED, clip_grad_norm=CLIP[kind], **({"mesh": mesh} if mesh else {}))
+          load: str | None = None, init_module: bool = False, pipeline: dict | None = None) -> dict[str, torch.Tensor]:
+    pt = paratrain.Parallel(global_batch=GLOBAL_BATCH, seed=SEED, clip_grad_norm=CLIP.get(kind, 0.05),
+                            **({"mesh": mesh} if mesh else {}), **({"pipeline": pipeline} if pipeline else {}))
     with pt.init_module() if init_module else contextlib.nullcontext():  # on the meta device: each rank its stage's part
         model = build(kind).double()
     opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
@@ -58,6 +62,7 @@ def train(mesh: dict[str, int] | None, kind: str, steps: int = STEPS, save: str 
 def worker(rank: int, folder: str) -> dict[str, object]:
     out: dict[str, object] = {f"{name}/{kind}": train(mesh, kind, init_module=name in INIT_MODULE)
                               for name, mesh in LAYOUTS.items() for kind in CLIP}
+    out["interleaved/gpt4"] = train(LAYOUTS["pp2_dp_shard2"], "gpt4", init_module=True, pipeline=INTERLEAVED)
     train(LAYOUTS["pp2_dp_shard2"], "llama", steps=1, save=folder)
     return out
 
@@ -77,7 +82,7 @@ def world4(tmp_path_factory):
 
 def reference(kind: str, steps: int = STEPS) -> dict[str, torch.Tensor]:
     return zoo.train_plain(lambda: build(kind), steps=steps, global_batch=GLOBAL_BATCH, seed=SEED, data=zoo.Tokens(N),
-                           clip_grad_norm=CLIP[kind])
+                           clip_grad_norm=CLIP.get(kind, 0.05))
 
 
 @pytest.mark.parametrize("kind", list(CLIP))
@@ -87,6 +92,15 @@ def test_pipelines_side_by_side_equal_one_process(world4, layout, kind):
     got = world4[f"{layout}/{kind}"]
     assert_same_state({k: got[k] for k in ref}, ref, rtol=1e-9)
     assert int(got["eval"]) == 7  # every sample evaluated once
+
+
+def test_interleaved_stages_sharded_over_their_replicas_equal_one_process(world4):
+    """pp2 x dp_shard2 with two stages a pipeline rank (Interleaved1F1B), built under init_module: each of a rank's
+    stages sharded over its replicas, the tied embedding on stages 0 and 3, one clipping norm, evaluation."""
+    ref = reference("gpt4")
+    got = world4["interleaved/gpt4"]
+    assert_same_state({k: got[k] for k in ref}, ref, rtol=1e-9)
+    assert int(got["eval"]) == 7
 
 
 def test_a_checkpoint_of_pp2_dp_shard2_resumes_under_dp_shard4(world4):

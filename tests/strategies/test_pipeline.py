@@ -56,16 +56,20 @@ def assert_same_pipeline_state(got, ref, rtol):
     assert_same_state(got, ref, rtol)
 
 
-@pytest.mark.parametrize("schedule,world", [("gpipe", 2), ("1f1b", 2), ("gpipe", 1)])
+@pytest.mark.parametrize("schedule,world", [("gpipe", 2), ("1f1b", 2), ("gpipe", 1), ("interleaved1f1b", 2),
+                                             ("loopedbfs", 1)])
 def test_pipeline_matches_single_process_reference(schedule, world):
     ref = MLP.reference()
     results = pipeline_runs(schedule, MLP, world)
     for state, losses, _ in results:  # every rank gathers the whole trained model and the same losses
         assert_same_pipeline_state(state, ref.state, MLP.rtol)
         assert losses == pytest.approx(ref.losses, rel=MLP.rtol)  # functions of the weights: their rtol (measured 9e-8)
-    if world == 2:  # 7 layers balanced by parameters: (Linear, act, Linear) | (act, Linear, act, Linear)
+    if world == 2 and schedule in ("gpipe", "1f1b"):  # 7 layers by parameters: (Linear, act, Linear) | (act, Linear, ...)
         assert results[0][2] == ["0.bias", "0.weight", "2.bias", "2.weight"]
         assert results[1][2] == ["4.bias", "4.weight", "6.bias", "6.weight"]
+    elif world == 2:  # 4 stages, 2 a rank: rank 0 holds stages 0 and 2, rank 1 stages 1 and 3
+        assert results[0][2] == ["0.bias", "0.weight", "4.bias", "4.weight"]
+        assert results[1][2] == ["2.bias", "2.weight", "6.bias", "6.weight"]
 
 
 def test_pipeline_accumulation_and_clipping():
@@ -211,6 +215,14 @@ def test_config_errors():
         PipelineOptions(schedule="zb")
     with pytest.raises(ValueError, match="n_microbatches 0"):
         PipelineOptions(n_microbatches=0)
+    # torch's class names, any case, as torchtitan takes them; two stages a rank unless told
+    assert (PipelineOptions(schedule="ScheduleInterleaved1F1B").schedule, PipelineOptions(schedule="Interleaved1F1B")
+            .stages_per_rank, PipelineOptions(schedule="interleaved_zero_bubble").schedule) == (
+        "interleaved1f1b", 2, "interleavedzerobubble")
+    assert PipelineOptions(schedule="loopedbfs", stages_per_rank=3).stages_per_rank == 3
+    with pytest.raises(ValueError, match="stages_per_rank=2 with schedule 1f1b: use one of interleaved1f1b, loopedbfs, "
+                                         "interleavedzerobubble for several stages a rank"):
+        PipelineOptions(schedule="1f1b", stages_per_rank=2)
     assert PipelineOptions(split_points="block1,head").split_points == ["block1", "head"]  # command line
     with pytest.raises(ValueError, match="name a child twice"):
         PipelineOptions(split_points=["a", "a"])
@@ -259,18 +271,22 @@ def test_batchnorm_under_micro_batches_is_said_once_at_setup():
         "stages one after another"]
 
 
-def _one_micro_batch_for_two_stages(local_rank):
-    pt = paratrain.Parallel(strategy="pipeline", global_batch=4, pipeline={"schedule": "1f1b", "n_microbatches": 1})
-    try:
-        pt.setup(MLP.model())
-    except ValueError as e:
-        return str(e)
-    finally:
-        pt.close(wait_for_peers=False)
-    return None
+def _micro_batches_the_schedule_refuses(local_rank):
+    said = []
+    for schedule, n in (("1f1b", 1), ("interleaved1f1b", 5)):
+        pt = paratrain.Parallel(strategy="pipeline", global_batch=10, pipeline={"schedule": schedule, "n_microbatches": n})
+        try:
+            pt.setup(MLP.model())
+        except ValueError as e:
+            said.append(str(e))
+        finally:
+            pt.close(wait_for_peers=False)
+    return said
 
 
-def test_1f1b_with_fewer_micro_batches_than_stages_is_one_line_at_setup():
-    out = paratrain.launch(_one_micro_batch_for_two_stages, 2, timeout=60)
-    assert out == ["pipeline schedule 1f1b needs at least one micro-batch per stage: n_microbatches=1 < 2 stages; "
-                   "set n_microbatches >= 2, or schedule gpipe"] * 2
+def test_micro_batches_a_schedule_cannot_run_are_one_line_at_setup():
+    out = paratrain.launch(_micro_batches_the_schedule_refuses, 2, timeout=60)
+    assert out == [["pipeline schedule 1f1b needs at least one micro-batch per stage: n_microbatches=1 < 2 stages; "
+                    "set n_microbatches >= 2, or schedule gpipe",
+                    "pipeline schedule interleaved1f1b runs micro-batches in rounds of 2 (the pipeline ranks): "
+                    "n_microbatches=5 is not a multiple of its 2 rounds; use a multiple of 2"]] * 2

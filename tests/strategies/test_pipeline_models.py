@@ -16,18 +16,19 @@ from paratrain.strategies._stack import split_stack
 pytestmark = pytest.mark.timeout(300)
 GLOBAL_BATCH, STEPS, SEED, N = 8, 3, 7, 24
 KINDS = ("gpt", "gpt2", "llama", "bert")
+LOOPED = ("interleaved1f1b", "interleavedzerobubble")  # two stages a rank: a 4-block GPT cut into 4 stages
 
 
 def build(kind: str) -> torch.nn.Module:
-    return zoo.GPT() if kind == "gpt" else zoo.hf_model(kind)
+    return zoo.GPT() if kind == "gpt" else zoo.GPT(n_layer=4) if kind == "gpt4" else zoo.hf_model(kind)
 
 
 def data(kind: str) -> zoo.Tokens:
     return zoo.Tokens(N, classes=2 if kind == "bert" else None)
 
 
-def train_pipeline(kind: str, folder: str | None = None) -> dict[str, torch.Tensor]:
-    pt = paratrain.Parallel(strategy="pipeline", global_batch=GLOBAL_BATCH, seed=SEED)
+def train_pipeline(kind: str, folder: str | None = None, schedule: str = "gpipe") -> dict[str, torch.Tensor]:
+    pt = paratrain.Parallel(strategy="pipeline", global_batch=GLOBAL_BATCH, seed=SEED, pipeline={"schedule": schedule})
     model = build(kind).double()
     opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
     model, opt = pt.setup(model, opt)
@@ -39,11 +40,14 @@ def train_pipeline(kind: str, folder: str | None = None) -> dict[str, torch.Tens
         opt.step()
     if folder:
         pt.save_checkpoint(folder, model, opt)
+    if schedule in LOOPED:  # this rank's stages, in one module under the model's own keys
+        return {**pt.full_state_dict(model), "held": sorted(pt.strategy.unwrap(model).state_dict())}
     return pt.full_state_dict(model)
 
 
 def worker(rank: int, folder: str) -> dict[str, dict[str, torch.Tensor]]:
     out = {kind: train_pipeline(kind, folder if kind == "gpt2" else None) for kind in KINDS}
+    out.update({schedule: train_pipeline("gpt4", schedule=schedule) for schedule in LOOPED})
     paratrain.Parallel(strategy="pipeline").close()
     return out
 
@@ -62,6 +66,20 @@ def test_pipeline_equals_one_process(world2, kind):
     for rank in (0, 1):
         got = world2[rank][kind]
         assert_same_state({k: got[k] for k in ref}, ref, rtol=1e-9)
+
+
+@pytest.mark.parametrize("schedule", LOOPED)
+def test_two_stages_a_rank_equal_one_process(world2, schedule):
+    """Issue 35: the interleaved schedules (2 stages a rank: rank 0 runs stages 0 and 2, rank 1 stages 1 and 3) train
+    what one process trains, the tied embedding (stage 0) and head (stage 3) included; so they equal GPipe."""
+    ref = zoo.train_plain(lambda: build("gpt4"), steps=STEPS, global_batch=GLOBAL_BATCH, seed=SEED, data=data("gpt"))
+    for rank in (0, 1):
+        got = world2[rank][schedule]
+        assert_same_state({k: got[k] for k in ref}, ref, rtol=1e-9)
+    blocks = [{k.split(".")[2] for k in world2[rank][schedule]["held"] if k.startswith("transformer.h.")}
+              for rank in (0, 1)]
+    assert blocks == [{"0", "2"}, {"1", "3"}]
+    assert "transformer.wte.weight" in world2[0][schedule]["held"] and "lm_head.weight" in world2[1][schedule]["held"]
 
 
 def test_tied_weights_step_alike_on_both_stages(world2):
