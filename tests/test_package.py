@@ -92,7 +92,7 @@ def test_test_extra_covers_what_the_tests_import() -> None:
     are missing only skip), and CI's requirements-common.txt, which the locks are built from, holds it."""
     test_extra = _requirement_names(PYPROJECT["project"]["optional-dependencies"]["test"])
     core = _requirement_names(PYPROJECT["project"]["dependencies"])
-    local = {p.stem for d in ("tests", "examples", "scripts") for p in (ROOT / d).rglob("*.py")}
+    local = {p.stem for d in ("tests", "examples", "scripts", "docs/_tools") for p in (ROOT / d).rglob("*.py")}
     local |= {p.name for p in (ROOT / "tests").rglob("*") if p.is_dir()}
     not_declared = {"tomli",  # tomllib's backport, imported only below Python 3.11
                     "torchvision"}  # the [data] extra: needs the torch build it was made for
