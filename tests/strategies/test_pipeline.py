@@ -271,22 +271,32 @@ def test_batchnorm_under_micro_batches_is_said_once_at_setup():
         "stages one after another"]
 
 
-def _micro_batches_the_schedule_refuses(local_rank):
-    said = []
-    for schedule, n in (("1f1b", 1), ("interleaved1f1b", 5)):
-        pt = paratrain.Parallel(strategy="pipeline", global_batch=10, pipeline={"schedule": schedule, "n_microbatches": n})
-        try:
-            pt.setup(MLP.model())
-        except ValueError as e:
-            said.append(str(e))
-        finally:
-            pt.close(wait_for_peers=False)
-    return said
+def _one_micro_batch_for_two_stages(local_rank):
+    pt = paratrain.Parallel(strategy="pipeline", global_batch=4, pipeline={"schedule": "1f1b", "n_microbatches": 1})
+    try:
+        pt.setup(MLP.model())
+    except ValueError as e:
+        return str(e)
+    finally:
+        pt.close(wait_for_peers=False)
+    return None
 
 
-def test_micro_batches_a_schedule_cannot_run_are_one_line_at_setup():
-    out = paratrain.launch(_micro_batches_the_schedule_refuses, 2, timeout=60)
-    assert out == [["pipeline schedule 1f1b needs at least one micro-batch per stage: n_microbatches=1 < 2 stages; "
-                    "set n_microbatches >= 2, or schedule gpipe",
-                    "pipeline schedule interleaved1f1b runs micro-batches in rounds of 2 (the pipeline ranks): "
-                    "n_microbatches=5 is not a multiple of its 2 rounds; use a multiple of 2"]] * 2
+def test_1f1b_with_fewer_micro_batches_than_stages_is_one_line_at_setup():
+    out = paratrain.launch(_one_micro_batch_for_two_stages, 2, timeout=60)
+    assert out == ["pipeline schedule 1f1b needs at least one micro-batch per stage: n_microbatches=1 < 2 stages; "
+                   "set n_microbatches >= 2, or schedule gpipe"] * 2
+
+
+def test_micro_batches_an_interleaved_schedule_cannot_run_in_rounds_are_one_line_at_setup():
+    """Checked before anything is cut or sent: rank 1 of 2, no process group needed."""
+    from paratrain.env.base import ProcessInfo
+    from paratrain.env.process import Dist
+    from paratrain.strategies.pipeline import PipelineStrategy
+
+    rank1 = Dist(ProcessInfo(rank=1, world_size=2, local_rank=1, local_world_size=2), torch.device("cpu"), "gloo")
+    strategy = PipelineStrategy(rank1, options=PipelineOptions(schedule="interleaved1f1b", n_microbatches=5))
+    with pytest.raises(ValueError) as e:
+        strategy.setup_model(MLP.model())
+    assert str(e.value) == ("pipeline schedule interleaved1f1b runs micro-batches in rounds of 2 (the pipeline ranks): "
+                            "n_microbatches=5 is not a multiple of its 2 rounds; use a multiple of 2")
