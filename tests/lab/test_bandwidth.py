@@ -37,7 +37,8 @@ def step_time(lab, tmp_path, tag: str) -> float:
 @pytest.mark.timeout(300)
 def test_the_bytes_bench_reports_over_the_rate_account_for_the_slower_steps(fresh_lab, tmp_path):
     lab = fresh_lab
-    r = run_cli(["bench", *JOB, "--strategies", "ddp", "--world-sizes", "2", "--precisions", "32",
+    # the bytes of one step, whatever the epoch's length: 8 steps of the synthetic set, not 64
+    r = run_cli(["bench", *JOB, "--set", "data.synthetic_size=512", "--strategies", "ddp", "--world-sizes", "2", "--precisions", "32",
                  "--comm-hooks", "none", "--epochs", "1", "--no-baseline", "--no-trap", "--no-progress",
                  "--out", str(tmp_path / "bench")], timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
