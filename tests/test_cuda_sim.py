@@ -585,7 +585,7 @@ def test_pipeline_stage_lives_on_the_process_device(two_gpus, fake_to, monkeypat
     monkeypatch.setattr(torch.distributed.pipelining, "PipelineStage", Stage)
     monkeypatch.setattr(torch.distributed.pipelining, "ScheduleGPipe", type("ScheduleGPipe", (Schedule,), {}))
     monkeypatch.setattr(torch.distributed.pipelining, "Schedule1F1B", type("Schedule1F1B", (Schedule,), {}))
-    monkeypatch.setattr(torch.distributed.pipelining.schedules, "ScheduleInterleaved1F1B",
+    monkeypatch.setattr(torch.distributed.pipelining, "ScheduleInterleaved1F1B",
                         type("ScheduleInterleaved1F1B", (Schedule,), {}))
     net = mlp()
     s = PipelineStrategy(dist_info(cuda(1), rank=1, world=2), options=PipelineOptions(schedule=schedule, n_microbatches=2))

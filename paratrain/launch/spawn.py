@@ -51,7 +51,7 @@ def _worker(local_rank: int, fn: Callable, nprocs: int, env: dict[str, str], arg
             forked: bool = False) -> None:
     if not forked:
         platform_start_method()
-    if forked:
+    else:
         # A forked worker ends with os._exit: the parent's (a kernel's) exit handlers must never run
         # here, and its own (leaving the process group, see env.process) run below, as at a
         # spawned worker's exit.

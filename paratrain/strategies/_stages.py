@@ -15,7 +15,14 @@ from ._split import check_sequential
 if TYPE_CHECKING:
     from .pipeline import PipelineOptions
 
-__all__ = ["PipelineModule"]
+__all__ = ["PipelineModule", "SCHEDULE_CLASSES", "LOOPED"]
+
+SCHEDULE_CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved1f1b": "ScheduleInterleaved1F1B",
+                    "loopedbfs": "ScheduleLoopedBFS", "interleavedzerobubble": "ScheduleInterleavedZeroBubble"}
+"""Each schedule's class in ``torch.distributed.pipelining``; a schedule is named as its class (any case, with or
+without ``Schedule``), as torchtitan names them."""
+LOOPED = ("interleaved1f1b", "loopedbfs", "interleavedzerobubble")
+"""The schedules that run several stages a rank: stage ``s`` of ``pp * stages_per_rank`` on pipeline rank ``s % pp``."""
 
 
 class _StageForward(nn.Module):
@@ -117,16 +124,12 @@ class PipelineModule(nn.Module):
 
             stages = [pipelining.PipelineStage(runner, index, self.n_stages, self.device, group=self.group)
                       for runner, index in zip(self.runners, self.indices)]
-            loss_fn = self._micro_loss if training else None
-            name = self.options.schedule if training else "gpipe"  # an evaluation runs forwards only
-            if len(stages) > 1:  # several stages a rank: evaluated through the looped schedule's forwards
-                name = name if training else "loopedbfs"
-                cls = next(getattr(pipelining.schedules, n) for n in dir(pipelining.schedules)
-                           if n.lower() == f"schedule{name}")
-                self._schedules[key] = cls(stages, n, loss_fn=loss_fn, scale_grads=False)
-            else:
-                cls = pipelining.Schedule1F1B if name == "1f1b" else pipelining.ScheduleGPipe
-                self._schedules[key] = cls(stages[0], n, loss_fn=loss_fn, scale_grads=False)
+            looped = self.options.schedule in LOOPED  # a list of this rank's stages, else its one stage
+            # an evaluation runs forwards only: in the order of the stages' placement
+            name = self.options.schedule if training else "loopedbfs" if looped else "gpipe"
+            cls = getattr(pipelining, SCHEDULE_CLASSES[name])
+            self._schedules[key] = cls(stages if looped else stages[0], n,
+                                       loss_fn=self._micro_loss if training else None, scale_grads=False)
         return self._schedules[key]
 
     def _micro_loss(self, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

@@ -48,7 +48,7 @@ from ..env.process import Dist
 from ..precision import lookup as precision_class
 from ._split import parse_split_points, split_model
 from ._stack import StackStage, split_stack
-from ._stages import PipelineModule
+from ._stages import LOOPED, SCHEDULE_CLASSES, PipelineModule
 from ..checkpoint.sharded import full_state_dict as sharded_full_state_dict
 from ..nn.deferred import Held, has_meta
 from .base import NotApplicable, Strategy, data_parallel_size, mesh_dimensions
@@ -90,11 +90,7 @@ def check_positions(out: torch.Tensor, target: torch.Tensor, model: str) -> None
             "loss itself, so make forward return every position's logits when targets is None")
 
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b", "loopedbfs", "interleavedzerobubble")
-"""torch.distributed.pipelining's schedules by their class names (``Schedule<Name>``, any case), as torchtitan
-names them."""
-LOOPED = ("interleaved1f1b", "loopedbfs", "interleavedzerobubble")
-"""The schedules that run several stages a rank: stage ``s`` of ``pp * stages_per_rank`` on pipeline rank ``s % pp``."""
+SCHEDULES = tuple(SCHEDULE_CLASSES)
 
 
 @dataclass
