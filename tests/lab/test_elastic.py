@@ -25,7 +25,9 @@ def wait_for_checkpoint(ckpt, step, procs, timeout=120):
     deadline = time.monotonic() + timeout
     while not (latest.exists() and want in latest.read_text()):
         if any(p.poll() is not None for p in procs) or time.monotonic() > deadline:
-            raise AssertionError(f"latest never named {want}: exit codes {[p.poll() for p in procs]}")
+            ended = [f"host {k} exited {p.returncode}:\n{p.communicate()[1][-2000:]}" for k, p in enumerate(procs)
+                     if p.poll() is not None]  # what the ones that ended said
+            raise AssertionError(f"latest never named {want}: exit codes {[p.poll() for p in procs]}\n" + "\n".join(ended))
         time.sleep(0.2)
 
 
