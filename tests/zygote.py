@@ -20,10 +20,19 @@ The docs' code blocks (``docs/_tools/run_blocks.py``) use the same server throug
 shim on their ``PATH`` (:func:`write_shim`). A command whose client goes away (a killed test, pytest
 process or shim) is killed with its process group.
 
+The workers of a ``paratrain run`` command that forked from the server (torchrun's agent starts each as
+``python -u SCRIPT ARGS`` or ``python -u -m MODULE ARGS``) fork from the same server too
+(:func:`_fork_workers`), each in its own session with the environment, stdio and directory the agent gave it,
+run as ``python`` runs a script (``runpy``; ``sys.path[0]`` the script's folder). Their parent is the
+server's helper, not the agent, and a worker outlives its agent as an exec'd one would: it ends by
+paratrain's own watch of ``PARATRAIN_AGENT_PID`` (``env.process.die_with_launcher``), not by its helper.
+Another program (``python -c``, other flags, another interpreter) starts as always.
+
 Protocol (one Unix socket per server; one connection per command): the client sends a
 length-prefixed JSON request (argv, env, cwd) with its three stdio descriptors attached
 (``socket.send_fds``); the server forks a helper, which forks the command and answers with two JSON
-lines: ``{"pid": N}``, then ``{"status": CODE}`` when the command ends.
+lines: ``{"pid": N}``, then ``{"status": CODE}`` when the command ends. The request's argv is the
+interpreter's (``-m paratrain ARGS``, ``-u SCRIPT ARGS``).
 """
 
 from __future__ import annotations
@@ -46,7 +55,7 @@ PRELOAD = ("torch", "paratrain", "paratrain.cli.main", "paratrain.cli.train", "p
            "paratrain.launch.torchrun", "torch.distributed.elastic.multiprocessing.errors")
 
 _server: subprocess.Popen | None = None
-_address: str | None = None
+_address: str | None = None  # in a command: the server it forked from (its workers fork from it too)
 # in the server
 _BASE_PATH: list[str] = []  # its sys.path
 _SERVER_PYTHONPATH: set[str] = set()  # its $PYTHONPATH's entries (a command has its own)
@@ -61,7 +70,7 @@ def start_server(env: dict[str, str]) -> str:
     """The address of this process's server, started with ``env`` at the first command (a few
     seconds, once); it ends with this process."""
     global _server, _address
-    if _server is not None and _server.poll() is None and _address is not None:
+    if _address is not None and (_server is None or _server.poll() is None):  # started, or (in a command) given
         return _address
     folder = tempfile.mkdtemp(prefix="paratrain-zygote-")
     address = os.path.join(folder, "z.sock")
@@ -94,7 +103,8 @@ def write_shim(folder: str) -> str:
 def client_main() -> None:
     """The shim's ``paratrain ARGS``: the command runs in a child of the server, with this process's
     stdio, environment and directory; signals sent here reach it, and this process exits as it did."""
-    sock = _request(os.environ["PARATRAIN_ZYGOTE"], sys.argv[1:], dict(os.environ), os.getcwd(), [0, 1, 2])
+    sock = _request(os.environ["PARATRAIN_ZYGOTE"], ["-m", "paratrain", *sys.argv[1:]], dict(os.environ), os.getcwd(),
+                    [0, 1, 2])
     lines = _Lines(sock)
     pid = int(lines.next(None)["pid"])
 
@@ -113,10 +123,12 @@ def client_main() -> None:
     sys.exit(status)
 
 
-def _request(address: str, argv: list[str], env: dict[str, str], cwd: str, fds: list[int]) -> socket.socket:
+def _request(address: str, argv: list[str], env: dict[str, str], cwd: str, fds: list[int],
+             keep: bool = False) -> socket.socket:
+    """Ask the server at ``address`` for ``python ARGV`` (``keep``: the command outlives this client)."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.connect(address)
-    body = json.dumps({"argv": argv, "env": env, "cwd": cwd}).encode()
+    body = json.dumps({"argv": argv, "env": env, "cwd": cwd, "keep": keep, "address": address}).encode()
     socket.send_fds(sock, [struct.pack("!Q", len(body))], fds)
     sock.sendall(body)
     return sock
@@ -148,10 +160,28 @@ def _stop() -> None:
         _server.wait()
 
 
+def program(args: Any) -> tuple[str, str, list[str]] | None:
+    """``(kind, target, argv)`` of a ``python`` command line the server can run: ``("module", NAME, ARGS)`` for
+    ``python [-u] -m NAME ARGS``, ``("script", PATH, ARGS)`` for ``python [-u] PATH ARGS``; None for anything
+    else (``-c``, other flags, another program)."""
+    if isinstance(args, (str, bytes)) or not args or os.path.realpath(str(args[0])) != os.path.realpath(sys.executable):
+        return None
+    rest = [str(a) for a in args[1:]]
+    while rest and rest[0] == "-u":
+        rest = rest[1:]
+    if len(rest) >= 2 and rest[0] == "-m":
+        return "module", rest[1], rest[2:]
+    if rest and not rest[0].startswith("-"):
+        return "script", rest[0], rest[1:]
+    return None
+
+
 class ZygotePopen(subprocess.Popen):
-    """A ``subprocess.Popen`` of ``python -m paratrain ARGS`` whose process the zygote forks. Pipes,
-    ``communicate``, ``wait``, ``poll``, ``send_signal`` and ``pid`` work as for any ``Popen`` (the
-    exit status comes from the server, which is the command's grandparent)."""
+    """A ``subprocess.Popen`` of ``python -m paratrain ARGS`` (or any command line :func:`program` takes) whose
+    process the zygote forks. Pipes, ``communicate``, ``wait``, ``poll``, ``send_signal`` and ``pid`` work as
+    for any ``Popen`` (the exit status comes from the server, which is the command's grandparent)."""
+
+    keep = False  # the command outlives this client (a worker: paratrain's own watch ends it)
 
     def _execute_child(self, args: Any, executable: Any, preexec_fn: Any, close_fds: Any, pass_fds: Any,
                        cwd: Any, env: Any, startupinfo: Any, creationflags: Any, shell: Any,
@@ -161,14 +191,12 @@ class ZygotePopen(subprocess.Popen):
         env = dict(os.environ if env is None else env)
         fds = [p2cread if p2cread != -1 else 0, c2pwrite if c2pwrite != -1 else 1, errwrite if errwrite != -1 else 2]
         try:
-            self._zygote = _request(start_server(env), list(args[3:]), env, os.fspath(cwd or os.getcwd()), fds)
+            self._zygote = _request(start_server(env), [str(a) for a in args[1:]], env, os.fspath(cwd or os.getcwd()),
+                                    fds, self.keep)
             self._lines = _Lines(self._zygote)
             self.pid = int(self._message(None)["pid"])
-        finally:  # the command's ends of the pipes are its own now
-            for fd in (p2cread, c2pwrite, errwrite):
-                if fd != -1:
-                    os.close(fd)
-            self._closed_child_pipe_fds = True
+        finally:  # the command's ends of the pipes are its own now (subprocess's own rule: not a caller's file)
+            self._close_pipe_fds(p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite)  # type: ignore[attr-defined]
 
     def _message(self, timeout: float | None) -> dict[str, Any]:
         try:
@@ -244,54 +272,63 @@ def _serve(address: str, client_pid: int) -> tuple[dict[str, Any], list[int]]:
             os.close(fd)
         try:
             conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
-            status = _watch(pid, conn)
+            status = _watch(pid, conn, request.get("keep", False))
             conn.sendall(json.dumps({"status": os.waitstatus_to_exitcode(status)}).encode() + b"\n")
         finally:
             os._exit(0)
 
 
-def _watch(pid: int, conn: socket.socket) -> int:
+def _watch(pid: int, conn: socket.socket, keep: bool) -> int:
     """Wait for the command ``pid``; if the client goes away first (its connection closes: a test or
-    its pytest process killed), the command's process group goes with it (SIGKILL)."""
+    its pytest process killed), the command's process group goes with it (SIGKILL), unless ``keep``."""
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
     signal.signal(signal.SIGCHLD, lambda *_: None)
     signal.set_wakeup_fd(wake_w)
+    watched = [conn, wake_r]
     while True:
         done, status = os.waitpid(pid, os.WNOHANG)
         if done:
             return status
-        ready, _, _ = select.select([conn, wake_r], [], [])
+        ready, _, _ = select.select(watched, [], [])
         if wake_r in ready:
             os.read(wake_r, 512)
         if conn in ready and not conn.recv(1):
+            if keep:  # the command alone now: wait for its end
+                watched = [wake_r]
+                continue
             try:
                 os.killpg(pid, signal.SIGKILL)
             except OSError:
                 pass
 
 
-def _become(request: dict[str, Any], fds: list[int]) -> None:
-    """In the forked command: take its session, stdio, directory, environment and argv."""
+def _become(request: dict[str, Any], fds: list[int]) -> tuple[str, str]:
+    """In the forked command: take its session, stdio, directory, environment and argv. Returns what to run
+    (:func:`program`'s kind and target)."""
+    global _address
+    kind, target, args = program([sys.executable, *request["argv"]]) or ("module", "paratrain", request["argv"])
+    _address = request.get("address")
     os.setsid()
-    for target, fd in enumerate(fds):
-        os.dup2(fd, target)
+    for std, fd in enumerate(fds):
+        os.dup2(fd, std)
     for fd in set(fds):
         if fd > 2:
             os.close(fd)
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
-    # sys.path as `python -m` builds it: the working directory, $PYTHONPATH, then the rest
+    # sys.path as python builds it: the working directory (`-m`) or the script's folder, $PYTHONPATH, then the rest
     given = [os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    sys.path[:] = [os.getcwd(), *given, *(p for p in _BASE_PATH if p not in _SERVER_PYTHONPATH)]
-    if os.environ.get("PYTHONUNBUFFERED"):
+    first = os.getcwd() if kind == "module" else os.path.dirname(os.path.realpath(target))
+    sys.path[:] = [first, *given, *(p for p in _BASE_PATH if p not in _SERVER_PYTHONPATH)]
+    if os.environ.get("PYTHONUNBUFFERED") or request["argv"][:1] == ["-u"]:
         for stream in (sys.stdout, sys.stderr):
             stream.reconfigure(write_through=True)  # type: ignore[attr-defined]
     from paratrain.launch.forkserver import apply_omp_threads
 
     apply_omp_threads()  # OpenMP read the server's value at import
-    sys.argv = ["-m", *request["argv"]]
+    sys.argv = ["-m", *args] if kind == "module" else [target, *args]
     if any(os.path.exists(os.path.join(p, "sitecustomize.py")) for p in given):
         # what `site` imports at start-up (tests/faults: it patches paratrain's functions when a
         # PARATRAIN_TEST_* variable asks for a fault); before the workers' forkserver is forked
@@ -299,13 +336,36 @@ def _become(request: dict[str, Any], fds: list[int]) -> None:
 
         sys.modules.pop("sitecustomize", None)
         importlib.import_module("sitecustomize")
-    from paratrain.launch.forkserver import start_early
+    if enabled() and os.environ.get("PARATRAIN_TEST_ZYGOTE_WORKERS", "1") != "0":
+        _fork_workers()
+    if (kind, target) == ("module", "paratrain"):
+        from paratrain.launch.forkserver import start_early
 
-    multiprocessing.util.spawnv_passfds = _fork_forkserver  # type: ignore[assignment]
-    try:
-        start_early()  # what `import paratrain` does first in a new `python -m paratrain`
-    finally:
-        multiprocessing.util.spawnv_passfds = _spawnv_passfds
+        multiprocessing.util.spawnv_passfds = _fork_forkserver  # type: ignore[assignment]
+        try:
+            start_early()  # what `import paratrain` does first in a new `python -m paratrain`
+        finally:
+            multiprocessing.util.spawnv_passfds = _spawnv_passfds
+    return kind, target
+
+
+class _WorkerPopen(ZygotePopen):
+    keep = True
+
+
+def _fork_workers() -> None:
+    """In a command: torchrun's agent (``paratrain run``) starts a ``python`` worker as a fork of the server
+    (:class:`_WorkerPopen`); other programs as always. ``PARATRAIN_TEST_ZYGOTE_WORKERS=0``: every worker exec'd."""
+    from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler as handler
+
+    exec_popen = handler.SubprocessHandler._popen
+
+    def _popen(self: Any, args: tuple, env: dict[str, str]) -> subprocess.Popen:
+        if program(args) is None:
+            return exec_popen(self, args, env)
+        return _WorkerPopen(args=list(args), env=env, stdout=self._stdout, stderr=self._stderr, start_new_session=True)
+
+    handler.SubprocessHandler._popen = _popen  # type: ignore[method-assign]
 
 
 
@@ -351,10 +411,13 @@ def _main() -> None:
 
     build_parser()  # imports each subcommand's module (argparse objects only: nothing runs)
     request, fds = _serve(address, client_pid)
-    _become(request, fds)
+    kind, target = _become(request, fds)
     import runpy
 
-    runpy._run_module_as_main("paratrain")  # type: ignore[attr-defined]  # what `python -m paratrain` calls
+    if kind == "module":
+        runpy._run_module_as_main(target)  # type: ignore[attr-defined]  # what `python -m NAME` calls
+    else:
+        runpy.run_path(target, run_name="__main__")  # `python SCRIPT`
 
 
 if __name__ == "__main__":
