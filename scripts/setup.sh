@@ -56,7 +56,15 @@ mv "build/uv/sources.$$" build/uv/sources
 
 inputs=("$lock" build/uv/.paratrain-key)
 [ "$editable" = 1 ] && inputs+=(pyproject.toml)
-key=$( (cat "${inputs[@]}"; python3 --version; echo bytecode) | sha256sum | cut -c1-16)
+# PARATRAIN_SETUP_BYTECODE=lazy (scripts/test.sh, which unsets PYTHONDONTWRITEBYTECODE): no .pyc at install; each
+# module is compiled once, the first time a process imports it (most of the lock's files never are)
+bytecode=${PARATRAIN_SETUP_BYTECODE:-install}
+case "$bytecode" in
+  install) compile=(--compile-bytecode) ;;
+  lazy) compile=() ;;
+  *) echo "scripts/setup.sh: PARATRAIN_SETUP_BYTECODE='$bytecode' is unknown: use install or lazy" >&2; exit 2 ;;
+esac
+key=$( (cat "${inputs[@]}"; python3 --version; echo "bytecode $bytecode") | sha256sum | cut -c1-16)
 if [ "$(cat "$venv/.paratrain-key" 2>/dev/null || true)" != "$key" ]; then
   echo "setup: syncing $venv with $lock" >&2
   start=$SECONDS
@@ -69,8 +77,8 @@ if [ "$(cat "$venv/.paratrain-key" 2>/dev/null || true)" != "$key" ]; then
   # every file is hash-checked, so taking a pinned version from whichever source has it is safe
   # --compile-bytecode: uv writes no .pyc by default (pip does), and where PYTHONDONTWRITEBYTECODE is set
   # (this image sets it) every process would compile torch's modules again: 1 s more per import of torch,
-  # which doubled the suite's time in a fresh clone
-  build/uv/bin/uv pip sync --quiet --compile-bytecode --python "$venv/bin/python" --require-hashes \
+  # which doubled the suite's time in a fresh clone (but see PARATRAIN_SETUP_BYTECODE above)
+  build/uv/bin/uv pip sync --quiet ${compile[@]+"${compile[@]}"} --python "$venv/bin/python" --require-hashes \
     --index-strategy unsafe-best-match \
     ${sources[@]+"${sources[@]}"} "$lock"
   if [ "$editable" = 1 ]; then

@@ -26,6 +26,12 @@
 # stdin is /dev/null: nothing it starts (mpirun forwards stdin) may wait on input.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# .pyc files: each module's is written by the first process that imports it. This image sets PYTHONDONTWRITEBYTECODE,
+# which would have every process compile what it imports again (1 s more per import of torch), and compiling every
+# file of every venv at install instead (uv's --compile-bytecode) took 66 core-s before anything ran, for the .venv
+# alone, most of it for files no test imports
+unset PYTHONDONTWRITEBYTECODE
+export PARATRAIN_SETUP_BYTECODE=lazy  # scripts/setup.sh
 only=
 case "${1:-}" in wheel|floor) only=$1; shift ;; esac
 want() {  # does this run include step $1 (wheel, floor, or the main ones: main)
@@ -100,7 +106,7 @@ wheel_venv() {  # sdist, then the wheel from the sdist (what PyPI would get), wi
   build/uv/bin/uv venv --quiet --python python3 "$wtmp/venv"
   # the wheel's own requirements resolved as for a user (torch>=2.11: PyPI's CUDA build), pinned and
   # hash-checked by the lock; nothing from the checkout
-  build/uv/bin/uv pip install --quiet --compile-bytecode --python "$wtmp/venv/bin/python" \
+  build/uv/bin/uv pip install --quiet --python "$wtmp/venv/bin/python" \
     --index-strategy unsafe-best-match \
     ${sources[@]+"${sources[@]}"} -c requirements/lock-cuda.txt "$wheel" pytest pytest-timeout pytest-xdist \
     torchvision  # its wheel for that torch, as users add it: tests/test_torchvision.py
@@ -156,8 +162,6 @@ echo "== static checks (ruff; mypy runs beside the suite: one core for a minute,
 mlog=$(mktemp); tmps+=("$mlog")
 "$venv/bin/mypy" paratrain >"$mlog" 2>&1 </dev/null &
 mypy_pid=$!
-# the checkout's own .pyc once (PYTHONDONTWRITEBYTECODE, set on this image, would have every process compile it)
-"$venv/bin/python" -m compileall -q -j 0 paratrain tests scripts benchmarks >/dev/null
 stage static
 # the other venvs while the suite runs (niced: the suite's timing is the suite's)
 want wheel && beside --nice wheel_install "$wtmp/wheel-install.log" wheel_venv

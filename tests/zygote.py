@@ -51,7 +51,7 @@ import tempfile
 from typing import Any
 
 # what the server imports: what `python -m paratrain` imports for its commands
-PRELOAD = ("torch", "paratrain", "paratrain.cli.main", "paratrain.cli.train", "paratrain.loop.train",
+PRELOAD = ("torch", "torch._dynamo", "paratrain", "paratrain.cli.main", "paratrain.cli.train", "paratrain.loop.train",
            "paratrain.launch.torchrun", "torch.distributed.elastic.multiprocessing.errors")
 
 _server: subprocess.Popen | None = None

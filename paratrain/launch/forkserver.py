@@ -35,7 +35,7 @@ __all__ = ["PRELOAD", "start_early", "wants_early_start", "ensure_running", "tra
 
 # What the server imports: this module (which records the server's environment) and the modules a
 # default `paratrain train` job runs, so that the workers import nothing heavy themselves.
-PRELOAD = ["paratrain.launch.forkserver", "paratrain.cli.main", "paratrain.cli.train", "paratrain.loop.train"]
+PRELOAD = ["paratrain.launch.forkserver", "paratrain.cli.main", "paratrain.cli.train", "paratrain.loop.train", "torch._dynamo"]
 
 # Variables that make this process a worker of another launcher: no workers of its own to start.
 _LAUNCHER_WORKER = ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK")

@@ -6,8 +6,8 @@ import math
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 
+from ..dtensors import local_part
 from ..parallel import Parallel
 
 __all__ = ["NonFiniteLossError", "LossWindow"]
@@ -84,7 +84,7 @@ class LossWindow:
             self._scan(self.pt.all_reduce_mean(self.losses[self.checked:n]).tolist(), self.start + self.checked)
             self.checked = n
         self.check()
-        local = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
+        local = [local_part(p) for p in model.parameters()]
         if self.pt.any_rank(~torch.isfinite(torch.nn.utils.get_total_norm(local, norm_type=math.inf))):
             raise NonFiniteLossError(f"training stopped at step {self.pt.global_step}: the model's weights are NaN "
                                      f"or inf (no checkpoint was written with them): {_FIXES}")

@@ -7,6 +7,7 @@ from typing import Any, Callable, ClassVar, ContextManager
 
 import torch
 
+from ..dtensors import is_dtensor, local_part
 from .base import Precision
 
 __all__ = ["FP16Mixed", "BF16Mixed", "all_finite"]
@@ -22,10 +23,8 @@ def all_finite(grads: list[torch.Tensor]) -> bool:
     """
     if not grads:
         return True
-    from torch.distributed.tensor import DTensor
-
-    sharded = any(isinstance(g, DTensor) for g in grads)
-    local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    sharded = any(is_dtensor(g) for g in grads)
+    local = [local_part(g) for g in grads]
     device = local[0].device
     ok = torch.stack([torch.isfinite(g).all().to(device) for g in local]).all().to(torch.int32)
     if sharded and torch.distributed.is_initialized():
