@@ -14,7 +14,7 @@
 #      scripts/device_check.sh --dry-run (what a GPU machine's first run does, as CPU twins).
 # What leaves a core idle runs beside what does not: the floor's and the wheel's venvs (niced: mostly unpacking) and
 # the docs site (Sphinx: one core for ~20 s) are built during the suite, and the floor (one process at a time, most of it)
-# runs during the smoke suite, its output printed when it ends. Each stage's own seconds are printed at the
+# runs during the smoke suite (which is niced: the floor is the longer chain), its output printed when it ends. Each stage's own seconds are printed at the
 # end ("== stages (s): ...", the background ones marked "beside").
 # Arguments go to the pytest runs (e.g. -x, -k NAME). PARATRAIN_SKIP_WHEEL=1 (or the older
 # PARATRAIN_SKIP_CUDA_WHEEL=1) skips step 4, PARATRAIN_SKIP_FLOOR=1 step 5;
@@ -115,6 +115,15 @@ wheel_venv() {  # sdist, then the wheel from the sdist (what PyPI would get), wi
   (cd "$wtmp/t" && "$wtmp/venv/bin/python" -c 'import paratrain, torch; assert "site-packages" in paratrain.__file__, paratrain.__file__
 print("the installed wheel:", paratrain.__file__, "| torch", torch.__version__, "cuda available:", torch.cuda.is_available())' \
     && "$wtmp/venv/bin/paratrain" --version)
+  (cd "$wtmp/t" && warm "$wtmp/venv/bin/python")  # the installed paratrain's
+}
+warm() {  # warm PYTHON: the .pyc of what every command imports (torch, its compiler front end, which any optimizer
+  # imports), written now, beside the suite, not by the first commands of the smoke suite or the floor at the end
+  "$1" -c 'import torch, torch._dynamo, paratrain.cli.main, paratrain.cli.train, paratrain.loop.train'
+}
+floor_venv() {
+  bash scripts/setup.sh floor
+  PYTHONPATH="$PWD" warm "$fpy"  # the checkout's paratrain, as the floor runs it
 }
 wheel_smoke() {
   local smoke
@@ -122,7 +131,7 @@ wheel_smoke() {
   echo "== wheel: smoke suite on the installed package: ${smoke[*]}"
   # its `python -m paratrain` commands fork from one that imported the installed package and torch
   # (tests/zygote.py), as in the main suite; one of them starts a new interpreter (tests/test_smoke.py)
-  (cd "$wtmp/t" && timeout --foreground -k 30 20m "$wtmp/venv/bin/python" -m pytest -q \
+  (cd "$wtmp/t" && ${smoke_nice[@]+"${smoke_nice[@]}"} timeout --foreground -k 30 20m "$wtmp/venv/bin/python" -m pytest -q \
     "${workers[@]}" --durations=5 -m smoke -p no:cacheprovider "${smoke[@]}" "$@" </dev/null)
 }
 ftmp=$(mktemp -d); tmps+=("$ftmp")
@@ -152,7 +161,7 @@ if [ "$only" = wheel ]; then
   exit 0
 fi
 if [ "$only" = floor ]; then
-  bash scripts/setup.sh floor; stage floor-setup
+  floor_venv; stage floor-setup
   floor_run; stage floor
   exit 0
 fi
@@ -165,7 +174,7 @@ mypy_pid=$!
 stage static
 # the other venvs while the suite runs (niced: the suite's timing is the suite's)
 want wheel && beside --nice wheel_install "$wtmp/wheel-install.log" wheel_venv
-want floor && beside --nice floor_setup "$ftmp/floor-setup.log" bash scripts/setup.sh floor
+want floor && beside --nice floor_setup "$ftmp/floor-setup.log" floor_venv
 beside docs_site "$wtmp/docs-site.log" bash scripts/docs.sh --site  # not niced: 5 min for ~30 core-s; blocks: in the suite
 
 echo "== full suite, torch $("$venv/bin/python" -c 'import torch; print(torch.__version__)')"
@@ -195,6 +204,9 @@ fi
 joined docs_site "docs: the site in strict mode (scripts/docs.sh --site)"
 if want wheel; then
   joined wheel_install "wheel: sdist, wheel and a fresh venv with PyPI's CUDA build"
+  # the floor beside is the longer chain (one process at a time): the smoke suite yields it the cores. Without
+  # that, its two workers left the floor half a core, and the floor ran 90 s on alone after them (205 s in all)
+  smoke_nice=(); want floor && smoke_nice=(nice -n 10)
   wheel_smoke "$@"
   stage wheel-smoke
 fi

@@ -307,7 +307,11 @@ def _become(request: dict[str, Any], fds: list[int]) -> tuple[str, str]:
     """In the forked command: take its session, stdio, directory, environment and argv. Returns what to run
     (:func:`program`'s kind and target)."""
     global _address
-    kind, target, args = program([sys.executable, *request["argv"]]) or ("module", "paratrain", request["argv"])
+    parsed = program([sys.executable, *request["argv"]])
+    if parsed is None:  # the clients send only what program() takes
+        raise SystemExit(f"tests/zygote.py: the server runs `python [-u] -m NAME ARGS` or `python [-u] SCRIPT ARGS`, "
+                         f"not python {' '.join(request['argv'])!r}: start that command as a new process")
+    kind, target, args = parsed
     _address = request.get("address")
     os.setsid()
     for std, fd in enumerate(fds):
@@ -322,7 +326,7 @@ def _become(request: dict[str, Any], fds: list[int]) -> tuple[str, str]:
     given = [os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     first = os.getcwd() if kind == "module" else os.path.dirname(os.path.realpath(target))
     sys.path[:] = [first, *given, *(p for p in _BASE_PATH if p not in _SERVER_PYTHONPATH)]
-    if os.environ.get("PYTHONUNBUFFERED") or request["argv"][:1] == ["-u"]:
+    if os.environ.get("PYTHONUNBUFFERED") or request["argv"][:1] == ["-u"]:  # program() took the leading -u's
         for stream in (sys.stdout, sys.stderr):
             stream.reconfigure(write_through=True)  # type: ignore[attr-defined]
     from paratrain.launch.forkserver import apply_omp_threads
