@@ -291,13 +291,14 @@ def _numel(t: torch.Tensor) -> int:
 
 def measure_model(build: Callable[[], nn.Module], sample: Callable[[int], Any],
                   loss: Callable[[Any, Any], torch.Tensor] | None = None,
-                  stages: int | Sequence[int] = 2) -> ModelFacts:
+                  stages: int | Sequence[int] = 2, schedule: str = "gpipe", stages_per_rank: int = 1) -> ModelFacts:
     """Build ``build()`` on the meta device and run a forward (and the loss) on ``sample(k)``
     (the model's input for ``k`` samples, built on the meta device too; a tuple is unpacked as
     positional arguments) at two batch sizes: the bytes autograd saves per sample are the difference.
     Blocks are fsdp's default units (:func:`paratrain.strategies.fsdp._blocks`); the Linear layers
     tensor parallelism splits are its automatic plan's (or every Linear, if it finds no pair);
-    ``stages``: the pipeline depths to cut it for (the first is ``largest_stage``)."""
+    ``stages``: the pipeline depths to cut it for (the first is ``largest_stage``), each rank holding
+    ``stages_per_rank`` stages placed as ``schedule`` places them (:class:`~paratrain.strategies.pipeline.PipelineOptions`)."""
     from ..strategies.fsdp import _blocks
     from ..strategies.tensor import auto_plan
 
@@ -388,7 +389,7 @@ def measure_model(build: Callable[[], nn.Module], sample: Callable[[int], Any],
 
     inside = [per_sample(a, b) for a, b in zip(small[3], big[3])]
     depths = [stages] if isinstance(stages, int) else list(dict.fromkeys(stages)) or [2]
-    cuts = {n: _largest_stage(model, n) for n in depths}
+    cuts = {n: _largest_stage(model, n, schedule, stages_per_rank) for n in depths}
     biggest = max((_numel(p) for p in params.values()), default=0)
     return ModelFacts(
         params=P, largest_block=max(sizes, default=0), root_params=root, linear_params=L,
@@ -400,10 +401,14 @@ def measure_model(build: Callable[[], nn.Module], sample: Callable[[int], Any],
         buffers_bytes=buffers)
 
 
-def _largest_stage(model: nn.Module, stages: int) -> int:
-    """Parameters of the largest of ``stages`` pipeline stages, cut by the pipeline strategy's own
-    rule (:func:`paratrain.strategies.pipeline.cut_stages`: top-level children, or a stack of
-    blocks cut between blocks); the whole model where it cannot cut it (or ``stages`` is 1)."""
+def _largest_stage(model: nn.Module, stages: int, schedule: str = "gpipe", per_rank: int = 1) -> int:
+    """Parameters of the pipeline rank that holds the most, of ``stages`` ranks, each holding ``per_rank``
+    stages placed as ``schedule`` places them: cut by the pipeline strategy's own rule
+    (:func:`paratrain.strategies.pipeline.cut_stages`: top-level children, or a stack of blocks cut between
+    blocks) and placement (:func:`~paratrain.strategies._stages.stage_ranks`); a parameter two of a rank's
+    stages share (a tied embedding and head in a V) counted once. The whole model where it cannot cut it (or
+    ``stages`` is 1)."""
+    from ..strategies._stages import stage_ranks
     from ..strategies.base import NotApplicable
     from ..strategies.pipeline import cut_stages
 
@@ -411,10 +416,13 @@ def _largest_stage(model: nn.Module, stages: int) -> int:
     if stages <= 1:
         return whole
     try:
-        parts = cut_stages(model, stages)
+        parts = cut_stages(model, stages * per_rank)
     except NotApplicable:
         return whole
-    return max(sum(_numel(p) for p in part.parameters()) for part in parts)
+    held: list[dict[int, int]] = [{} for _ in range(stages)]
+    for part, rank in zip(parts, stage_ranks(schedule, stages, stages * per_rank)):
+        held[rank].update({id(p): _numel(p) for p in part.parameters()})
+    return max(sum(rank.values()) for rank in held)
 
 
 # --------------------------------------------------------------------------- report

@@ -60,6 +60,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--link", default=None, type=_link("--link"), metavar="BW,LAT", help="between nodes (default 100gbit,5us)")
     g.add_argument("--node-link", default=None, type=_link("--node-link"), metavar="BW,LAT", help="inside a node (default 300GB/s,2us: NVLink)")
     g.add_argument("--n-microbatches", type=int, default=4, help="a pipeline's micro-batches per step (default 4)")
+    p.add_argument("--schedule", default="gpipe",
+                   help="a pipeline's schedule (parallel.pipeline.schedule): where a rank's stages sit (default gpipe)")
+    p.add_argument("--stages-per-rank", type=int, default=0,
+                   help="stages each pipeline rank holds (parallel.pipeline.stages_per_rank; 0: the schedule's default)")
     p.set_defaults(func=main)
     return p
 
@@ -155,7 +159,11 @@ def _facts(args: argparse.Namespace, stages: list[int]) -> Any:
         flat = logits.reshape(-1, logits.size(-1))
         return torch.nn.functional.cross_entropy(flat, torch.zeros(flat.size(0), dtype=torch.long))
 
-    return measure_model(lambda: build_model(args.model, shape, classes), sample, loss, stages=stages)
+    from ..strategies.pipeline import PipelineOptions
+
+    pipe = PipelineOptions(schedule=args.schedule, stages_per_rank=args.stages_per_rank)  # its one-line errors
+    return measure_model(lambda: build_model(args.model, shape, classes), sample, loss, stages=stages,
+                         schedule=pipe.schedule, stages_per_rank=pipe.stages_per_rank)
 
 
 def choose(args: argparse.Namespace) -> int:

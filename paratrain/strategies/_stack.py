@@ -228,13 +228,13 @@ class StackStage(nn.Module):
 
 def split_stack(model: nn.Module, n_stages: int, rank: int, split_points: Sequence[str] = (),
                 distributed: bool = True, replicas: int = 1, replica: int = 0,
-                pp: int | None = None) -> list[StackStage] | None:
+                placement: Sequence[int] | None = None) -> list[StackStage] | None:
     """The ``n_stages`` stages of a stack model (None when it has no stack of blocks), and on
     every rank the groups that sum a shared parameter's gradients (a collective when
-    ``distributed``: every rank calls it). ``rank`` is this process's place in the pipeline, of ``pp``
-    (default ``n_stages``: a stage each); stage ``s`` is held by pipeline rank ``s % pp`` (several stages
-    a rank: the interleaved schedules' loop). With ``replicas`` pipelines (data parallel), pipeline rank
-    ``q`` of replica ``r`` is global rank ``q * replicas + r``."""
+    ``distributed``: every rank calls it). ``rank`` is this process's place in the pipeline;
+    ``placement[s]`` is the pipeline rank that holds stage ``s`` (default: stage ``s`` on rank ``s``; several
+    stages a rank: :func:`~paratrain.strategies._stages.stage_ranks`). With ``replicas`` pipelines (data
+    parallel), pipeline rank ``q`` of replica ``r`` is global rank ``q * replicas + r``."""
     found = find_stack(model)
     if found is None:
         return None
@@ -266,11 +266,12 @@ def split_stack(model: nn.Module, n_stages: int, rank: int, split_points: Sequen
         owned = [*(before if first else []), *names[a:b], *(after if last else [])]
         stand_ins = {} if first else {n: widths[n] for n in before if n in widths}
         stages.append(StackStage(model, stack_name, a, b, first, last, owned, stand_ins))
-    _share(stages, rank, distributed, replicas, replica, pp or n_stages)
+    _share(stages, rank, distributed, replicas, replica, list(placement) if placement else list(range(n_stages)))
     return stages
 
 
-def _share(stages: list[StackStage], rank: int, distributed: bool, replicas: int, replica: int, pp: int) -> None:
+def _share(stages: list[StackStage], rank: int, distributed: bool, replicas: int, replica: int,
+           placement: list[int]) -> None:
     """Parameters owned by stages on several pipeline ranks (tied weights): one process group per set
     of those ranks (in each pipeline replica), made on every rank in the same order. Stages of one rank
     that share a parameter hold the same tensor: autograd sums their gradients."""
@@ -280,9 +281,9 @@ def _share(stages: list[StackStage], rank: int, distributed: bool, replicas: int
     for i, stage in enumerate(stages):
         for p in stage.parameters():
             ranks = holders.setdefault(id(p), [])
-            if i % pp not in ranks:
-                ranks.append(i % pp)
-                first_stage[id(p), i % pp] = i
+            if placement[i] not in ranks:
+                ranks.append(placement[i])
+                first_stage[id(p), placement[i]] = i
             params[id(p)] = p
     for pid, ranks in holders.items():
         if len(ranks) < 2:

@@ -15,14 +15,54 @@ from ._split import check_sequential
 if TYPE_CHECKING:
     from .pipeline import PipelineOptions
 
-__all__ = ["PipelineModule", "SCHEDULE_CLASSES", "LOOPED"]
+__all__ = ["PipelineModule", "SCHEDULE_CLASSES", "LOOPED", "V_SHAPED", "stage_ranks"]
 
 SCHEDULE_CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved1f1b": "ScheduleInterleaved1F1B",
-                    "loopedbfs": "ScheduleLoopedBFS", "interleavedzerobubble": "ScheduleInterleavedZeroBubble"}
+                    "loopedbfs": "ScheduleLoopedBFS", "interleavedzerobubble": "ScheduleInterleavedZeroBubble",
+                    "zbvzerobubble": "ScheduleZBVZeroBubble", "dualpipev": "ScheduleDualPipeV"}
 """Each schedule's class in ``torch.distributed.pipelining``; a schedule is named as its class (any case, with or
 without ``Schedule``), as torchtitan names them."""
-LOOPED = ("interleaved1f1b", "loopedbfs", "interleavedzerobubble")
-"""The schedules that run several stages a rank: stage ``s`` of ``pp * stages_per_rank`` on pipeline rank ``s % pp``."""
+LOOPED = ("interleaved1f1b", "loopedbfs", "interleavedzerobubble", "zbvzerobubble", "dualpipev")
+"""The schedules that run several stages a rank (:func:`stage_ranks` says which rank holds which)."""
+V_SHAPED = ("zbvzerobubble", "dualpipev")
+"""The schedules whose two stages a rank sit in a V: rank ``q`` of ``pp`` holds stages ``q`` and ``2 pp - 1 - q`` (the
+first and the last stage on rank 0); the other looped ones loop: stage ``s`` on rank ``s % pp``."""
+
+
+def stage_ranks(schedule: str, pp: int, n_stages: int) -> list[int]:
+    """The pipeline rank that holds each of the ``n_stages`` stages under ``schedule``: torch's own placement
+    (``generate_stage_to_rank_mapping``, which its schedules use), V-shaped or looped."""
+    if n_stages == pp:
+        return list(range(pp))
+    from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
+
+    mapping = generate_stage_to_rank_mapping(pp, n_stages, style="v" if schedule in V_SHAPED else "loop")
+    return [mapping[s] for s in range(n_stages)]
+
+
+def _forward_only_v(pipelining: Any) -> Any:
+    """An evaluation's schedule for stages placed in a V: forwards only, each rank's stages in stage order, every
+    micro-batch. ZBV's and DualPipeV's own schedules run their backward actions even in ``eval()`` (and fail on
+    them), and LoopedBFS, the looped schedules' evaluation, places stages in a loop. Torch's runtime runs it and
+    adds the sends and receives; only its check that every forward has a backward (a training plan's) is left out."""
+    from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
+    from torch.distributed.pipelining.schedules import PipelineScheduleMulti, _Action, _ComputationType
+
+    class _VPlacement(PipelineScheduleMulti):
+        def _validate_and_set_stage_mapping(self, actions: Any) -> None:  # the runtime's lowering calls it first
+            self.stage_index_to_group_rank = generate_stage_to_rank_mapping(self.pp_group_size, self._num_stages,
+                                                                            style="v")
+            for stage in self._stages:
+                stage.stage_index_to_group_rank = self.stage_index_to_group_rank
+
+    # LoopedBFS's runtime, then _VPlacement before PipelineScheduleMulti in the method order
+    class ScheduleForwardOnlyV(pipelining.ScheduleLoopedBFS, _VPlacement):
+        def _calculate_single_rank_operations(self, rank: int) -> list[Any]:
+            placement = generate_stage_to_rank_mapping(self.pp_group_size, self._num_stages, style="v")
+            mine = sorted(s for s, q in placement.items() if q == rank)
+            return [_Action(s, _ComputationType.FORWARD, mb) for s in mine for mb in range(self._n_microbatches)]
+
+    return ScheduleForwardOnlyV
 
 
 class _StageForward(nn.Module):
@@ -125,9 +165,12 @@ class PipelineModule(nn.Module):
             stages = [pipelining.PipelineStage(runner, index, self.n_stages, self.device, group=self.group)
                       for runner, index in zip(self.runners, self.indices)]
             looped = self.options.schedule in LOOPED  # a list of this rank's stages, else its one stage
-            # an evaluation runs forwards only: in the order of the stages' placement
+            # an evaluation runs forwards only, in the order of the stages' placement
             name = self.options.schedule if training else "loopedbfs" if looped else "gpipe"
-            cls = getattr(pipelining, SCHEDULE_CLASSES[name])
+            if not training and self.options.schedule in V_SHAPED:
+                cls = _forward_only_v(pipelining)
+            else:
+                cls = getattr(pipelining, SCHEDULE_CLASSES[name])
             self._schedules[key] = cls(stages if looped else stages[0], n,
                                        loss_fn=self._micro_loss if training else None, scale_grads=False)
         return self._schedules[key]

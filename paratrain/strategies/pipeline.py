@@ -5,7 +5,8 @@ consecutive stage per process (at ``split_points``, or balanced by parameter cou
 wraps its stage in a ``PipelineStage``, and ``ScheduleGPipe`` (all forwards, then all backwards)
 or ``Schedule1F1B`` (one forward, one backward: fewer activations alive) runs a step. The looped
 schedules (``ScheduleInterleaved1F1B``, ``ScheduleLoopedBFS``, ``ScheduleInterleavedZeroBubble``) cut
-``pp * stages_per_rank`` stages and give pipeline rank ``q`` the stages ``q``, ``q + pp``, ...: one
+``pp * stages_per_rank`` stages and give pipeline rank ``q`` the stages ``q``, ``q + pp``, ...; the V-shaped
+ones (``ScheduleZBVZeroBubble``, ``ScheduleDualPipeV``) cut ``2 pp`` and give it ``q`` and ``2 pp - 1 - q``: one
 ``PipelineStage`` each, held in one module under the model's own keys (:class:`PipelineModule`).
 
 Data: the pipeline is *one* data-parallel replica. Every rank loads the same micro-batch
@@ -48,7 +49,7 @@ from ..env.process import Dist
 from ..precision import lookup as precision_class
 from ._split import parse_split_points, split_model
 from ._stack import StackStage, split_stack
-from ._stages import LOOPED, SCHEDULE_CLASSES, PipelineModule
+from ._stages import LOOPED, SCHEDULE_CLASSES, V_SHAPED, PipelineModule, stage_ranks
 from ..checkpoint.sharded import full_state_dict as sharded_full_state_dict
 from ..nn.deferred import Held, has_meta
 from .base import NotApplicable, Strategy, data_parallel_size, mesh_dimensions
@@ -60,18 +61,19 @@ __all__ = ["PipelineOptions", "PipelineStrategy", "PipelineModule", "cut_stages"
 
 
 def cut_stages(model: nn.Module, n_stages: int, rank: int = 0, split_points: Sequence[str] = (),
-               distributed: bool = False, replicas: int = 1, replica: int = 0, pp: int | None = None) -> list[nn.Module]:
+               distributed: bool = False, replicas: int = 1, replica: int = 0,
+               placement: Sequence[int] | None = None) -> list[nn.Module]:
     """The pipeline's one rule for cutting ``model`` into ``n_stages`` stages: its top-level
     children in consecutive runs (``split_model``: at ``split_points``, or balanced by parameter
     count), or, for a model whose children are no sequence (a GPT, Llama: a stack of blocks),
     between its blocks (``split_stack``; with ``distributed``, a collective that makes the groups
     of tied parameters, ``rank``'s included; ``replicas`` pipelines side by side, this one
-    ``replica``; ``pp`` pipeline ranks, stage ``s`` on rank ``s % pp``). ``NotApplicable`` when neither cuts it. The
+    ``replica``; stage ``s`` on pipeline rank ``placement[s]``). ``NotApplicable`` when neither cuts it. The
     strategy's setup and the memory estimate (:mod:`paratrain.bench.memory`) both cut here."""
     try:
         return list(split_model(model, n_stages, split_points, "pipeline"))
     except NotApplicable:
-        stacked = split_stack(model, n_stages, rank, split_points, distributed, replicas, replica, pp)
+        stacked = split_stack(model, n_stages, rank, split_points, distributed, replicas, replica, placement)
         if stacked is None:
             raise
         return list(stacked)
@@ -114,12 +116,14 @@ class PipelineOptions:
     schedule: str = "gpipe"
     """gpipe (all forwards, then all backwards), 1f1b (steady state alternates: less activation memory), or, with
     several stages a rank (``stages_per_rank``, a smaller bubble): interleaved1f1b, loopedbfs, or
-    interleavedzerobubble (the weights' backward fills the bubble)."""
+    interleavedzerobubble (the weights' backward fills the bubble); with exactly 2 stages a rank in a V (rank ``q``
+    holds stages ``q`` and ``2 pp - 1 - q``): zbvzerobubble or dualpipev."""
     n_microbatches: int = 4
     """Micro-batches each step's batch is cut into; the batch must be divisible by it."""
     stages_per_rank: int = 0
     """Stages each pipeline rank holds (the model is cut into ``pp * stages_per_rank``; rank ``q`` holds stages
-    ``q``, ``q + pp``, ...). 0: 2 for the interleaved schedules, 1 for gpipe and 1f1b (which take only 1)."""
+    ``q``, ``q + pp``, ..., or ``q`` and ``2 pp - 1 - q`` under the V-shaped schedules, which take only 2). 0: 2 for
+    the schedules of several stages a rank, 1 for gpipe and 1f1b (which take only 1)."""
     split_points: list[str] = field(default_factory=list)
     """Top-level children that start stages 2..N (e.g. ["4"] in an nn.Sequential).
     Empty: contiguous stages with parameter counts as even as possible."""
@@ -130,6 +134,10 @@ class PipelineOptions:
             raise ValueError(f"pipeline schedule {self.schedule!r} is unknown: use one of {', '.join(SCHEDULES)}")
         looped = self.schedule in LOOPED
         self.stages_per_rank = self.stages_per_rank or (2 if looped else 1)
+        if self.schedule in V_SHAPED and self.stages_per_rank != 2:
+            raise ValueError(f"pipeline stages_per_rank={self.stages_per_rank} with schedule {self.schedule}: it "
+                             "places exactly 2 stages a rank, in a V: set stages_per_rank 2 (or leave it 0), or use "
+                             "interleaved1f1b for more")
         if self.stages_per_rank < 1 or (not looped and self.stages_per_rank != 1):
             raise ValueError(f"pipeline stages_per_rank={self.stages_per_rank} with schedule {self.schedule}: "
                              + (f"use one of {', '.join(LOOPED)} for several stages a rank" if self.stages_per_rank > 1
@@ -178,8 +186,14 @@ class PipelineStrategy(Strategy):
         self.stages = self.layout.get("pp", dist_info.world_size)
         self.dp = data_parallel_size(self.layout)
         self.tp = self.layout.get("tp", 1)
-        self.stage_index, self.column = divmod(dist_info.rank, self.dp * self.tp)
+        self.stage_index, self.column = divmod(dist_info.rank, self.dp * self.tp)  # stage_index: the pipeline rank
         self.replica, self.tp_rank = divmod(self.column, self.tp)
+        if self.options.schedule in V_SHAPED and self.dp > 1:  # FSDP2 under torch's V runtime: measured wrong
+            raise ValueError(f"pipeline schedule {self.options.schedule} with {self.dp} data-parallel replicas "
+                             f"(--mesh {','.join(f'{k}={v}' for k, v in self.layout.items() if v > 1)}): a V-shaped schedule composes with tp only here; for pipelines "
+                             "side by side use interleavedzerobubble (zero bubble too) or interleaved1f1b")
+        # the pipeline rank that holds each stage (several a rank: looped, or in a V where rank 0 holds the last)
+        self.placement = stage_ranks(self.options.schedule, self.stages, self.stages * self.options.stages_per_rank)
         self.swap = ParameterSwap()
         self._meshes: tuple[Any, Any] | None = None
 
@@ -220,7 +234,8 @@ class PipelineStrategy(Strategy):
         return self._mesh()[1]["pp"].get_group() if self._composed else None  # None: the world is one pipeline
 
     def _last_stage_rank(self) -> int:
-        return self.proc.rank + (self.stages - 1 - self.stage_index) * self.dp * self.tp
+        """The global rank, in this rank's pipeline (its data-parallel replica and tp slice), that holds the last stage."""
+        return self.proc.rank + (self.placement[-1] - self.stage_index) * self.dp * self.tp
 
     # --- model ----------------------------------------------------------------------------
     def setup_model(self, model: nn.Module) -> nn.Module:
@@ -251,9 +266,8 @@ class PipelineStrategy(Strategy):
         plan = checked_plan(model, self.tp, self.parts.tensor.plan) if self.tp > 1 else {}  # the whole model's
         per_rank = o.stages_per_rank
         parts = cut_stages(model, self.stages * per_rank, self.stage_index, o.split_points, distributed,
-                           self.dp * self.tp, self.column, pp=self.stages)
-        # only this rank's stages live on its device: stage_index, and with several a rank every pp-th after it
-        mine = [self.stage_index + k * self.stages for k in range(per_rank)]
+                           self.dp * self.tp, self.column, self.placement)
+        mine = [s for s, q in enumerate(self.placement) if q == self.stage_index]  # only these live on its device
         for index in mine:
             self._place(model, parts[index], plan, distributed)
         pipe = PipelineModule(parts, mine, model, self.device, o, self.proc.backend is not None,

@@ -97,6 +97,24 @@ def test_a_stack_model_is_cut_between_its_blocks_as_the_strategy_cuts():
     assert f.largest_stage == max(sum(p.numel() for p in stage.parameters()) for stage in stages)
 
 
+@pytest.mark.parametrize("schedule,held", [("interleaved1f1b", [[0, 2], [1, 3]]), ("zbvzerobubble", [[0, 3], [1, 2]])])
+def test_several_stages_a_rank_count_what_the_rank_holds(schedule, held):
+    """Issue 35: with 2 stages a rank, a rank holds its stages' parameters (looped: 0 and 2; in a V: 0 and 3, the
+    tied embedding and head on one rank, counted once)."""
+    import zoo
+
+    from paratrain.strategies._stack import split_stack
+
+    f = measure_model(lambda: zoo.GPT(n_layer=4), lambda k: torch.randint(0, zoo.VOCAB, (k, zoo.LENGTH)),
+                      schedule=schedule, stages_per_rank=2)
+    stages = split_stack(zoo.GPT(n_layer=4), 4, 0, distributed=False)
+    assert stages is not None
+    ranks = [{id(p): p.numel() for i in mine for p in stages[i].parameters()} for mine in held]
+    assert f.largest_stage == max(sum(rank.values()) for rank in ranks)
+    one = measure_model(lambda: zoo.GPT(n_layer=4), lambda k: torch.randint(0, zoo.VOCAB, (k, zoo.LENGTH)))
+    assert f.largest_stage > one.largest_stage * 0.5  # not one stage of four: about half the model
+
+
 def test_checkpointing_keeps_block_inputs_and_one_block():
     f = facts(outside_bytes=5.0, block_input_bytes=8.0, largest_inside_bytes=12.0, blocks=3)
     assert f.checkpointed_activation_bytes == 25.0
@@ -215,3 +233,8 @@ def test_cli_estimates_a_mesh_at_each_world_it_fits():
     assert not any(row[0] == "ddp" for row in rows if row)  # the meshes only, unless --strategies is given
     bad = run_cli(["estimate", "--mesh", "pp=3,dp_shard=1", "--world-sizes", "2,4"], timeout=60)
     assert bad.returncode != 0 and "fits none of the world sizes" in bad.stderr
+    v = run_cli(["estimate", "--model", "transformer", "--mesh", "pp=2", "--schedule", "ScheduleZBVZeroBubble",
+                 "--device", "cpu"], timeout=120)  # two stages a rank, in a V
+    assert v.returncode == 0 and "pp=2" in v.stdout, v.stderr
+    bad = run_cli(["estimate", "--mesh", "pp=2", "--schedule", "dualpipev", "--stages-per-rank", "3"], timeout=60)
+    assert bad.returncode != 0 and "it places exactly 2 stages a rank" in bad.stderr, bad.stderr

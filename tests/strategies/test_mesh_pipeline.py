@@ -63,6 +63,7 @@ def worker(rank: int, folder: str) -> dict[str, object]:
     out: dict[str, object] = {f"{name}/{kind}": train(mesh, kind, init_module=name in INIT_MODULE)
                               for name, mesh in LAYOUTS.items() for kind in CLIP}
     out["interleaved/gpt4"] = train(LAYOUTS["pp2_dp_shard2"], "gpt4", init_module=True, pipeline=INTERLEAVED)
+    out["zbv/gpt4"] = train(LAYOUTS["pp2_tp2"], "gpt4", pipeline={"schedule": "zbvzerobubble"})
     train(LAYOUTS["pp2_dp_shard2"], "llama", steps=1, save=folder)
     return out
 
@@ -99,6 +100,15 @@ def test_interleaved_stages_sharded_over_their_replicas_equal_one_process(world4
     stages sharded over its replicas, the tied embedding on stages 0 and 3, one clipping norm, evaluation."""
     ref = reference("gpt4")
     got = world4["interleaved/gpt4"]
+    assert_same_state({k: got[k] for k in ref}, ref, rtol=1e-9)
+    assert int(got["eval"]) == 7
+
+
+def test_a_v_shaped_schedule_split_over_tp_equals_one_process(world4):
+    """pp2 x tp2 under ZBVZeroBubble: pipeline rank 0 holds stages 0 and 3 (both ends of the tied embedding), rank 1
+    stages 1 and 2, each split over its tp ranks; the evaluation runs the V's forwards."""
+    ref = reference("gpt4")
+    got = world4["zbv/gpt4"]
     assert_same_state({k: got[k] for k in ref}, ref, rtol=1e-9)
     assert int(got["eval"]) == 7
 

@@ -221,8 +221,20 @@ def test_config_errors():
         "interleaved1f1b", 2, "interleavedzerobubble")
     assert PipelineOptions(schedule="loopedbfs", stages_per_rank=3).stages_per_rank == 3
     with pytest.raises(ValueError, match="stages_per_rank=2 with schedule 1f1b: use one of interleaved1f1b, loopedbfs, "
-                                         "interleavedzerobubble for several stages a rank"):
+                                         "interleavedzerobubble, zbvzerobubble, dualpipev for several stages a rank"):
         PipelineOptions(schedule="1f1b", stages_per_rank=2)
+    assert PipelineOptions(schedule="ScheduleZBVZeroBubble").stages_per_rank == 2  # a V: exactly two a rank
+    with pytest.raises(ValueError, match="stages_per_rank=3 with schedule dualpipev: it places exactly 2 stages a rank"):
+        PipelineOptions(schedule="DualPipeV", stages_per_rank=3)
+
+
+def test_stage_placement_is_torchs():
+    """Which pipeline rank holds which stage: torch's own mapping, looped or in a V (one owner: the schedules use it)."""
+    from paratrain.strategies._stages import stage_ranks
+
+    assert stage_ranks("gpipe", 4, 4) == [0, 1, 2, 3]
+    assert stage_ranks("interleaved1f1b", 2, 6) == [0, 1, 0, 1, 0, 1]
+    assert stage_ranks("zbvzerobubble", 3, 6) == [0, 1, 2, 2, 1, 0]
     assert PipelineOptions(split_points="block1,head").split_points == ["block1", "head"]  # command line
     with pytest.raises(ValueError, match="name a child twice"):
         PipelineOptions(split_points=["a", "a"])
@@ -300,3 +312,19 @@ def test_micro_batches_an_interleaved_schedule_cannot_run_in_rounds_are_one_line
         strategy.setup_model(MLP.model())
     assert str(e.value) == ("pipeline schedule interleaved1f1b runs micro-batches in rounds of 2 (the pipeline ranks): "
                             "n_microbatches=5 is not a multiple of its 2 rounds; use a multiple of 2")
+
+
+def test_a_v_shaped_schedule_beside_data_parallel_replicas_is_one_line():
+    """ZBV and DualPipeV compose with tp (tests/strategies/test_mesh_pipeline.py); beside data-parallel replicas
+    (FSDP2 under torch's V runtime) they trained wrong weights, so they are refused before anything runs."""
+    from paratrain.env.base import ProcessInfo
+    from paratrain.env.process import Dist
+    from paratrain.strategies.pipeline import PipelineParts, PipelineStrategy
+
+    rank3 = Dist(ProcessInfo(rank=3, world_size=4, local_rank=3, local_world_size=4), torch.device("cpu"), "gloo")
+    with pytest.raises(ValueError) as e:
+        PipelineStrategy(rank3, options=PipelineParts(PipelineOptions(schedule="zbvzerobubble")),
+                         layout={"pp": 2, "dp_shard": 2})
+    assert str(e.value) == ("pipeline schedule zbvzerobubble with 2 data-parallel replicas (--mesh pp=2,dp_shard=2): "
+                            "a V-shaped schedule composes with tp only here; for pipelines side by side use "
+                            "interleavedzerobubble (zero bubble too) or interleaved1f1b")
