@@ -559,6 +559,31 @@ def test_own_dataloader_keeps_its_settings(recwarn):
     pt.close()
 
 
+def test_a_stateful_dataloader_is_read_as_a_dataloader_and_resumes_at_the_global_step(recwarn):
+    """torchdata's StatefulDataLoader (issue 37): its shuffle is torch's (its own RandomSampler class, read without a
+    warning), and the position its state_dict would hold is paratrain's global step, which the checkpoint restores: a
+    run resumed two steps into the epoch reads the batches the uninterrupted run read from there."""
+    stateful = pytest.importorskip("torchdata.stateful_dataloader")
+    data = DictData(40)
+
+    def ids(start: int) -> list[list[str]]:
+        pt = paratrain.Parallel(global_batch=8, seed=SEED)
+        loader = pt.train_loader(stateful.StatefulDataLoader(data, batch_size=8, shuffle=True))
+        pt.global_step = start  # what load_checkpoint restores
+        seen = []
+        for batch in loader:
+            seen.append(batch["id"])
+            pt.global_step += 1  # what optimizer.step() does at the end of each global batch
+        pt.close()
+        return seen
+
+    whole, resumed = ids(0), ids(2)
+    perm = paratrain.data.epoch_permutation(40, SEED, 0)
+    assert whole == [[f"s{i}" for i in perm[8 * s:8 * (s + 1)]] for s in range(5)]
+    assert resumed == whole[2:]
+    assert not [w for w in recwarn if "train_loader" in str(w.message)]
+
+
 def test_own_dataloader_subset_samplers_keep_their_part_of_the_dataset():
     """A train/val split by SubsetRandomSampler on one dataset: the training reads only the train
     part and the evaluation counts only the val part (both once read the whole dataset)."""

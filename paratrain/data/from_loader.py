@@ -6,12 +6,16 @@ split of one dataset) or any sampler that reads part of the dataset, each sample
 ``Subset``; a ``DistributedSampler`` (what a DDP script has) is the whole dataset, sharded by
 paratrain instead; a sampler that draws samples more than once (``WeightedRandomSampler``,
 ``replacement=True``) is refused in one line: paratrain reads each sample once an epoch.
+
+torchdata's ``StatefulDataLoader`` is a DataLoader too, and its own ``RandomSampler`` (not torch's class) is read as
+torch's. Its ``state_dict()`` is not needed: paratrain's checkpoint holds the global step, the data position its
+sampler starts from, which resumes at any world size (a loader's own state is one rank's, at one world size).
 """
 
 from __future__ import annotations
 
 import random
-from typing import Any
+from typing import Any, TypeGuard
 
 import numpy as np
 import torch
@@ -35,7 +39,7 @@ def loader_samples(loader: DataLoader, where: str) -> tuple[Dataset, bool | None
         return dataset, False
     if isinstance(sampler, DistributedSampler):  # replacing it is the point
         return dataset, bool(sampler.shuffle)
-    if isinstance(sampler, RandomSampler) and not sampler.replacement:
+    if _random_sampler(sampler) and not sampler.replacement:
         if sampler.num_samples != n:
             raise ValueError(f"{where}: the DataLoader's RandomSampler draws {sampler.num_samples} of the {n} samples, "
                              "a different part every epoch; paratrain reads each sample once an epoch: pass the "
@@ -55,6 +59,14 @@ def loader_samples(loader: DataLoader, where: str) -> tuple[Dataset, bool | None
     if len(indices) == n:
         return dataset, random_order
     return Subset(dataset, indices), random_order
+
+
+def _random_sampler(sampler: Any) -> TypeGuard[RandomSampler]:
+    """torch's ``RandomSampler``, or torchdata's stateful one (``StatefulDataLoader(shuffle=True)``'s: the same
+    arguments and draw, with a state; not a subclass, and torchdata is not imported for it)."""
+    cls = type(sampler)
+    return isinstance(sampler, RandomSampler) or (cls.__name__ == "RandomSampler"
+                                                  and cls.__module__.startswith("torchdata.stateful_dataloader"))
 
 
 def _one_epoch(sampler: Any) -> list[int]:
