@@ -244,6 +244,10 @@ class PipelineStrategy(Strategy):
         if self.options.schedule == "1f1b" and stages > 1 and n < stages:  # torch refuses it at the first step
             raise ValueError(f"pipeline schedule 1f1b needs at least one micro-batch per stage: n_microbatches={n} "
                              f"< {stages} stages; set n_microbatches >= {stages}, or schedule gpipe")
+        if self.options.schedule == "dualpipev" and n < 2 * stages:  # torch refuses it at the first step
+            raise ValueError(f"pipeline schedule dualpipev needs at least one micro-batch per stage: n_microbatches={n} "
+                             f"< {2 * stages} stages (2 a rank); set n_microbatches >= {2 * stages}, or schedule "
+                             "zbvzerobubble")
         rounds = max(1, n // stages)  # the interleaved schedules run the micro-batches in rounds of pp
         if self.options.schedule in LOOPED and n % rounds:
             raise ValueError(f"pipeline schedule {self.options.schedule} runs micro-batches in rounds of {stages} "

@@ -312,6 +312,11 @@ def test_micro_batches_an_interleaved_schedule_cannot_run_in_rounds_are_one_line
         strategy.setup_model(MLP.model())
     assert str(e.value) == ("pipeline schedule interleaved1f1b runs micro-batches in rounds of 2 (the pipeline ranks): "
                             "n_microbatches=5 is not a multiple of its 2 rounds; use a multiple of 2")
+    dualpipe = PipelineStrategy(rank1, options=PipelineOptions(schedule="dualpipev", n_microbatches=2))
+    with pytest.raises(ValueError) as e:
+        dualpipe.setup_model(MLP.model())
+    assert str(e.value) == ("pipeline schedule dualpipev needs at least one micro-batch per stage: n_microbatches=2 < 4 "
+                            "stages (2 a rank); set n_microbatches >= 4, or schedule zbvzerobubble")
 
 
 def test_a_v_shaped_schedule_beside_data_parallel_replicas_is_one_line():
