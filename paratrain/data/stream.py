@@ -11,7 +11,11 @@ Two kinds of stream:
   is its samples ``[s*B, (s+1)*B)``; rank ``r`` of ``W`` keeps the contiguous positions
   ``[r*B/W, (r+1)*B/W)``, micro-step ``a`` the ``a``-th ``m`` of them. The stream ends at the first
   global batch it cannot fill: before each step the ranks agree (one all-reduce of one number)
-  whether all of them have it. A resumed run finds its place by reading up to its step.
+  whether all of them have it. A resumed run finds its place by reading up to its step, unless the
+  stream keeps its own position: one with ``state_dict()``/``load_state_dict()`` (HuggingFace's
+  streamed ``IterableDataset``, torchdata's stateful datasets) is opened at the state it had at the
+  checkpoint's step, which the checkpoint holds; and a run saved between two passes starts the next
+  pass without reading.
 
 So every optimizer step holds the same samples at world size 1, 2 or 4. (Without accumulation a
 micro-step's samples are the same too; with it, unlike the map-style sampler, which samples share
@@ -25,10 +29,10 @@ has one).
 from __future__ import annotations
 
 from itertools import islice
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
-from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from torch.utils.data import DataLoader, IterableDataset, default_collate, get_worker_info
 from torch.utils.data._utils import worker as _worker_state
 
 from .batch import to_device
@@ -38,13 +42,25 @@ from .shards import ShardedStream, ShardOrder, ShardReader, lengths_digest, reso
 __all__ = ["ShardedStream", "RankStream", "ShardedRankStream", "StreamLoader"]
 
 
-class RankStream(IterableDataset):
-    """One rank's samples of a plain stream (one shard of unknown length, read by every rank), in
-    micro-batch order, from step ``skip`` of a pass on (the steps before are read and dropped). In
-    a DataLoader worker, only that worker's share of the micro-batches."""
+class Stamped(NamedTuple):
+    """A micro-batch of a stream that keeps its own position, with the stream's ``state_dict()``
+    once its step's global batch is read: the pass's steps read (``step``) and that state."""
+    batch: Any
+    step: int
+    state: Any
 
-    def __init__(self, dataset: IterableDataset, plan: BatchPlan, rank: int, skip: int = 0, epoch: int = 0) -> None:
+
+class RankStream(IterableDataset):
+    """One rank's micro-batches of a plain stream (one shard of unknown length, read by every rank),
+    collated by ``collate``, from step ``skip`` of a pass on (the steps before are read and dropped).
+    The dataset opens at step ``first`` of the pass (it was loaded from its own state there). With
+    ``stamp``, each micro-batch comes as :class:`Stamped`. In a DataLoader worker, only that
+    worker's share of the micro-batches."""
+
+    def __init__(self, dataset: IterableDataset, plan: BatchPlan, rank: int, skip: int = 0, epoch: int = 0,
+                 collate: Callable[[list[Any]], Any] | None = None, stamp: bool = False, first: int = 0) -> None:
         self.dataset, self.plan, self.rank, self.skip, self._epoch = dataset, plan, rank, skip, epoch
+        self.collate, self.stamp, self.first = collate or default_collate, stamp, first
         share = plan.global_batch // plan.world_size  # this rank's contiguous positions of each global batch
         self.positions = range(rank * share, (rank + 1) * share)
 
@@ -65,18 +81,39 @@ class RankStream(IterableDataset):
     def __iter__(self) -> Iterator[Any]:
         worker, workers = _own_worker()
         reader = self._start()
-        p, step, micro = self.plan, 0, 0
+        p, step, micro = self.plan, self.first, 0
         while True:
             batch = list(islice(reader, p.global_batch))
             if len(batch) < p.global_batch:
                 return  # the stream ends before this global batch is full
             if step >= self.skip:
                 mine = batch[self.positions.start:self.positions.stop]
+                state = self.dataset.state_dict() if self.stamp else None  # type: ignore[attr-defined]
                 for a in range(p.accumulation):
                     if micro % workers == worker:
-                        yield from mine[a * p.micro_batch:(a + 1) * p.micro_batch]
+                        out = self.collate(mine[a * p.micro_batch:(a + 1) * p.micro_batch])
+                        yield Stamped(out, step + 1, state) if self.stamp else out
                     micro += 1
             step += 1
+
+
+def own_position(dataset: Any) -> str | None:
+    """Why ``dataset`` (a plain stream) cannot be opened at its own saved position, or None when it
+    can: it keeps its position (``state_dict()``/``load_state_dict()``, as torchdata's ``Stateful``),
+    and nothing of it lies outside that state (HuggingFace's shuffle buffer does)."""
+    if not (callable(getattr(dataset, "state_dict", None)) and callable(getattr(dataset, "load_state_dict", None))):
+        return "a plain IterableDataset cannot seek: a ShardedStream with known lengths, or a dataset with " \
+               "state_dict()/load_state_dict(), opens at its position"
+    stack, seen = [getattr(dataset, "_ex_iterable", None)], 0
+    while stack and seen < 1000:  # HuggingFace's chain of example iterables
+        part = stack.pop()
+        seen += 1
+        if part is None:
+            continue
+        if type(part).__name__ == "BufferShuffledExamplesIterable":
+            return "the samples in its shuffle buffer (shuffle(buffer_size=...)) are not in its state_dict()"
+        stack += [getattr(part, "ex_iterable", None), *(getattr(part, "ex_iterables", None) or [])]
+    return None
 
 
 class ShardedRankStream(IterableDataset):
@@ -151,11 +188,19 @@ class StreamLoader:
         self._epoch = 0  # passes completed over the stream
         self.pass_start = 0  # the global step at which the current pass began
         self._located = False
+        # a plain stream's own position: why it cannot be opened there (None: it can), where it stood after
+        # the newest step read, and the step of its pass it was opened at (loaded from that position)
+        self._why_not_own = own_position(dataset) if self.order is None else None
+        self._mark: dict[str, Any] | None = None
+        self._opened_at = 0
+        self.resumed: Callable[[], dict[str, Any] | None] = lambda: None  # the checkpoint's state (StreamState)
 
     def state(self) -> dict[str, Any]:
-        """What identifies this stream's order (kept in a checkpoint beside the global step)."""
+        """What identifies this stream's order, and for a plain stream where it stands when it can
+        be opened there (kept in a checkpoint beside the global step)."""
         if self.order is None:
-            return {"kind": "stream"}
+            source = self._source()
+            return {"kind": "stream", **({"source": source} if source is not None else {})}
         o = self.order
         return {"kind": "sharded", "shards": len(o.lengths), "samples": o.total, "lengths": lengths_digest(o.lengths),
                 "readers": o.readers, "tail": o.tail, "shuffle": o.shuffle, "seed": o.seed}
@@ -191,14 +236,39 @@ class StreamLoader:
         e = self.order.epoch_of_step(start)
         return (self.order.first_step(e + 1) - start) * self.plan.accumulation
 
+    def _source(self) -> dict[str, Any] | None:
+        """Where a plain stream stands at the global step, if a resumed run can start there without
+        reading: the pass, its first step, and the dataset's own state (None: the pass's start)."""
+        at = self.position()
+        if not self._located:  # nothing read yet: a resumed run's position holds until it reads
+            saved = (self.resumed() or {}).get("source")
+            if saved is not None and saved.get("step") == at:
+                return saved
+            return {"epoch": 0, "pass_start": 0, "step": 0, "state": None} if at == 0 else None
+        if at == self.pass_start:
+            return {"epoch": self._epoch, "pass_start": at, "step": at, "state": None}
+        mark = self._mark
+        return mark if mark is not None and mark["step"] == at else None
+
     def _locate(self, position: int) -> None:
-        """Find the pass and its first step for a run that starts at ``position`` (a resumed one):
-        count each pass's steps (the same on every rank) until the pass that holds ``position``.
-        Reads the stream up to there."""
+        """Find the pass and its first step for a run that starts at ``position`` (a resumed one).
+        Where the checkpoint holds the stream's position there, open it there: a pass's start, or the
+        dataset's own state. Otherwise count each pass's steps (the same on every rank) until the pass
+        that holds ``position``: that reads the stream up to there."""
+        saved = (self.resumed() or {}).get("source")
+        if position > 0 and saved is not None and saved.get("step") == position:
+            if saved["state"] is None or self._why_not_own is None:
+                self._epoch, self.pass_start = int(saved["epoch"]), int(saved["pass_start"])
+                if saved["state"] is not None:
+                    self.dataset.load_state_dict(saved["state"])  # type: ignore[attr-defined]
+                    self._opened_at = position - self.pass_start
+                    self.say(f"paratrain stream: resuming at step {position:,} opens the stream at its own "
+                             f"state_dict() (step {self._opened_at:,} of pass {self._epoch}), without reading")
+                return
         skip = position
         if skip > 0:
-            self.say(f"paratrain stream: resuming at step {position:,} reads the stream up to there (a plain "
-                     "IterableDataset cannot seek: a ShardedStream with known lengths opens each shard at its position)")
+            why = self._why_not_own or "the checkpoint holds no position of the stream at its step"
+            self.say(f"paratrain stream: resuming at step {position:,} reads the stream up to there ({why})")
         while skip > 0:
             n = self.min_all(RankStream(self.dataset, self.plan, self.rank, 0, self._epoch).count_steps(skip + 1))
             if n > skip:
@@ -212,7 +282,16 @@ class StreamLoader:
         # A generator of the pass's own: each DataLoader iterator draws a seed from one, from the
         # global RNG (dropout's) without it, and a resumed run would then draw once more.
         kwargs = {"generator": torch.Generator().manual_seed(epoch), **self.dataloader_kwargs}
+        if isinstance(stream, RankStream):  # it collates its micro-batches itself
+            return iter(DataLoader(stream, batch_size=None, **{**kwargs, "collate_fn": _as_is}))
         return iter(DataLoader(stream, batch_size=self.plan.micro_batch, drop_last=True, **kwargs))
+
+    def _plain_pass(self, skip: int) -> RankStream:
+        stream = RankStream(self.dataset, self.plan, self.rank, skip, self._epoch,
+                            self.dataloader_kwargs.get("collate_fn"), stamp=self._why_not_own is None,
+                            first=self._opened_at)
+        self._opened_at = 0  # the next pass opens at its start
+        return stream
 
     def __iter__(self) -> Iterator[Any]:
         if self.order is not None:
@@ -223,12 +302,16 @@ class StreamLoader:
         while True:
             start = self.position()
             skip = start - self.pass_start
-            batches = self._loader(RankStream(self.dataset, p, self.rank, skip, self._epoch), self._epoch)
+            batches = self._loader(self._plain_pass(skip), self._epoch)
             steps = 0
             while True:
                 step = list(islice(batches, p.accumulation))  # the whole step first: then agree, then train
                 if self.min_all(int(len(step) == p.accumulation)) == 0:
                     break
+                if step and isinstance(step[-1], Stamped):  # where the stream stands once this step is trained
+                    self._mark = {"epoch": self._epoch, "pass_start": self.pass_start,
+                                  "step": self.pass_start + step[-1].step, "state": step[-1].state}
+                    step = [b.batch for b in step]
                 for batch in step:
                     yield to_device(batch, self.device, non_blocking=self.pin_memory)
                 steps += 1
@@ -258,6 +341,11 @@ class StreamLoader:
             yield to_device(batch, self.device, non_blocking=self.pin_memory)
 
 
+def _as_is(batch: Any) -> Any:
+    """The collate of a DataLoader over a :class:`RankStream`, which yields micro-batches."""
+    return batch
+
+
 class StreamState:
     """The identity of the stream a run trains on, kept in its checkpoints beside the global step:
     a resumed run on other shards, lengths, readers or tail would read other samples at the same
@@ -265,13 +353,19 @@ class StreamState:
     the sampler; a plain stream has none to check.)"""
 
     def __init__(self) -> None:
-        self.current: dict[str, Any] | None = None  # the newest stream loader's state
+        self.loader: StreamLoader | None = None  # the newest stream loader
         self.saved: dict[str, Any] | None = None  # the state a resumed checkpoint holds
+
+    @property
+    def current(self) -> dict[str, Any] | None:
+        """The newest stream loader's state now (where a plain stream stands moves with the step)."""
+        return None if self.loader is None else self.loader.state()
 
     def made(self, loader: Any) -> Any:
         """``loader`` was made for this run: remember its stream and check it against a resumed one."""
         if isinstance(loader, StreamLoader):
-            self.current = loader.state()
+            self.loader = loader
+            loader.resumed = lambda: self.saved
             self._check()
         return loader
 

@@ -344,3 +344,71 @@ def test_a_streamed_hf_dataset_resumed_mid_epoch_gives_the_uninterrupted_samples
     resumed, _ = train(pt, stream, steps=10, passes=2, num_workers=2)
     assert resumed == full[3:]
     pt.close()
+
+
+OPENED_SHARDS: list[int] = []  # the HF generator's shards opened by this process
+
+
+def hf_shards(shards):
+    for k in shards:
+        OPENED_SHARDS.append(k)
+        for j in range(11):
+            yield {"id": 11 * k + j, "x": [float(j)]}
+
+
+def hf_generator_stream():
+    """HuggingFace's streamed ``IterableDataset`` from a generator: 4 shards of 11 samples, read in order (44
+    samples: 5 global batches of 8 a pass, the last 4 samples dropped)."""
+    datasets = pytest.importorskip("datasets")
+    return datasets.IterableDataset.from_generator(hf_shards, gen_kwargs={"shards": list(range(4))}).with_format("torch")
+
+
+def resume_hf(rank, path, workers=0):
+    """This rank's sample ids per step of a run resumed from ``path``, and the shards it opened."""
+    pt = paratrain.Parallel(strategy="ddp", global_batch=B)
+    model, opt = pt.setup(net := nn.Linear(1, 1), torch.optim.SGD(net.parameters(), lr=0.0))
+    pt.load_checkpoint(path, model, opt)
+    OPENED_SHARDS.clear()
+    ids, _ = train(pt, hf_generator_stream(), steps=10, passes=2, num_workers=workers)
+    pt.close()
+    return ids, list(OPENED_SHARDS)
+
+
+def test_a_stream_with_its_own_state_dict_resumes_there_without_reading_at_any_world_size(tmp_path, capsys):
+    """A run stopped at step 3 of a pass keeps HuggingFace's own ``state_dict()`` of the stream in its checkpoint.
+    Resumed with 0 or 2 DataLoader workers, or at world size 2, it trains the samples of the run that was not
+    stopped, and opens only the shard the position lies in (2) and those after it: nothing before is read again.
+    A run saved between two passes starts the next one without reading anything either."""
+    pt = paratrain.Parallel(global_batch=B)
+    full, _ = train(pt, hf_generator_stream(), passes=2)
+    pt.close()
+    assert len(full) == 10 and sorted(i for s in full[:5] for i in s) == list(range(40))
+    for stop in (3, 5):
+        pt = paratrain.Parallel(global_batch=B)
+        part, _ = train(pt, hf_generator_stream(), steps=stop, passes=2)
+        assert part == full[:stop]
+        model, opt = pt.setup(net := nn.Linear(1, 1), torch.optim.SGD(net.parameters(), lr=0.0))
+        pt.save_checkpoint(str(tmp_path / str(stop)), model, opt)
+        pt.close()
+    capsys.readouterr()
+    for workers in (0, 2):
+        ids, opened = resume_hf(0, str(tmp_path / "3"), workers)
+        assert ids == full[3:], workers
+        if workers == 0:
+            assert opened[0] == 2 and "opens the stream at its own state_dict() (step 3 of pass 0)" in capsys.readouterr().out
+    ids, opened = resume_hf(0, str(tmp_path / "5"))
+    assert ids == full[5:] and "reads the stream" not in capsys.readouterr().out
+    reports = paratrain.launch(resume_hf, nprocs=2, args=(str(tmp_path / "3"),), timeout=120)
+    assert union_per_step([{"ids": ids} for ids, _ in reports], "ids") == [sorted(s) for s in full[3:]]
+    assert all(opened[0] == 2 for _, opened in reports)
+
+
+def test_which_streams_are_opened_at_their_own_state():
+    """HF's stream can; shuffled with a buffer it cannot (the buffer's samples are not in its state), nor can a
+    plain generator: both are read up to the step, and the run says why."""
+    from paratrain.data.stream import own_position
+
+    stream = hf_generator_stream()
+    assert own_position(stream) is None
+    assert "shuffle buffer" in own_position(stream.shuffle(seed=0, buffer_size=4))
+    assert "state_dict()" in own_position(Counting(3))
