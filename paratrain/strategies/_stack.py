@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..dtensors import local_part
 from ._split import balanced_cuts, output_tensor
 from .base import NotApplicable
 
@@ -205,7 +206,7 @@ class StackStage(nn.Module):
             added = grad - old if old is not None else grad.clone()
             # a stage sharded over its data-parallel ranks (FSDP2) holds a DTensor: each owner's shard
             # is the same slice of the parameter, so the local shards are summed
-            dist.all_reduce(added.to_local() if hasattr(added, "to_local") else added, group=group)
+            dist.all_reduce(local_part(added), group=group)
             param.grad = added if old is None else old + added
 
     def blocks(self) -> list[nn.Module]:

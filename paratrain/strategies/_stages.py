@@ -45,21 +45,21 @@ def _forward_only_v(pipelining: Any) -> Any:
     micro-batch. ZBV's and DualPipeV's own schedules run their backward actions even in ``eval()`` (and fail on
     them), and LoopedBFS, the looped schedules' evaluation, places stages in a loop. Torch's runtime runs it and
     adds the sends and receives; only its check that every forward has a backward (a training plan's) is left out."""
-    from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
     from torch.distributed.pipelining.schedules import PipelineScheduleMulti, _Action, _ComputationType
+
+    def placed(pp: int, n_stages: int) -> dict[int, int]:
+        return dict(enumerate(stage_ranks(V_SHAPED[0], pp, n_stages)))
 
     class _VPlacement(PipelineScheduleMulti):
         def _validate_and_set_stage_mapping(self, actions: Any) -> None:  # the runtime's lowering calls it first
-            self.stage_index_to_group_rank = generate_stage_to_rank_mapping(self.pp_group_size, self._num_stages,
-                                                                            style="v")
+            self.stage_index_to_group_rank = placed(self.pp_group_size, self._num_stages)
             for stage in self._stages:
                 stage.stage_index_to_group_rank = self.stage_index_to_group_rank
 
     # LoopedBFS's runtime, then _VPlacement before PipelineScheduleMulti in the method order
     class ScheduleForwardOnlyV(pipelining.ScheduleLoopedBFS, _VPlacement):
         def _calculate_single_rank_operations(self, rank: int) -> list[Any]:
-            placement = generate_stage_to_rank_mapping(self.pp_group_size, self._num_stages, style="v")
-            mine = sorted(s for s, q in placement.items() if q == rank)
+            mine = sorted(s for s, q in placed(self.pp_group_size, self._num_stages).items() if q == rank)
             return [_Action(s, _ComputationType.FORWARD, mb) for s in mine for mb in range(self._n_microbatches)]
 
     return ScheduleForwardOnlyV

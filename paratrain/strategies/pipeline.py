@@ -54,7 +54,7 @@ from ..checkpoint.sharded import full_state_dict as sharded_full_state_dict
 from ..nn.deferred import Held, has_meta
 from .base import NotApplicable, Strategy, data_parallel_size, mesh_dimensions
 from .fsdp import FSDPOptions, ParameterSwap, scale_grads_, shard_model, total_norm
-from .mesh import data_parallel_mesh, layout_mesh
+from .mesh import data_parallel_mesh, describe, layout_mesh
 from .tensor import TensorOptions, checked_plan, parallel_style
 
 __all__ = ["PipelineOptions", "PipelineStrategy", "PipelineModule", "cut_stages"]
@@ -190,8 +190,8 @@ class PipelineStrategy(Strategy):
         self.replica, self.tp_rank = divmod(self.column, self.tp)
         if self.options.schedule in V_SHAPED and self.dp > 1:  # FSDP2 under torch's V runtime: measured wrong
             raise ValueError(f"pipeline schedule {self.options.schedule} with {self.dp} data-parallel replicas "
-                             f"(--mesh {','.join(f'{k}={v}' for k, v in self.layout.items() if v > 1)}): a V-shaped schedule composes with tp only here; for pipelines "
-                             "side by side use interleavedzerobubble (zero bubble too) or interleaved1f1b")
+                             f"(--mesh {describe(self.layout)}): a V-shaped schedule composes with tp only here; for pipelines side by "
+                             "side use interleavedzerobubble (zero bubble too) or interleaved1f1b")
         # the pipeline rank that holds each stage (several a rank: looped, or in a V where rank 0 holds the last)
         self.placement = stage_ranks(self.options.schedule, self.stages, self.stages * self.options.stages_per_rank)
         self.swap = ParameterSwap()

@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..dtensors import local_part
+
 __all__ = ["Probe", "clean_name"]
 
 _PREFIXES = ("module.", "_forward_module.", "original.", "_orig_mod.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
@@ -108,12 +110,12 @@ class Probe:
             self.unused = [names.get(id(p), f"param[{i}]") for i, p in enumerate(params)
                            if p.requires_grad and p.grad is None]
             with torch.no_grad():
-                self.init_checksum = float(sum(_local(p).double().sum().item() for p in params))
+                self.init_checksum = float(sum(local_part(p).double().sum().item() for p in params))
         with torch.no_grad():
             for i, p in enumerate(params):
                 if p.grad is not None:
                     name = names.get(id(p), f"param[{i}]")
-                    norm = float(_local(p.grad).double().norm().item())
+                    norm = float(local_part(p.grad).double().norm().item())
                     self.grad_norms[name] = max(norm, self.grad_norms.get(name, 0.0))
         self.steps.append({"samples": self._samples, "fingerprints": sorted(self._fingerprints),
                            "lr": float(optimizer.param_groups[0]["lr"])})
@@ -136,7 +138,3 @@ class Probe:
         return {"steps": self.steps, "unused": self.unused, "init_checksum": self.init_checksum,
                 "grad_norms": self.grad_norms}
 
-
-def _local(p: torch.Tensor) -> torch.Tensor:
-    """The local part of a (possibly DTensor) parameter."""
-    return p.to_local() if hasattr(p, "to_local") else p
