@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import paratrain
+from pace import scaled
 from paratrain.nn import SyncBatchNorm, convert_sync_batchnorm, has_unsynced_batchnorm
 from paratrain.nn import syncbn as syncbn_module
 from parity import FLOAT64_RTOL, relative_error
@@ -153,7 +154,7 @@ def _eval_worker(local_rank):
 
 def test_eval_does_no_collective():
     out, expected, calls, elapsed = paratrain.launch(_eval_worker, nprocs=2, timeout=60)[0]
-    assert calls == 0 and elapsed < 5
+    assert calls == 0 and elapsed < scaled(5)  # a rank waiting on a collective would wait out its timeout
     torch.testing.assert_close(out, expected, rtol=0, atol=0)  # evaluation is F.batch_norm itself: bit for bit
 
 

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from pace import scaled
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "device_check.sh"
@@ -178,7 +179,7 @@ def test_a_step_past_its_slice_is_killed_with_what_it_started(tmp_path: Path) ->
     assert res.returncode == 1, res.stdout[-3000:]
     nccl = {o["name"]: o for o in summary(out)["steps"]}["nccl"]
     assert nccl["status"] == "failed" and "killed at the end of its" in nccl["summary"], nccl
-    assert took < 30
+    assert took < scaled(30)  # the 12 s budget, python's start-up on this machine
     assert (out / "logs" / "nccl.log").read_text().startswith("$ ")
     assert gone(int(pidfile.read_text()))  # the step's whole process group went with it
 
@@ -246,7 +247,7 @@ def test_dry_run(tmp_path: Path) -> None:
     assert ran == set(TWINS.split(",")), by
     assert all(o["summary"] == "not in --only" for name, o in by.items() if name not in ran), by
     assert by["compile"]["details"]["backend"] == "aot_eager"
-    assert s["seconds"] <= s["budget_s"] + 15 and took < 240
+    assert s["seconds"] <= s["budget_s"] + 15 and took < scaled(240)
 
 
 def test_the_driver_knows_selftests_sections() -> None:
