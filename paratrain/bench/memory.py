@@ -22,8 +22,9 @@ With ``P`` parameters, ``N`` ranks, a micro-batch of ``b`` samples per rank, and
   - a composed layout (``mesh``: ``pp x dp_replicate x dp_shard x tp``, :func:`mesh_states`), its
     dimensions applied in that order: the largest of ``pp`` stages ``S``, its share ``LS/P`` of the
     split Linear layers divided over ``tp``, the rest ``(S − LS/P + LS/(P·tp))`` divided over ``dp_shard``
-    (FSDP2, with a block's ``tp`` slice in flight); ``dp_replicate`` keeps whole copies (FSDP2 replicates:
-    no DDP buckets); ``dp_shard=N`` alone is fsdp's formula, ``pp=N`` alone pipeline's;
+    (FSDP2, with a block's ``tp`` slice in flight; under a zero-bubble schedule the whole stage's, gathered for the
+    step, with its gradients); ``dp_replicate`` keeps whole copies (FSDP2 replicates: no DDP buckets);
+    ``dp_shard=N`` alone is fsdp's formula, ``pp=N`` alone pipeline's;
 
 * **activations**: what autograd saves for backward, ``b·a`` with ``a`` bytes per sample measured
   (a pipeline stage: its share ``S/P`` of the blocks' part, and the whole part outside the blocks)
@@ -100,6 +101,8 @@ class ModelFacts:
     """Floating-point operations of one sample's forward (and the loss), counted on the meta device."""
     stage_params: dict[int, int] = field(default_factory=dict)
     """S for each number of stages measured (:func:`measure_model`'s ``stages``): pipelines of every depth asked."""
+    schedule: str = "gpipe"
+    """The pipeline's schedule the stages were placed for; a zero-bubble one keeps a sharded stage gathered."""
 
     def stage(self, stages: int) -> int:
         """S for a pipeline of ``stages`` stages; a one-line error if it was not measured."""
@@ -207,6 +210,11 @@ def estimate(facts: ModelFacts, strategy: str, world_size: int, micro_batch: int
         block = facts.largest_block / split  # a block's tensor-parallel slice
         in_flight_fwd = (facts.root_params + 2 * block) * b["w"]
         in_flight_bwd = (facts.root_params + block) * (b["w"] + b["g"])
+        if mesh is not None and mesh.get("pp", 1) > 1 and facts.schedule in _split_backward():
+            # a zero-bubble schedule keeps the stage gathered from its first forward to the step's end, with its
+            # unsharded gradients (strategies/pipeline.py: _stage_fsdp)
+            whole = local * mesh.get("dp_shard", 1)
+            in_flight_fwd, in_flight_bwd = whole * b["w"], whole * (b["w"] + b["g"])
     act = facts.checkpointed_activation_bytes if checkpointing else facts.activation_bytes
     if split > 1 and not checkpointing:  # each tp rank saves its slice of the split features
         act -= facts.split_bytes * (1 - 1 / split)
@@ -226,6 +234,12 @@ def estimate(facts: ModelFacts, strategy: str, world_size: int, micro_batch: int
     if not sharded_init:
         parts["build"] = 4 * P + facts.buffers_bytes
     return Estimate(strategy, precision, world_size, parts, checkpointing, offload)
+
+
+def _split_backward() -> tuple[str, ...]:
+    from ..strategies._stages import SPLIT_BACKWARD
+
+    return SPLIT_BACKWARD
 
 
 def _strategy_states(facts: ModelFacts, layout: str, n: int) -> tuple[bool, float, int, float, int]:
@@ -398,7 +412,7 @@ def measure_model(build: Callable[[], nn.Module], sample: Callable[[int], Any],
         largest_inside_bytes=max(inside, default=0.0), largest_saved_bytes=per_sample(small[4], big[4]),
         largest_param=biggest, largest_linear=any(p.numel() == biggest for m in split for p in m.parameters(recurse=False)),
         blocks=len(outermost), forward_flops=per_sample(small[5], big[5]), split_bytes=per_sample(small[6], big[6]),
-        buffers_bytes=buffers)
+        buffers_bytes=buffers, schedule=schedule)
 
 
 def _largest_stage(model: nn.Module, stages: int, schedule: str = "gpipe", per_rank: int = 1) -> int:

@@ -15,7 +15,7 @@ from ._split import check_sequential
 if TYPE_CHECKING:
     from .pipeline import PipelineOptions
 
-__all__ = ["PipelineModule", "SCHEDULE_CLASSES", "LOOPED", "V_SHAPED", "stage_ranks"]
+__all__ = ["PipelineModule", "SCHEDULE_CLASSES", "LOOPED", "V_SHAPED", "SPLIT_BACKWARD", "stage_ranks"]
 
 SCHEDULE_CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved1f1b": "ScheduleInterleaved1F1B",
                     "loopedbfs": "ScheduleLoopedBFS", "interleavedzerobubble": "ScheduleInterleavedZeroBubble",
@@ -27,6 +27,9 @@ LOOPED = ("interleaved1f1b", "loopedbfs", "interleavedzerobubble", "zbvzerobubbl
 V_SHAPED = ("zbvzerobubble", "dualpipev")
 """The schedules whose two stages a rank sit in a V: rank ``q`` of ``pp`` holds stages ``q`` and ``2 pp - 1 - q`` (the
 first and the last stage on rank 0); the other looped ones loop: stage ``s`` on rank ``s % pp``."""
+SPLIT_BACKWARD = ("interleavedzerobubble", "zbvzerobubble", "dualpipev")
+"""The zero-bubble schedules: a micro-batch's backward is two actions, its input gradients first and its weight
+gradients later, with other micro-batches' forwards between them."""
 
 
 def stage_ranks(schedule: str, pp: int, n_stages: int) -> list[int]:

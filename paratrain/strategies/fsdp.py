@@ -25,7 +25,7 @@ from ..precision import Precision
 from .base import Strategy, mesh_dimensions
 
 __all__ = [
-    "FSDPOptions", "FSDPStrategy", "DTensorStrategy", "shard_model", "mixed_precision_policy",
+    "FSDPOptions", "FSDPStrategy", "DTensorStrategy", "shard_model", "shard_root", "mixed_precision_policy",
     "parameter_bytes", "ParameterSwap", "clip_grad_norm_",
 ]
 
@@ -191,6 +191,16 @@ def shard_model(model: nn.Module, mesh: Any, options: FSDPOptions, precision: Pr
             fully_shard(block, mp_policy=policy, **kwargs)
     fully_shard(model, mp_policy=policy, **kwargs)
     return model
+
+
+def shard_root(module: nn.Module, mesh: Any, options: FSDPOptions, precision: Precision | None = None) -> nn.Module:
+    """``fully_shard`` ``module`` as the FSDP2 root over what :func:`shard_model` sharded inside it (a wrapper that
+    holds no parameters of its own), with the same mesh, precision and resharding; returns ``module``."""
+    from torch.distributed.fsdp import fully_shard
+
+    fully_shard(module, mesh=mesh, reshard_after_forward=options.reshard_after_forward,
+                mp_policy=mixed_precision_policy(precision))
+    return module
 
 
 def parameter_bytes(model: nn.Module) -> dict[str, Any]:

@@ -38,7 +38,7 @@ fp16-mixed is refused (each stage would skip overflowing steps on its own); use 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
@@ -49,11 +49,11 @@ from ..env.process import Dist
 from ..precision import lookup as precision_class
 from ._split import parse_split_points, split_model
 from ._stack import StackStage, split_stack
-from ._stages import LOOPED, SCHEDULE_CLASSES, V_SHAPED, PipelineModule, stage_ranks
+from ._stages import LOOPED, SCHEDULE_CLASSES, SPLIT_BACKWARD, V_SHAPED, PipelineModule, stage_ranks
 from ..checkpoint.sharded import full_state_dict as sharded_full_state_dict
 from ..nn.deferred import Held, has_meta
 from .base import NotApplicable, Strategy, data_parallel_size, mesh_dimensions
-from .fsdp import FSDPOptions, ParameterSwap, scale_grads_, shard_model, total_norm
+from .fsdp import FSDPOptions, ParameterSwap, scale_grads_, shard_model, shard_root, total_norm
 from .mesh import data_parallel_mesh, describe, layout_mesh
 from .tensor import TensorOptions, checked_plan, parallel_style
 
@@ -188,10 +188,6 @@ class PipelineStrategy(Strategy):
         self.tp = self.layout.get("tp", 1)
         self.stage_index, self.column = divmod(dist_info.rank, self.dp * self.tp)  # stage_index: the pipeline rank
         self.replica, self.tp_rank = divmod(self.column, self.tp)
-        if self.options.schedule in V_SHAPED and self.dp > 1:  # FSDP2 under torch's V runtime: measured wrong
-            raise ValueError(f"pipeline schedule {self.options.schedule} with {self.dp} data-parallel replicas "
-                             f"(--mesh {describe(self.layout)}): a V-shaped schedule composes with tp only here; for pipelines side by "
-                             "side use interleavedzerobubble (zero bubble too) or interleaved1f1b")
         # the pipeline rank that holds each stage (several a rank: looped, or in a V where rank 0 holds the last)
         self.placement = stage_ranks(self.options.schedule, self.stages, self.stages * self.options.stages_per_rank)
         self.swap = ParameterSwap()
@@ -271,11 +267,21 @@ class PipelineStrategy(Strategy):
         per_rank = o.stages_per_rank
         parts = cut_stages(model, self.stages * per_rank, self.stage_index, o.split_points, distributed,
                            self.dp * self.tp, self.column, self.placement)
+        if self.dp > 1:
+            self._refuse_ties_within_a_rank(model, parts)
         mine = [s for s, q in enumerate(self.placement) if q == self.stage_index]  # only these live on its device
         for index in mine:
             self._place(model, parts[index], plan, distributed)
         pipe = PipelineModule(parts, mine, model, self.device, o, self.proc.backend is not None,
                               self._stage_group if distributed else None)
+        if distributed and self._composed and self.dp > 1:
+            # Each stage's runner (what torch's PipelineStage runs) is the FSDP2 root over its sharded stage, so that
+            # torch's schedules see an FSDP module: they defer the gradients' reduction to the step's end (REDUCE_GRAD).
+            # Under an inner root, a zero-bubble schedule's input-gradient action ran FSDP's post-backward hook before
+            # its weight-gradient action had computed anything: the stage's gradients were lost.
+            mesh = data_parallel_mesh(self._mesh()[0], self.layout)
+            for runner in pipe.runners:
+                shard_root(runner, mesh, self._stage_fsdp(), self.precision)
         if self._composed:
             pipe._checked = True  # the whole model's forward would gather other stages' shards: not checked
             pipe.eval_whole = self.dp > 1
@@ -304,11 +310,38 @@ class PipelineStrategy(Strategy):
             if mine:
                 parallelize_module(stage, whole["tp"], {n: parallel_style(s) for n, s in mine.items()})
         if self.dp > 1:  # the stage replicated or sharded over its data-parallel ranks (FSDP2, HSDP)
-            shard_model(stage, data_parallel_mesh(whole, self.layout), self.parts.fsdp, self.precision,
+            shard_model(stage, data_parallel_mesh(whole, self.layout), self._stage_fsdp(), self.precision,
                         stage.blocks() if isinstance(stage, StackStage) else None)
         self.swap.after(stage, old)
         if isinstance(stage, StackStage):
             stage.follow(self.swap)
+
+    def _refuse_ties_within_a_rank(self, model: nn.Module, parts: Sequence[nn.Module]) -> None:
+        """A weight two stages of one pipeline rank share (the V places GPT-2's tied embedding and head on rank 0)
+        cannot be sharded over the replicas: each stage is its own FSDP2 unit, and each would shard it apart. Checked
+        for every pipeline rank, so that every rank refuses alike."""
+        names = {id(p): n for n, p in model.named_parameters()}
+        for q in range(self.stages):
+            held: dict[int, int] = {}  # id(parameter) -> the first of rank q's stages holding it
+            for s in (s for s, r in enumerate(self.placement) if r == q):
+                for p in parts[s].parameters():
+                    first = held.setdefault(id(p), s)
+                    if first != s:
+                        raise ValueError(
+                            f"pipeline schedule {self.options.schedule} with {self.dp} data-parallel replicas (--mesh "
+                            f"{describe(self.layout)}): {names.get(id(p), 'a parameter')} is tied across stages {first} "
+                            f"and {s}, which sit on pipeline rank {q} and are sharded over the replicas apart; use "
+                            "interleavedzerobubble (zero bubble too, the tied ends on two ranks), or untie the weight")
+
+    def _stage_fsdp(self) -> FSDPOptions:
+        """How a stage is sharded over its replicas. A zero-bubble schedule computes a micro-batch's weight gradients
+        after other micro-batches' forwards: the stage's parameters stay gathered from its first forward to the step's
+        end (where torch's REDUCE_GRAD reshards them), for a forward that resharded them would leave the weight
+        gradients nothing to land on. The others gather them again for each backward (FSDP's default)."""
+        fsdp = self.parts.fsdp
+        if self.options.schedule in SPLIT_BACKWARD and fsdp.reshard_after_forward:
+            return replace(fsdp, reshard_after_forward=False)
+        return fsdp
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         """This rank's stage (its layers of the user's model; its stages' with several a rank)."""

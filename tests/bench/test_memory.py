@@ -115,6 +115,19 @@ def test_several_stages_a_rank_count_what_the_rank_holds(schedule, held):
     assert f.largest_stage > one.largest_stage * 0.5  # not one stage of four: about half the model
 
 
+def test_a_zero_bubble_schedule_keeps_a_sharded_stage_gathered_for_the_step():
+    """pp2 x dp_shard2: under gpipe a stage's root and two blocks are in flight; under a zero-bubble schedule the whole
+    stage (600 parameters, 4 bytes each) with its gradients, from its first forward to the step's end."""
+    mesh = {"pp": 2, "dp_shard": 2}
+    parts = {s: estimate(facts(schedule=s), "mesh", 4, 1, optimizer="sgd", sharded_init=True, mesh=mesh).parts
+             for s in ("gpipe", "interleavedzerobubble")}
+    gpipe, zero = (p["gradients + step temporaries"] for p in parts.values())
+    assert zero - gpipe == (600 - (100 + 300)) * (4 + 4)  # the stage in place of the root and one block, w + g
+    zero = max(parts["interleavedzerobubble"].values())
+    assert max(estimate(facts(schedule="gpipe"), "mesh", 4, 1, optimizer="sgd", sharded_init=True,
+                        mesh={"pp": 2, "dp_replicate": 2}).parts.values()) < zero  # replicas: nothing gathered
+
+
 def test_checkpointing_keeps_block_inputs_and_one_block():
     f = facts(outside_bytes=5.0, block_input_bytes=8.0, largest_inside_bytes=12.0, blocks=3)
     assert f.checkpointed_activation_bytes == 25.0

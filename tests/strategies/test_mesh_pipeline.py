@@ -26,10 +26,15 @@ CLIP = {"llama": 0.05, "gpt": 0.05}
 INIT_MODULE = {"pp2_dp_shard2", "pp2_tp2"}  # built under pt.init_module() (the checkpointed run is built whole)
 
 
-INTERLEAVED = {"schedule": "interleaved1f1b", "stages_per_rank": 2}  # a 4-block GPT in 4 stages, 2 a pipeline rank
+# a 4-block GPT in 4 stages, 2 a pipeline rank; zero bubble: each backward split in two (input, then weight gradients)
+INTERLEAVED = {"schedule": "interleavedzerobubble", "stages_per_rank": 2}
 
 
 def build(kind: str) -> torch.nn.Module:
+    if kind == "gpt4_untied":  # its head a weight of its own, valued as the embedding
+        model = zoo.GPT(n_layer=4)
+        model.lm_head.weight = torch.nn.Parameter(model.transformer.wte.weight.detach().clone())
+        return model
     return zoo.GPT() if kind == "gpt" else zoo.GPT(n_layer=4) if kind == "gpt4" else zoo.hf_model(kind)
 
 
@@ -64,6 +69,8 @@ def worker(rank: int, folder: str) -> dict[str, object]:
                               for name, mesh in LAYOUTS.items() for kind in CLIP}
     out["interleaved/gpt4"] = train(LAYOUTS["pp2_dp_shard2"], "gpt4", init_module=True, pipeline=INTERLEAVED)
     out["zbv/gpt4"] = train(LAYOUTS["pp2_tp2"], "gpt4", pipeline={"schedule": "zbvzerobubble"})
+    out["dualpipev/gpt4_untied"] = train(LAYOUTS["pp2_dp_shard2"], "gpt4_untied",
+                                         pipeline={"schedule": "dualpipev", "n_microbatches": 4})
     train(LAYOUTS["pp2_dp_shard2"], "llama", steps=1, save=folder)
     return out
 
@@ -96,8 +103,10 @@ def test_pipelines_side_by_side_equal_one_process(world4, layout, kind):
 
 
 def test_interleaved_stages_sharded_over_their_replicas_equal_one_process(world4):
-    """pp2 x dp_shard2 with two stages a pipeline rank (Interleaved1F1B), built under init_module: each of a rank's
-    stages sharded over its replicas, the tied embedding on stages 0 and 3, one clipping norm, evaluation."""
+    """pp2 x dp_shard2 with two stages a pipeline rank (InterleavedZeroBubble), built under init_module: each of a
+    rank's stages sharded over its replicas, the tied embedding on stages 0 and 3, one clipping norm, evaluation.
+    Its weight gradients come after other micro-batches' forwards: the stages stay gathered for the step, and their
+    gradients are reduced at its end (they were lost before, and the ranks' norms disagreed in dtype)."""
     ref = reference("gpt4")
     got = world4["interleaved/gpt4"]
     assert_same_state({k: got[k] for k in ref}, ref, rtol=1e-9)
@@ -109,6 +118,16 @@ def test_a_v_shaped_schedule_split_over_tp_equals_one_process(world4):
     stages 1 and 2, each split over its tp ranks; the evaluation runs the V's forwards."""
     ref = reference("gpt4")
     got = world4["zbv/gpt4"]
+    assert_same_state({k: got[k] for k in ref}, ref, rtol=1e-9)
+    assert int(got["eval"]) == 7
+
+
+def test_a_v_shaped_schedule_sharded_over_replicas_equals_one_process(world4):
+    """pp2 x dp_shard2 under DualPipeV: pipeline rank 0 holds stages 0 and 3, rank 1 stages 1 and 2, each sharded over
+    its replicas (a GPT whose head is not tied to its embedding: a tied one is refused, tests/strategies/
+    test_pipeline.py)."""
+    ref = reference("gpt4_untied")
+    got = world4["dualpipev/gpt4_untied"]
     assert_same_state({k: got[k] for k in ref}, ref, rtol=1e-9)
     assert int(got["eval"]) == 7
 
