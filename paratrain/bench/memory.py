@@ -312,7 +312,7 @@ def measure_model(build: Callable[[], nn.Module], sample: Callable[[int], Any],
     Blocks are fsdp's default units (:func:`paratrain.strategies.fsdp._blocks`); the Linear layers
     tensor parallelism splits are its automatic plan's (or every Linear, if it finds no pair);
     ``stages``: the pipeline depths to cut it for (the first is ``largest_stage``), each rank holding
-    ``stages_per_rank`` stages placed as ``schedule`` places them (:class:`~paratrain.strategies.pipeline.PipelineOptions`)."""
+    ``stages_per_rank`` stages placed as ``schedule`` places them (:class:`~paratrain.strategies._stages.PipelineOptions`)."""
     from ..strategies.fsdp import _blocks
     from ..strategies.tensor import auto_plan
 
@@ -418,13 +418,13 @@ def measure_model(build: Callable[[], nn.Module], sample: Callable[[int], Any],
 def _largest_stage(model: nn.Module, stages: int, schedule: str = "gpipe", per_rank: int = 1) -> int:
     """Parameters of the pipeline rank that holds the most, of ``stages`` ranks, each holding ``per_rank``
     stages placed as ``schedule`` places them: cut by the pipeline strategy's own rule
-    (:func:`paratrain.strategies.pipeline.cut_stages`: top-level children, or a stack of blocks cut between
+    (:func:`paratrain.strategies._stages.cut_stages`: top-level children, or a stack of blocks cut between
     blocks) and placement (:func:`~paratrain.strategies._stages.stage_ranks`); a parameter two of a rank's
     stages share (a tied embedding and head in a V) counted once. The whole model where it cannot cut it (or
     ``stages`` is 1)."""
     from ..strategies._stages import stage_ranks
     from ..strategies.base import NotApplicable
-    from ..strategies.pipeline import cut_stages
+    from ..strategies._stages import cut_stages
 
     whole = sum(_numel(p) for p in {id(p): p for p in model.parameters()}.values())
     if stages <= 1:

@@ -1,21 +1,23 @@
-"""A pipeline rank's stage at run time (:mod:`paratrain.strategies.pipeline`): its layers under the
-precision's autocast, and the ``torch.distributed.pipelining`` stage and schedule that run it for a
-step or an evaluation."""
+"""A pipeline's stages (:mod:`paratrain.strategies.pipeline`): its settings and schedules, the one rule that cuts a
+model into stages and the one that places them on ranks, and a rank's stage at run time: its layers under the
+precision's autocast, and the ``torch.distributed.pipelining`` stage and schedule that run it for a step or an
+evaluation."""
 
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Any, Callable, Sequence, cast
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence, cast
 
 import torch
 from torch import nn
 
-from ._split import check_sequential
+from ._split import check_sequential, parse_split_points, split_model
+from ._stack import split_stack
+from .base import NotApplicable
 
-if TYPE_CHECKING:
-    from .pipeline import PipelineOptions
-
-__all__ = ["PipelineModule", "SCHEDULE_CLASSES", "LOOPED", "V_SHAPED", "SPLIT_BACKWARD", "stage_ranks"]
+__all__ = ["PipelineModule", "PipelineOptions", "SCHEDULE_CLASSES", "SCHEDULES", "LOOPED", "V_SHAPED", "SPLIT_BACKWARD",
+           "cut_stages", "check_positions", "stage_ranks"]
 
 SCHEDULE_CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved1f1b": "ScheduleInterleaved1F1B",
                     "loopedbfs": "ScheduleLoopedBFS", "interleavedzerobubble": "ScheduleInterleavedZeroBubble",
@@ -30,6 +32,79 @@ first and the last stage on rank 0); the other looped ones loop: stage ``s`` on 
 SPLIT_BACKWARD = ("interleavedzerobubble", "zbvzerobubble", "dualpipev")
 """The zero-bubble schedules: a micro-batch's backward is two actions, its input gradients first and its weight
 gradients later, with other micro-batches' forwards between them."""
+
+
+def cut_stages(model: nn.Module, n_stages: int, rank: int = 0, split_points: Sequence[str] = (),
+               distributed: bool = False, replicas: int = 1, replica: int = 0,
+               placement: Sequence[int] | None = None) -> list[nn.Module]:
+    """The pipeline's one rule for cutting ``model`` into ``n_stages`` stages: its top-level
+    children in consecutive runs (``split_model``: at ``split_points``, or balanced by parameter
+    count), or, for a model whose children are no sequence (a GPT, Llama: a stack of blocks),
+    between its blocks (``split_stack``; with ``distributed``, a collective that makes the groups
+    of tied parameters, ``rank``'s included; ``replicas`` pipelines side by side, this one
+    ``replica``; stage ``s`` on pipeline rank ``placement[s]``). ``NotApplicable`` when neither cuts it. The
+    strategy's setup and the memory estimate (:mod:`paratrain.bench.memory`) both cut here."""
+    try:
+        return list(split_model(model, n_stages, split_points, "pipeline"))
+    except NotApplicable:
+        stacked = split_stack(model, n_stages, rank, split_points, distributed, replicas, replica, placement)
+        if stacked is None:
+            raise
+        return list(stacked)
+
+
+def check_positions(out: torch.Tensor, target: torch.Tensor, model: str) -> None:
+    """Refuse, in one line, a model whose output covers fewer positions than its targets: nanoGPT's
+    ``GPT.forward(idx)`` without targets returns only the last position's logits (an inference
+    shortcut), which the pipeline's loss cannot compare with a target per position."""
+    if isinstance(out, torch.Tensor) and out.dim() == target.dim() + 1 and out.shape[0] == target.shape[0] \
+            and out.shape[1:-1] != target.shape[1:]:
+        raise NotApplicable(
+            f"pipeline: {model} returned outputs of shape {tuple(out.shape)} for targets of shape "
+            f"{tuple(target.shape)}: it gives fewer positions than there are targets (nanoGPT's forward returns only "
+            "the last position's logits when called without targets); the pipeline calls model(x) and computes the "
+            "loss itself, so make forward return every position's logits when targets is None")
+
+
+SCHEDULES = tuple(SCHEDULE_CLASSES)
+
+
+@dataclass(kw_only=True)
+class PipelineOptions:
+    """Pipeline settings."""
+
+    schedule: str = "gpipe"
+    """gpipe (all forwards, then all backwards), 1f1b (steady state alternates: less activation memory), or, with
+    several stages a rank (``stages_per_rank``, a smaller bubble): interleaved1f1b, loopedbfs, or
+    interleavedzerobubble (the weights' backward fills the bubble); with exactly 2 stages a rank in a V (rank ``q``
+    holds stages ``q`` and ``2 pp - 1 - q``): zbvzerobubble or dualpipev."""
+    n_microbatches: int = 4
+    """Micro-batches each step's batch is cut into; the batch must be divisible by it."""
+    stages_per_rank: int = 0
+    """Stages each pipeline rank holds (the model is cut into ``pp * stages_per_rank``; rank ``q`` holds stages
+    ``q``, ``q + pp``, ..., or ``q`` and ``2 pp - 1 - q`` under the V-shaped schedules, which take only 2). 0: 2 for
+    the schedules of several stages a rank, 1 for gpipe and 1f1b (which take only 1)."""
+    split_points: list[str] = field(default_factory=list)
+    """Top-level children that start stages 2..N (e.g. ["4"] in an nn.Sequential).
+    Empty: contiguous stages with parameter counts as even as possible."""
+
+    def __post_init__(self) -> None:
+        self.schedule = str(self.schedule).lower().removeprefix("schedule").replace("_", "")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"pipeline schedule {self.schedule!r} is unknown: use one of {', '.join(SCHEDULES)}")
+        looped = self.schedule in LOOPED
+        self.stages_per_rank = self.stages_per_rank or (2 if looped else 1)
+        if self.schedule in V_SHAPED and self.stages_per_rank != 2:
+            raise ValueError(f"pipeline stages_per_rank={self.stages_per_rank} with schedule {self.schedule}: it "
+                             "places exactly 2 stages a rank, in a V: set stages_per_rank 2 (or leave it 0), or use "
+                             "interleaved1f1b for more")
+        if self.stages_per_rank < 1 or (not looped and self.stages_per_rank != 1):
+            raise ValueError(f"pipeline stages_per_rank={self.stages_per_rank} with schedule {self.schedule}: "
+                             + (f"use one of {', '.join(LOOPED)} for several stages a rank" if self.stages_per_rank > 1
+                                else "it must be at least 1"))
+        if self.n_microbatches < 1:
+            raise ValueError(f"pipeline n_microbatches {self.n_microbatches} must be at least 1")
+        self.split_points = parse_split_points(self.split_points, "pipeline")
 
 
 def stage_ranks(schedule: str, pp: int, n_stages: int) -> list[int]:

@@ -38,7 +38,7 @@ fp16-mixed is refused (each stage would skip overflowing steps on its own); use 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
@@ -47,9 +47,9 @@ from torch import nn
 
 from ..env.process import Dist
 from ..precision import lookup as precision_class
-from ._split import parse_split_points, split_model
-from ._stack import StackStage, split_stack
-from ._stages import LOOPED, SCHEDULE_CLASSES, SPLIT_BACKWARD, V_SHAPED, PipelineModule, stage_ranks
+from ._stack import StackStage
+from ._stages import (LOOPED, SPLIT_BACKWARD, PipelineModule, PipelineOptions, check_positions, cut_stages,
+                      stage_ranks)
 from ..checkpoint.sharded import full_state_dict as sharded_full_state_dict
 from ..nn.deferred import Held, has_meta
 from .base import NotApplicable, Strategy, data_parallel_size, mesh_dimensions
@@ -58,41 +58,6 @@ from .mesh import data_parallel_mesh, describe, layout_mesh
 from .tensor import TensorOptions, checked_plan, parallel_style
 
 __all__ = ["PipelineOptions", "PipelineStrategy", "PipelineModule", "cut_stages"]
-
-
-def cut_stages(model: nn.Module, n_stages: int, rank: int = 0, split_points: Sequence[str] = (),
-               distributed: bool = False, replicas: int = 1, replica: int = 0,
-               placement: Sequence[int] | None = None) -> list[nn.Module]:
-    """The pipeline's one rule for cutting ``model`` into ``n_stages`` stages: its top-level
-    children in consecutive runs (``split_model``: at ``split_points``, or balanced by parameter
-    count), or, for a model whose children are no sequence (a GPT, Llama: a stack of blocks),
-    between its blocks (``split_stack``; with ``distributed``, a collective that makes the groups
-    of tied parameters, ``rank``'s included; ``replicas`` pipelines side by side, this one
-    ``replica``; stage ``s`` on pipeline rank ``placement[s]``). ``NotApplicable`` when neither cuts it. The
-    strategy's setup and the memory estimate (:mod:`paratrain.bench.memory`) both cut here."""
-    try:
-        return list(split_model(model, n_stages, split_points, "pipeline"))
-    except NotApplicable:
-        stacked = split_stack(model, n_stages, rank, split_points, distributed, replicas, replica, placement)
-        if stacked is None:
-            raise
-        return list(stacked)
-
-
-def check_positions(out: torch.Tensor, target: torch.Tensor, model: str) -> None:
-    """Refuse, in one line, a model whose output covers fewer positions than its targets: nanoGPT's
-    ``GPT.forward(idx)`` without targets returns only the last position's logits (an inference
-    shortcut), which the pipeline's loss cannot compare with a target per position."""
-    if isinstance(out, torch.Tensor) and out.dim() == target.dim() + 1 and out.shape[0] == target.shape[0] \
-            and out.shape[1:-1] != target.shape[1:]:
-        raise NotApplicable(
-            f"pipeline: {model} returned outputs of shape {tuple(out.shape)} for targets of shape "
-            f"{tuple(target.shape)}: it gives fewer positions than there are targets (nanoGPT's forward returns only "
-            "the last position's logits when called without targets); the pipeline calls model(x) and computes the "
-            "loss itself, so make forward return every position's logits when targets is None")
-
-
-SCHEDULES = tuple(SCHEDULE_CLASSES)
 
 
 @dataclass
@@ -107,44 +72,6 @@ class PipelineParts:
     def __post_init__(self) -> None:
         self.tensor = self.tensor if self.tensor is not None else TensorOptions()
         self.fsdp = self.fsdp if self.fsdp is not None else FSDPOptions()
-
-
-@dataclass(kw_only=True)
-class PipelineOptions:
-    """Pipeline settings."""
-
-    schedule: str = "gpipe"
-    """gpipe (all forwards, then all backwards), 1f1b (steady state alternates: less activation memory), or, with
-    several stages a rank (``stages_per_rank``, a smaller bubble): interleaved1f1b, loopedbfs, or
-    interleavedzerobubble (the weights' backward fills the bubble); with exactly 2 stages a rank in a V (rank ``q``
-    holds stages ``q`` and ``2 pp - 1 - q``): zbvzerobubble or dualpipev."""
-    n_microbatches: int = 4
-    """Micro-batches each step's batch is cut into; the batch must be divisible by it."""
-    stages_per_rank: int = 0
-    """Stages each pipeline rank holds (the model is cut into ``pp * stages_per_rank``; rank ``q`` holds stages
-    ``q``, ``q + pp``, ..., or ``q`` and ``2 pp - 1 - q`` under the V-shaped schedules, which take only 2). 0: 2 for
-    the schedules of several stages a rank, 1 for gpipe and 1f1b (which take only 1)."""
-    split_points: list[str] = field(default_factory=list)
-    """Top-level children that start stages 2..N (e.g. ["4"] in an nn.Sequential).
-    Empty: contiguous stages with parameter counts as even as possible."""
-
-    def __post_init__(self) -> None:
-        self.schedule = str(self.schedule).lower().removeprefix("schedule").replace("_", "")
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"pipeline schedule {self.schedule!r} is unknown: use one of {', '.join(SCHEDULES)}")
-        looped = self.schedule in LOOPED
-        self.stages_per_rank = self.stages_per_rank or (2 if looped else 1)
-        if self.schedule in V_SHAPED and self.stages_per_rank != 2:
-            raise ValueError(f"pipeline stages_per_rank={self.stages_per_rank} with schedule {self.schedule}: it "
-                             "places exactly 2 stages a rank, in a V: set stages_per_rank 2 (or leave it 0), or use "
-                             "interleaved1f1b for more")
-        if self.stages_per_rank < 1 or (not looped and self.stages_per_rank != 1):
-            raise ValueError(f"pipeline stages_per_rank={self.stages_per_rank} with schedule {self.schedule}: "
-                             + (f"use one of {', '.join(LOOPED)} for several stages a rank" if self.stages_per_rank > 1
-                                else "it must be at least 1"))
-        if self.n_microbatches < 1:
-            raise ValueError(f"pipeline n_microbatches {self.n_microbatches} must be at least 1")
-        self.split_points = parse_split_points(self.split_points, "pipeline")
 
 
 class PipelineStrategy(Strategy):
