@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 from .from_loader import loader_samples
 from .loaders import EvalLoader, GlobalBatchLoader
 from .sampler import BatchPlan
-from .stream import StreamLoader
+from .stream import StreamLoader, refuse_split_by_node
 
 if TYPE_CHECKING:
     from typing_extensions import TypeIs  # torch's own dependency; only the type checker reads it
@@ -86,6 +86,7 @@ def train_loader(dataset: Dataset | DataLoader, plan: BatchPlan, rank: int, devi
         data, kept, shuffle = _from_dataloader(dataset, plan, shuffle)
         dataloader_kwargs = {**kept, **dataloader_kwargs}
     if isinstance(data, IterableDataset):
+        refuse_split_by_node(data, "train_loader")
         if transform is not None or shuffle:
             raise ValueError("a stream (IterableDataset) is read in order, without transform: shuffle or "
                              "augment inside the dataset")
@@ -128,4 +129,6 @@ def eval_loader(dataset: Dataset | DataLoader, batch_size: int | None, default_b
         loader = dataset
         dataloader_kwargs = {**loader_settings(loader), **dataloader_kwargs}
         dataset, batch_size = loader_samples(loader, "eval_loader")[0], batch_size or loader.batch_size
+    if isinstance(dataset, IterableDataset):
+        refuse_split_by_node(dataset, "eval_loader")
     return EvalLoader(dataset, batch_size or default_batch, shards, rank, device, transform, **dataloader_kwargs)

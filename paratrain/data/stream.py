@@ -39,7 +39,7 @@ from .batch import to_device
 from .sampler import BatchPlan
 from .shards import ShardedStream, ShardOrder, ShardReader, lengths_digest, resolve_lengths
 
-__all__ = ["ShardedStream", "RankStream", "ShardedRankStream", "StreamLoader"]
+__all__ = ["ShardedStream", "RankStream", "ShardedRankStream", "StreamLoader", "refuse_split_by_node"]
 
 
 class Stamped(NamedTuple):
@@ -95,6 +95,18 @@ class RankStream(IterableDataset):
                         yield Stamped(out, step + 1, state) if self.stamp else out
                     micro += 1
             step += 1
+
+
+def refuse_split_by_node(dataset: Any, what: str) -> None:
+    """A HuggingFace stream already split between the ranks (``datasets.distributed.split_dataset_by_node``) would
+    be split again by paratrain, which reads the whole stream on every rank and keeps each rank's share of every
+    global batch: most samples would be lost. Refused in one line."""
+    split = getattr(dataset, "_distributed", None)
+    world = getattr(split, "world_size", 1)
+    if isinstance(world, int) and world > 1:
+        raise ValueError(f"{what}: the stream was split by split_dataset_by_node (rank {getattr(split, 'rank', '?')} of "
+                         f"{world}); paratrain shares a stream out between the ranks itself (the same samples at any "
+                         "world size): pass the dataset before split_dataset_by_node")
 
 
 def own_position(dataset: Any) -> str | None:

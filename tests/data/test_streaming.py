@@ -412,3 +412,21 @@ def test_which_streams_are_opened_at_their_own_state():
     assert own_position(stream) is None
     assert "shuffle buffer" in own_position(stream.shuffle(seed=0, buffer_size=4))
     assert "state_dict()" in own_position(Counting(3))
+
+
+def test_a_stream_split_by_node_already_is_one_line():
+    """HuggingFace's split_dataset_by_node hands each rank its part; paratrain would then keep each rank's share of
+    that part, and lose the rest. A split for one process (world size 1) changes nothing and is taken."""
+    stream = hf_generator_stream()  # skipped without datasets
+    from datasets.distributed import split_dataset_by_node
+
+    pt = paratrain.Parallel(global_batch=B)
+    message = (r"train_loader: the stream was split by split_dataset_by_node \(rank 1 of 2\); paratrain shares a stream "
+               r"out between the ranks itself .*: pass the dataset before split_dataset_by_node")
+    with pytest.raises(ValueError, match=message):
+        pt.train_loader(split_dataset_by_node(stream, rank=1, world_size=2))
+    with pytest.raises(ValueError, match=message.replace("train_loader", "eval_loader")):
+        pt.eval_loader(DataLoader(split_dataset_by_node(stream, rank=1, world_size=2), batch_size=4))
+    ids, _ = train(pt, split_dataset_by_node(stream, rank=0, world_size=1))
+    assert len(ids) == 5
+    pt.close()
