@@ -195,6 +195,7 @@ class PipelineModule(nn.Module):
         object.__setattr__(self, "local", local)
         self.indices, self.n_stages, self.device, self.options = list(indices), len(parts), device, options
         self.distributed = distributed  # False: a world of one, no process group: plain micro-batching
+        self.kept_whole: list[nn.Parameter] = []  # weights two of its stages share, whole beside sharded replicas
         self.group = group  # the stages' process group (None: every rank is a stage of one pipeline)
         # pipelines side by side shard a stage over its replicas (FSDP2): every replica's stage must run as many
         # forwards, but the replicas' evaluation batches differ in size (the last one, padding): one chunk each

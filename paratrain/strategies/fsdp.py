@@ -160,9 +160,9 @@ def _blocks(model: nn.Module, wrap_classes: list[str], min_params: int) -> list[
 
 
 def shard_model(model: nn.Module, mesh: Any, options: FSDPOptions, precision: Precision | None = None,
-                blocks: list[nn.Module] | None = None) -> nn.Module:
+                blocks: list[nn.Module] | None = None, ignored: set[nn.Parameter] | None = None) -> nn.Module:
     """``fully_shard`` each block of ``model`` over ``mesh`` (``blocks``, else those :func:`_blocks`
-    finds), then the root; returns ``model``."""
+    finds), then the root, but for the parameters in ``ignored`` (kept whole); returns ``model``."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     missing = sorted(set(options.wrap_classes) - {type(m).__name__ for m in model.modules()})
@@ -170,6 +170,8 @@ def shard_model(model: nn.Module, mesh: Any, options: FSDPOptions, precision: Pr
         Strategy.warn(f"fsdp wrap_classes {missing} match no module of the model: those blocks are not sharded")
     policy = mixed_precision_policy(precision)
     kwargs: dict[str, Any] = dict(mesh=mesh, reshard_after_forward=options.reshard_after_forward)
+    if ignored:
+        kwargs["ignored_params"] = ignored
     if options.cpu_offload and getattr(mesh, "device_type", "cpu") == "cpu":
         Strategy.warn("fsdp cpu_offload: the model trains on the CPU, so its states are in host memory already: "
                       "nothing to offload")
@@ -193,13 +195,14 @@ def shard_model(model: nn.Module, mesh: Any, options: FSDPOptions, precision: Pr
     return model
 
 
-def shard_root(module: nn.Module, mesh: Any, options: FSDPOptions, precision: Precision | None = None) -> nn.Module:
+def shard_root(module: nn.Module, mesh: Any, options: FSDPOptions, precision: Precision | None = None,
+               ignored: set[nn.Parameter] | None = None) -> nn.Module:
     """``fully_shard`` ``module`` as the FSDP2 root over what :func:`shard_model` sharded inside it (a wrapper that
     holds no parameters of its own), with the same mesh, precision and resharding; returns ``module``."""
     from torch.distributed.fsdp import fully_shard
 
     fully_shard(module, mesh=mesh, reshard_after_forward=options.reshard_after_forward,
-                mp_policy=mixed_precision_policy(precision))
+                mp_policy=mixed_precision_policy(precision), ignored_params=ignored or None)
     return module
 
 

@@ -51,10 +51,11 @@ from ._stack import StackStage
 from ._stages import (LOOPED, SPLIT_BACKWARD, PipelineModule, PipelineOptions, check_positions, cut_stages,
                       stage_ranks)
 from ..checkpoint.sharded import full_state_dict as sharded_full_state_dict
+from ..dtensors import local_part
 from ..nn.deferred import Held, has_meta
 from .base import NotApplicable, Strategy, data_parallel_size, mesh_dimensions
 from .fsdp import FSDPOptions, ParameterSwap, scale_grads_, shard_model, shard_root, total_norm
-from .mesh import data_parallel_mesh, describe, layout_mesh
+from .mesh import data_parallel_mesh, layout_mesh
 from .tensor import TensorOptions, checked_plan, parallel_style
 
 __all__ = ["PipelineOptions", "PipelineStrategy", "PipelineModule", "cut_stages"]
@@ -194,11 +195,10 @@ class PipelineStrategy(Strategy):
         per_rank = o.stages_per_rank
         parts = cut_stages(model, self.stages * per_rank, self.stage_index, o.split_points, distributed,
                            self.dp * self.tp, self.column, self.placement)
-        if self.dp > 1:
-            self._refuse_ties_within_a_rank(model, parts)
         mine = [s for s, q in enumerate(self.placement) if q == self.stage_index]  # only these live on its device
+        whole = self._ties_within_the_rank(parts, mine) if distributed and self._composed and self.dp > 1 else []
         for index in mine:
-            self._place(model, parts[index], plan, distributed)
+            self._place(model, parts[index], plan, distributed, set(whole))
         pipe = PipelineModule(parts, mine, model, self.device, o, self.proc.backend is not None,
                               self._stage_group if distributed else None)
         if distributed and self._composed and self.dp > 1:
@@ -208,16 +208,18 @@ class PipelineStrategy(Strategy):
             # its weight-gradient action had computed anything: the stage's gradients were lost.
             mesh = data_parallel_mesh(self._mesh()[0], self.layout)
             for runner in pipe.runners:
-                shard_root(runner, mesh, self._stage_fsdp(), self.precision)
+                shard_root(runner, mesh, self._stage_fsdp(), self.precision, set(whole))
+        pipe.kept_whole = whole
         if self._composed:
             pipe._checked = True  # the whole model's forward would gather other stages' shards: not checked
             pipe.eval_whole = self.dp > 1
         self._pipes[id(model)] = pipe
         return pipe
 
-    def _place(self, model: nn.Module, stage: nn.Module, plan: dict[str, Any], distributed: bool) -> None:
+    def _place(self, model: nn.Module, stage: nn.Module, plan: dict[str, Any], distributed: bool,
+               whole: set[nn.Parameter] | frozenset[nn.Parameter] = frozenset()) -> None:
         """Put one of this rank's stages on its device, split over its tp ranks and replicated or sharded over its
-        data-parallel ones in a composed layout."""
+        data-parallel ones in a composed layout (but for the parameters in ``whole``, which stay whole on each)."""
         if has_meta(model):
             pass  # built under init_module: setup materialises only this rank's stages on the device (held_parts)
         elif isinstance(stage, StackStage):
@@ -226,7 +228,7 @@ class PipelineStrategy(Strategy):
             stage.to(self.device)
         if not (distributed and self._composed):
             return
-        whole = self._mesh()[0]
+        whole_mesh = self._mesh()[0]
         old = self.swap.before(stage)
         if self.tp > 1:  # the stage's part of the plan over its tp ranks, then FSDP2 over the data-parallel ones
             from torch.distributed.tensor.parallel import parallelize_module
@@ -235,30 +237,36 @@ class PipelineStrategy(Strategy):
             mine = {names[id(model.get_submodule(fqn))]: s for fqn, s in plan.items()
                     if id(model.get_submodule(fqn)) in names}
             if mine:
-                parallelize_module(stage, whole["tp"], {n: parallel_style(s) for n, s in mine.items()})
+                parallelize_module(stage, whole_mesh["tp"], {n: parallel_style(s) for n, s in mine.items()})
         if self.dp > 1:  # the stage replicated or sharded over its data-parallel ranks (FSDP2, HSDP)
-            shard_model(stage, data_parallel_mesh(whole, self.layout), self._stage_fsdp(), self.precision,
-                        stage.blocks() if isinstance(stage, StackStage) else None)
+            shard_model(stage, data_parallel_mesh(whole_mesh, self.layout), self._stage_fsdp(), self.precision,
+                        stage.blocks() if isinstance(stage, StackStage) else None, ignored=set(whole))
         self.swap.after(stage, old)
         if isinstance(stage, StackStage):
             stage.follow(self.swap)
 
-    def _refuse_ties_within_a_rank(self, model: nn.Module, parts: Sequence[nn.Module]) -> None:
-        """A weight two stages of one pipeline rank share (the V places GPT-2's tied embedding and head on rank 0)
-        cannot be sharded over the replicas: each stage is its own FSDP2 unit, and each would shard it apart. Checked
-        for every pipeline rank, so that every rank refuses alike."""
-        names = {id(p): n for n, p in model.named_parameters()}
-        for q in range(self.stages):
-            held: dict[int, int] = {}  # id(parameter) -> the first of rank q's stages holding it
-            for s in (s for s, r in enumerate(self.placement) if r == q):
-                for p in parts[s].parameters():
-                    first = held.setdefault(id(p), s)
-                    if first != s:
-                        raise ValueError(
-                            f"pipeline schedule {self.options.schedule} with {self.dp} data-parallel replicas (--mesh "
-                            f"{describe(self.layout)}): {names.get(id(p), 'a parameter')} is tied across stages {first} "
-                            f"and {s}, which sit on pipeline rank {q} and are sharded over the replicas apart; use "
-                            "interleavedzerobubble (zero bubble too, the tied ends on two ranks), or untie the weight")
+    def _ties_within_the_rank(self, parts: Sequence[nn.Module], mine: list[int]) -> list[nn.Parameter]:
+        """The weights two of this rank's stages share (the V places GPT-2's tied embedding and head on rank 0). Each
+        stage is its own FSDP2 unit, and two would shard one weight apart: such a weight stays whole on every replica,
+        its gradient (both stages', summed by autograd) averaged over them after each step (:meth:`_average_whole`)."""
+        seen: dict[int, int] = {}  # id(parameter) -> the first of this rank's stages holding it
+        tied: dict[int, nn.Parameter] = {}
+        for s in mine:
+            for p in parts[s].parameters():
+                if seen.setdefault(id(p), s) != s:
+                    tied[id(p)] = p
+        return list(tied.values())
+
+    def _average_whole(self, pipe: PipelineModule, before: list[torch.Tensor | None]) -> None:
+        """The step's gradient of each weight kept whole (:meth:`_ties_within_the_rank`), averaged over the replicas,
+        as FSDP averages the others'; what it held before the step (accumulation) is the same on every replica."""
+        group = self._mesh()[1]["dp"].get_group()
+        for p, old in zip(pipe.kept_whole, before):
+            if p.grad is None:
+                continue
+            step = p.grad - old if old is not None else p.grad.clone()
+            dist.all_reduce(local_part(step), op=dist.ReduceOp.SUM, group=group)
+            p.grad = step / self.dp if old is None else old + step / self.dp
 
     def _stage_fsdp(self) -> FSDPOptions:
         """How a stage is sharded over its replicas. A zero-bubble schedule computes a micro-batch's weight gradients
@@ -335,7 +343,10 @@ class PipelineStrategy(Strategy):
                 check_positions(out, target, type(pipe.original).__name__)
                 return loss_fn(out.to(torch.promote_types(out.dtype, torch.float32)), target) / (n * divisor)
 
+            before = [None if p.grad is None else p.grad.clone() for p in pipe.kept_whole]
             losses = pipe.train_step(x, y, n, micro_loss)
+            if pipe.kept_whole:
+                self._average_whole(pipe, before)
             if losses:
                 mean.copy_(torch.stack(losses).sum() * divisor)
 

@@ -319,30 +319,22 @@ def test_micro_batches_an_interleaved_schedule_cannot_run_in_rounds_are_one_line
                             "stages (2 a rank); set n_microbatches >= 4, or schedule zbvzerobubble")
 
 
-def test_a_weight_tied_across_two_stages_of_a_rank_beside_data_parallel_replicas_is_one_line():
-    """ZBV places nanoGPT's tied embedding (stage 0) and head (stage 3) on pipeline rank 0. Beside data-parallel
-    replicas each stage is its own FSDP2 unit, which would shard the one weight twice, apart: refused before anything
-    runs, on every rank alike (rank 3 holds neither end). An untied model under ZBV with replicas trains
-    (tests/strategies/test_mesh_pipeline.py), and so does the tied one under interleavedzerobubble (its ends on two
-    ranks)."""
+def test_a_weight_two_stages_of_a_rank_share_is_found_on_that_rank_only():
+    """ZBV places nanoGPT's tied embedding (stage 0) and head (stage 3) on pipeline rank 0, which keeps that weight
+    whole beside data-parallel replicas (tests/strategies/test_mesh_pipeline.py trains it); rank 1, and every rank
+    under InterleavedZeroBubble (the ends on two ranks), share nothing."""
     import zoo
 
     from paratrain.env.base import ProcessInfo
     from paratrain.env.process import Dist
     from paratrain.strategies.pipeline import PipelineParts, PipelineStrategy, cut_stages
 
-    rank3 = Dist(ProcessInfo(rank=3, world_size=4, local_rank=3, local_world_size=4), torch.device("cpu"), "gloo")
     model = zoo.GPT(n_layer=4)
-    for schedule, refused in (("zbvzerobubble", True), ("interleavedzerobubble", False)):
-        strategy = PipelineStrategy(rank3, options=PipelineParts(PipelineOptions(schedule=schedule, stages_per_rank=2)),
+    for schedule, rank, tied in (("zbvzerobubble", 0, [model.transformer.wte.weight]), ("zbvzerobubble", 3, []),
+                                 ("interleavedzerobubble", 0, [])):
+        info = Dist(ProcessInfo(rank=rank, world_size=4, local_rank=rank, local_world_size=4), torch.device("cpu"), "gloo")
+        strategy = PipelineStrategy(info, options=PipelineParts(PipelineOptions(schedule=schedule, stages_per_rank=2)),
                                     layout={"pp": 2, "dp_shard": 2})
         parts = cut_stages(model, 4, placement=strategy.placement)
-        if not refused:
-            strategy._refuse_ties_within_a_rank(model, parts)
-            continue
-        with pytest.raises(ValueError) as e:
-            strategy._refuse_ties_within_a_rank(model, parts)
-        assert str(e.value) == ("pipeline schedule zbvzerobubble with 2 data-parallel replicas (--mesh pp=2,dp_shard=2): "
-                                "transformer.wte.weight is tied across stages 0 and 3, which sit on pipeline rank 0 and "
-                                "are sharded over the replicas apart; use interleavedzerobubble (zero bubble too, the "
-                                "tied ends on two ranks), or untie the weight")
+        mine = [s for s, q in enumerate(strategy.placement) if q == strategy.stage_index]
+        assert strategy._ties_within_the_rank(parts, mine) == tied, (schedule, rank)
