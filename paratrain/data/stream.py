@@ -204,7 +204,7 @@ class StreamLoader:
         # the newest step read, and the step of its pass it was opened at (loaded from that position)
         self._why_not_own = own_position(dataset) if self.order is None else None
         self._mark: dict[str, Any] | None = None
-        self._opened_at = 0
+        self._opened: tuple[int, int, Any] | None = None  # (pass, its step, the dataset's state) a resumed run opens at
         self.resumed: Callable[[], dict[str, Any] | None] = lambda: None  # the checkpoint's state (StreamState)
 
     def state(self) -> dict[str, Any]:
@@ -272,10 +272,9 @@ class StreamLoader:
             if saved["state"] is None or self._why_not_own is None:
                 self._epoch, self.pass_start = int(saved["epoch"]), int(saved["pass_start"])
                 if saved["state"] is not None:
-                    self.dataset.load_state_dict(saved["state"])  # type: ignore[attr-defined]
-                    self._opened_at = position - self.pass_start
+                    self._opened = (self._epoch, position - self.pass_start, saved["state"])
                     self.say(f"paratrain stream: resuming at step {position:,} opens the stream at its own "
-                             f"state_dict() (step {self._opened_at:,} of pass {self._epoch}), without reading")
+                             f"state_dict() (step {self._opened[1]:,} of pass {self._epoch}), without reading")
                 return
         skip = position
         if skip > 0:
@@ -299,11 +298,15 @@ class StreamLoader:
         return iter(DataLoader(stream, batch_size=self.plan.micro_batch, drop_last=True, **kwargs))
 
     def _plain_pass(self, skip: int) -> RankStream:
-        stream = RankStream(self.dataset, self.plan, self.rank, skip, self._epoch,
-                            self.dataloader_kwargs.get("collate_fn"), stamp=self._why_not_own is None,
-                            first=self._opened_at)
-        self._opened_at = 0  # the next pass opens at its start
-        return stream
+        """The rest of a pass over a plain stream from its step ``skip``. In the pass a resumed run opened at the
+        dataset's own state, every iteration opens there again (a loop that broke off and iterates anew): the state is
+        loaded each time, and the steps before it are not in the stream."""
+        first = 0
+        if self._opened is not None and self._opened[0] == self._epoch:
+            self.dataset.load_state_dict(self._opened[2])  # type: ignore[attr-defined]
+            first = self._opened[1]
+        return RankStream(self.dataset, self.plan, self.rank, skip, self._epoch, self.dataloader_kwargs.get("collate_fn"),
+                          stamp=self._why_not_own is None, first=first)
 
     def __iter__(self) -> Iterator[Any]:
         if self.order is not None:

@@ -398,6 +398,19 @@ def test_a_stream_with_its_own_state_dict_resumes_there_without_reading_at_any_w
             assert opened[0] == 2 and "opens the stream at its own state_dict() (step 3 of pass 0)" in capsys.readouterr().out
     ids, opened = resume_hf(0, str(tmp_path / "5"))
     assert ids == full[5:] and "reads the stream" not in capsys.readouterr().out
+    pt = paratrain.Parallel(global_batch=B)  # a loop that breaks off at step 4, then iterates the same loader on
+    model, opt = pt.setup(net := nn.Linear(1, 1), torch.optim.SGD(net.parameters(), lr=0.0))
+    pt.load_checkpoint(str(tmp_path / "3"), model, opt)
+    loader, got = pt.train_loader(hf_generator_stream()), []
+    for stop in (4, None):
+        for batch in loader:
+            got.append(batch["id"].tolist())
+            pt.backward(model(batch["x"]).mean())
+            opt.step()
+            if pt.global_step == stop:
+                break
+    assert got == full[3:5]
+    pt.close()
     reports = paratrain.launch(resume_hf, nprocs=2, args=(str(tmp_path / "3"),), timeout=120)
     assert union_per_step([{"ids": ids} for ids, _ in reports], "ids") == [sorted(s) for s in full[3:]]
     assert all(opened[0] == 2 for _, opened in reports)
