@@ -210,7 +210,9 @@ def estimate(facts: ModelFacts, strategy: str, world_size: int, micro_batch: int
         block = facts.largest_block / split  # a block's tensor-parallel slice
         in_flight_fwd = (facts.root_params + 2 * block) * b["w"]
         in_flight_bwd = (facts.root_params + block) * (b["w"] + b["g"])
-        if mesh is not None and mesh.get("pp", 1) > 1 and facts.schedule in _split_backward():
+        from ..strategies._stages import SPLIT_BACKWARD
+
+        if mesh is not None and mesh.get("pp", 1) > 1 and facts.schedule in SPLIT_BACKWARD:
             # a zero-bubble schedule keeps the stage gathered from its first forward to the step's end, with its
             # unsharded gradients (strategies/pipeline.py: _stage_fsdp)
             whole = local * mesh.get("dp_shard", 1)
@@ -234,12 +236,6 @@ def estimate(facts: ModelFacts, strategy: str, world_size: int, micro_batch: int
     if not sharded_init:
         parts["build"] = 4 * P + facts.buffers_bytes
     return Estimate(strategy, precision, world_size, parts, checkpointing, offload)
-
-
-def _split_backward() -> tuple[str, ...]:
-    from ..strategies._stages import SPLIT_BACKWARD
-
-    return SPLIT_BACKWARD
 
 
 def _strategy_states(facts: ModelFacts, layout: str, n: int) -> tuple[bool, float, int, float, int]:
@@ -422,9 +418,8 @@ def _largest_stage(model: nn.Module, stages: int, schedule: str = "gpipe", per_r
     blocks) and placement (:func:`~paratrain.strategies._stages.stage_ranks`); a parameter two of a rank's
     stages share (a tied embedding and head in a V) counted once. The whole model where it cannot cut it (or
     ``stages`` is 1)."""
-    from ..strategies._stages import stage_ranks
+    from ..strategies._stages import cut_stages, stage_ranks
     from ..strategies.base import NotApplicable
-    from ..strategies._stages import cut_stages
 
     whole = sum(_numel(p) for p in {id(p): p for p in model.parameters()}.values())
     if stages <= 1:

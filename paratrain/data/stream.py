@@ -88,11 +88,14 @@ class RankStream(IterableDataset):
                 return  # the stream ends before this global batch is full
             if step >= self.skip:
                 mine = batch[self.positions.start:self.positions.stop]
-                state = self.dataset.state_dict() if self.stamp else None  # type: ignore[attr-defined]
+                state = None  # the stream's state after this global batch, asked once by a worker that yields of it
                 for a in range(p.accumulation):
                     if micro % workers == worker:
                         out = self.collate(mine[a * p.micro_batch:(a + 1) * p.micro_batch])
-                        yield Stamped(out, step + 1, state) if self.stamp else out
+                        if self.stamp:
+                            state = self.dataset.state_dict() if state is None else state  # type: ignore[attr-defined]
+                            out = Stamped(out, step + 1, state)
+                        yield out
                     micro += 1
             step += 1
 

@@ -169,16 +169,10 @@ def shard_model(model: nn.Module, mesh: Any, options: FSDPOptions, precision: Pr
     if missing:
         Strategy.warn(f"fsdp wrap_classes {missing} match no module of the model: those blocks are not sharded")
     policy = mixed_precision_policy(precision)
-    kwargs: dict[str, Any] = dict(mesh=mesh, reshard_after_forward=options.reshard_after_forward)
-    if ignored:
-        kwargs["ignored_params"] = ignored
     if options.cpu_offload and getattr(mesh, "device_type", "cpu") == "cpu":
         Strategy.warn("fsdp cpu_offload: the model trains on the CPU, so its states are in host memory already: "
                       "nothing to offload")
-    elif options.cpu_offload:
-        from torch.distributed.fsdp import CPUOffloadPolicy
-
-        kwargs["offload_policy"] = CPUOffloadPolicy()
+    kwargs = _unit_kwargs(mesh, options, ignored)
     done: set[int] = set()
     if policy.param_dtype is not None:
         # BatchNorm stays fp32, as under autocast: its fp32 running statistics cannot meet
@@ -198,12 +192,24 @@ def shard_model(model: nn.Module, mesh: Any, options: FSDPOptions, precision: Pr
 def shard_root(module: nn.Module, mesh: Any, options: FSDPOptions, precision: Precision | None = None,
                ignored: set[nn.Parameter] | None = None) -> nn.Module:
     """``fully_shard`` ``module`` as the FSDP2 root over what :func:`shard_model` sharded inside it (a wrapper that
-    holds no parameters of its own), with the same mesh, precision and resharding; returns ``module``."""
+    holds no parameters of its own), with the same mesh, precision and settings; returns ``module``."""
     from torch.distributed.fsdp import fully_shard
 
-    fully_shard(module, mesh=mesh, reshard_after_forward=options.reshard_after_forward,
-                mp_policy=mixed_precision_policy(precision), ignored_params=ignored or None)
+    fully_shard(module, mp_policy=mixed_precision_policy(precision), **_unit_kwargs(mesh, options, ignored))
     return module
+
+
+def _unit_kwargs(mesh: Any, options: FSDPOptions, ignored: set[nn.Parameter] | None) -> dict[str, Any]:
+    """What every ``fully_shard`` call of one model shares: the mesh, resharding, offload and the parameters it
+    leaves whole."""
+    kwargs: dict[str, Any] = dict(mesh=mesh, reshard_after_forward=options.reshard_after_forward)
+    if ignored:
+        kwargs["ignored_params"] = ignored
+    if options.cpu_offload and getattr(mesh, "device_type", "cpu") != "cpu":
+        from torch.distributed.fsdp import CPUOffloadPolicy
+
+        kwargs["offload_policy"] = CPUOffloadPolicy()
+    return kwargs
 
 
 def parameter_bytes(model: nn.Module) -> dict[str, Any]:

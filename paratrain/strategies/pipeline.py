@@ -198,7 +198,7 @@ class PipelineStrategy(Strategy):
         mine = [s for s, q in enumerate(self.placement) if q == self.stage_index]  # only these live on its device
         whole = self._ties_within_the_rank(parts, mine) if distributed and self._composed and self.dp > 1 else []
         for index in mine:
-            self._place(model, parts[index], plan, distributed, set(whole))
+            self._place(model, parts[index], plan, distributed, whole)
         pipe = PipelineModule(parts, mine, model, self.device, o, self.proc.backend is not None,
                               self._stage_group if distributed else None)
         if distributed and self._composed and self.dp > 1:
@@ -208,7 +208,7 @@ class PipelineStrategy(Strategy):
             # its weight-gradient action had computed anything: the stage's gradients were lost.
             mesh = data_parallel_mesh(self._mesh()[0], self.layout)
             for runner in pipe.runners:
-                shard_root(runner, mesh, self._stage_fsdp(), self.precision, set(whole))
+                shard_root(runner, mesh, self._stage_fsdp(), self.precision, set(whole) or None)
         pipe.kept_whole = whole
         if self._composed:
             pipe._checked = True  # the whole model's forward would gather other stages' shards: not checked
@@ -217,7 +217,7 @@ class PipelineStrategy(Strategy):
         return pipe
 
     def _place(self, model: nn.Module, stage: nn.Module, plan: dict[str, Any], distributed: bool,
-               whole: set[nn.Parameter] | frozenset[nn.Parameter] = frozenset()) -> None:
+               whole: Sequence[nn.Parameter] = ()) -> None:
         """Put one of this rank's stages on its device, split over its tp ranks and replicated or sharded over its
         data-parallel ones in a composed layout (but for the parameters in ``whole``, which stay whole on each)."""
         if has_meta(model):
@@ -240,7 +240,7 @@ class PipelineStrategy(Strategy):
                 parallelize_module(stage, whole_mesh["tp"], {n: parallel_style(s) for n, s in mine.items()})
         if self.dp > 1:  # the stage replicated or sharded over its data-parallel ranks (FSDP2, HSDP)
             shard_model(stage, data_parallel_mesh(whole_mesh, self.layout), self._stage_fsdp(), self.precision,
-                        stage.blocks() if isinstance(stage, StackStage) else None, ignored=set(whole))
+                        stage.blocks() if isinstance(stage, StackStage) else None, ignored=set(whole) or None)
         self.swap.after(stage, old)
         if isinstance(stage, StackStage):
             stage.follow(self.swap)
