@@ -193,9 +193,10 @@ def test_sigterm_ends_the_run_with_a_summary(tmp_path: Path) -> None:
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         deadline = time.monotonic() + 30
-        while not pidfile.exists() and time.monotonic() < deadline:
+        # the file exists once the shell opens it for `echo`, and holds the pid a moment later
+        while not (pidfile.exists() and pidfile.read_text().strip()) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert pidfile.exists()
+        assert pidfile.read_text().strip()
         proc.send_signal(signal.SIGTERM)
         proc.communicate(timeout=30)
     finally:
