@@ -103,6 +103,9 @@ class ModelFacts:
     """S for each number of stages measured (:func:`measure_model`'s ``stages``): pipelines of every depth asked."""
     schedule: str = "gpipe"
     """The pipeline's schedule the stages were placed for; a zero-bubble one keeps a sharded stage gathered."""
+    stage_whole: dict[int, int] = field(default_factory=dict)
+    """W for each number of stages measured: of S, the elements two of the rank's stages share (a V's tied embedding
+    and head), which stay whole on each data-parallel replica (``strategies/pipeline.py``: ``_ties_within_the_rank``)."""
 
     def stage(self, stages: int) -> int:
         """S for a pipeline of ``stages`` stages; a one-line error if it was not measured."""
@@ -114,6 +117,10 @@ class ModelFacts:
             return self.largest_stage
         raise ValueError(f"the model was measured for pipelines of {sorted(self.stage_params)} stages, not {stages}: "
                          f"pass stages={stages} to measure_model")
+
+    def kept_whole(self, stages: int) -> int:
+        """W for a pipeline of ``stages`` stages (0 where no rank's stages share a weight)."""
+        return self.stage_whole.get(stages, 0) if stages > 1 else 0
 
     @property
     def checkpointed_activation_bytes(self) -> float:
@@ -215,7 +222,8 @@ def estimate(facts: ModelFacts, strategy: str, world_size: int, micro_batch: int
         if mesh is not None and mesh.get("pp", 1) > 1 and facts.schedule in SPLIT_BACKWARD:
             # a zero-bubble schedule keeps the stage gathered from its first forward to the step's end, with its
             # unsharded gradients (strategies/pipeline.py: _stage_fsdp)
-            whole = local * mesh.get("dp_shard", 1)
+            kept_whole = min(facts.kept_whole(mesh.get("pp", 1)), local)  # not sharded: never gathered
+            whole = (local - kept_whole) * mesh.get("dp_shard", 1)
             in_flight_fwd, in_flight_bwd = whole * b["w"], whole * (b["w"] + b["g"])
     act = facts.checkpointed_activation_bytes if checkpointing else facts.activation_bytes
     if split > 1 and not checkpointing:  # each tp rank saves its slice of the split features
@@ -274,8 +282,9 @@ def mesh_states(facts: ModelFacts, mesh: Mapping[str, int], world_size: int) -> 
     linear = facts.linear_params * share
     local = stage - linear + linear / tp
     largest = math.ceil(facts.largest_param / tp) if tp > 1 and facts.largest_linear else facts.largest_param
-    if shard > 1:
-        local, largest = local / shard, math.ceil(largest / shard)
+    if shard > 1:  # but for the weights two of the rank's stages share: whole on each replica
+        whole = min(facts.kept_whole(sizes["pp"]), local)
+        local, largest = (local - whole) / shard + whole, math.ceil(largest / shard)
     return shard > 1, local, largest, share, tp
 
 
@@ -403,7 +412,8 @@ def measure_model(build: Callable[[], nn.Module], sample: Callable[[int], Any],
     biggest = max((_numel(p) for p in params.values()), default=0)
     return ModelFacts(
         params=P, largest_block=max(sizes, default=0), root_params=root, linear_params=L,
-        largest_stage=cuts[depths[0]], stage_params=cuts, activation_bytes=per_sample(small[0], big[0]),
+        largest_stage=cuts[depths[0]][0], stage_params={n: held for n, (held, _) in cuts.items()},
+        stage_whole={n: whole for n, (_, whole) in cuts.items() if whole}, activation_bytes=per_sample(small[0], big[0]),
         outside_bytes=per_sample(small[1], big[1]), block_input_bytes=per_sample(small[2], big[2]),
         largest_inside_bytes=max(inside, default=0.0), largest_saved_bytes=per_sample(small[4], big[4]),
         largest_param=biggest, largest_linear=any(p.numel() == biggest for m in split for p in m.parameters(recurse=False)),
@@ -411,27 +421,33 @@ def measure_model(build: Callable[[], nn.Module], sample: Callable[[int], Any],
         buffers_bytes=buffers, schedule=schedule)
 
 
-def _largest_stage(model: nn.Module, stages: int, schedule: str = "gpipe", per_rank: int = 1) -> int:
-    """Parameters of the pipeline rank that holds the most, of ``stages`` ranks, each holding ``per_rank``
+def _largest_stage(model: nn.Module, stages: int, schedule: str = "gpipe", per_rank: int = 1) -> tuple[int, int]:
+    """``(held, shared)``: parameters of the pipeline rank that holds the most, of ``stages`` ranks, each holding ``per_rank``
     stages placed as ``schedule`` places them: cut by the pipeline strategy's own rule
     (:func:`paratrain.strategies._stages.cut_stages`: top-level children, or a stack of blocks cut between
     blocks) and placement (:func:`~paratrain.strategies._stages.stage_ranks`); a parameter two of a rank's
-    stages share (a tied embedding and head in a V) counted once. The whole model where it cannot cut it (or
-    ``stages`` is 1)."""
+    stages share (a tied embedding and head in a V) counted once, and in ``shared``. The whole model where it cannot
+    cut it (or ``stages`` is 1)."""
     from ..strategies._stages import cut_stages, stage_ranks
     from ..strategies.base import NotApplicable
 
     whole = sum(_numel(p) for p in {id(p): p for p in model.parameters()}.values())
     if stages <= 1:
-        return whole
+        return whole, 0
     try:
         parts = cut_stages(model, stages * per_rank)
     except NotApplicable:
-        return whole
+        return whole, 0
     held: list[dict[int, int]] = [{} for _ in range(stages)]
-    for part, rank in zip(parts, stage_ranks(schedule, stages, stages * per_rank)):
-        held[rank].update({id(p): _numel(p) for p in part.parameters()})
-    return max(sum(rank.values()) for rank in held)
+    first: list[dict[int, int]] = [{} for _ in range(stages)]  # id(parameter) -> the rank's first stage holding it
+    shared: list[dict[int, int]] = [{} for _ in range(stages)]
+    for index, (part, rank) in enumerate(zip(parts, stage_ranks(schedule, stages, stages * per_rank))):
+        for p in part.parameters():
+            held[rank][id(p)] = _numel(p)
+            if first[rank].setdefault(id(p), index) != index:
+                shared[rank][id(p)] = _numel(p)
+    top = max(range(stages), key=lambda r: sum(held[r].values()))
+    return sum(held[top].values()), sum(shared[top].values())
 
 
 # --------------------------------------------------------------------------- report

@@ -111,6 +111,8 @@ def test_several_stages_a_rank_count_what_the_rank_holds(schedule, held):
     assert stages is not None
     ranks = [{id(p): p.numel() for i in mine for p in stages[i].parameters()} for mine in held]
     assert f.largest_stage == max(sum(rank.values()) for rank in ranks)
+    tied = zoo.GPT(n_layer=4).transformer.wte.weight.numel()  # the V's rank 0 holds the embedding and the head: one weight
+    assert f.stage_whole == ({2: tied} if schedule == "zbvzerobubble" else {})
     one = measure_model(lambda: zoo.GPT(n_layer=4), lambda k: torch.randint(0, zoo.VOCAB, (k, zoo.LENGTH)))
     assert f.largest_stage > one.largest_stage * 0.5  # not one stage of four: about half the model
 
@@ -126,6 +128,22 @@ def test_a_zero_bubble_schedule_keeps_a_sharded_stage_gathered_for_the_step():
     zero = max(parts["interleavedzerobubble"].values())
     assert max(estimate(facts(schedule="gpipe"), "mesh", 4, 1, optimizer="sgd", sharded_init=True,
                         mesh={"pp": 2, "dp_replicate": 2}).parts.values()) < zero  # replicas: nothing gathered
+
+
+def test_a_weight_two_stages_of_a_rank_share_stays_whole_on_each_replica():
+    """A V's tied embedding and head (200 of the rank's 600 parameters) are not sharded over dp_shard: each replica keeps
+    them whole (strategies/pipeline.py), and a zero-bubble schedule gathers only the rest."""
+    mesh = {"pp": 2, "dp_shard": 2}
+    for schedule, gathered in (("gpipe", None), ("zbvzerobubble", 600 - 200)):
+        plain, tied = (estimate(facts(schedule=schedule, stage_whole=w), "mesh", 4, 1, optimizer="sgd",
+                                sharded_init=True, mesh=mesh).parts for w in ({}, {2: 200}))
+        kept = "weights, masters, optimizer state"
+        assert plain[kept] == 600 / 2 * 4 and tied[kept] == (400 / 2 + 200) * 4
+        if gathered:
+            assert tied["gradients + step temporaries"] == (400 / 2 + 200) * 4 + gathered * (4 + 4)
+    replicas = {"pp": 2, "dp_replicate": 2}
+    assert estimate(facts(stage_whole={2: 200}), "mesh", 4, 1, mesh=replicas).parts == \
+        estimate(facts(), "mesh", 4, 1, mesh=replicas).parts  # whole anyway
 
 
 def test_checkpointing_keeps_block_inputs_and_one_block():
