@@ -64,15 +64,19 @@ class RankStream(IterableDataset):
         share = plan.global_batch // plan.world_size  # this rank's contiguous positions of each global batch
         self.positions = range(rank * share, (rank + 1) * share)
 
-    def _start(self) -> Iterator[Any]:
+    def set_epoch(self) -> None:
+        """Tell the dataset its pass (``set_epoch``, where it has one), in the process that makes the pass, before
+        its DataLoader starts workers; never in the workers. They would call it at once, and HuggingFace's epoch is
+        a counter in shared memory that ``set_epoch`` moves by a difference: two workers moving it together made
+        pass 1 pass 2, and one worker read its shards in pass 2's shuffled order."""
         set_epoch = getattr(self.dataset, "set_epoch", None)
         if callable(set_epoch):
             set_epoch(self._epoch)
-        return iter(self.dataset)
 
     def count_steps(self, limit: int) -> int:
         """How many global batches this pass holds, up to ``limit`` (reads them)."""
-        reader = self._start()
+        self.set_epoch()
+        reader = iter(self.dataset)
         n = 0
         while n < limit and len(list(islice(reader, self.plan.global_batch))) == self.plan.global_batch:
             n += 1
@@ -80,7 +84,7 @@ class RankStream(IterableDataset):
 
     def __iter__(self) -> Iterator[Any]:
         worker, workers = _own_worker()
-        reader = self._start()
+        reader = iter(self.dataset)  # its epoch was set by the process that made this pass (set_epoch)
         p, step, micro = self.plan, self.first, 0
         while True:
             batch = list(islice(reader, p.global_batch))
@@ -308,8 +312,10 @@ class StreamLoader:
         if self._opened is not None and self._opened[0] == self._epoch:
             self.dataset.load_state_dict(self._opened[2])  # type: ignore[attr-defined]
             first = self._opened[1]
-        return RankStream(self.dataset, self.plan, self.rank, skip, self._epoch, self.dataloader_kwargs.get("collate_fn"),
-                          stamp=self._why_not_own is None, first=first)
+        stream = RankStream(self.dataset, self.plan, self.rank, skip, self._epoch,
+                            self.dataloader_kwargs.get("collate_fn"), stamp=self._why_not_own is None, first=first)
+        stream.set_epoch()
+        return stream
 
     def __iter__(self) -> Iterator[Any]:
         if self.order is not None:

@@ -325,14 +325,16 @@ def test_a_pass_over_a_stream_draws_nothing_from_the_global_generator():
 def test_a_streamed_hf_dataset_resumed_mid_epoch_gives_the_uninterrupted_samples(tmp_path):
     """HuggingFace's streamed ``IterableDataset`` (4 shards; it splits itself between DataLoader
     workers, which paratrain hides from it), checkpointed at step 3 of 5 and resumed with 2 workers:
-    the same samples in every step as the run that was not stopped."""
+    the same samples in every step as the run that was not stopped, in 3 passes (HuggingFace reads its
+    shards in another order in each pass after the first: 0 1 2 3, 0 1 2 3, then 3 2 0 1)."""
     datasets = pytest.importorskip("datasets")
     table = {"id": list(range(43)), "x": [[float(i)] for i in range(43)]}
     stream = datasets.Dataset.from_dict(table).to_iterable_dataset(num_shards=4).with_format("torch")
     pt = paratrain.Parallel(global_batch=B, accumulation=2)
-    full, _ = train(pt, stream, passes=2)
+    full, _ = train(pt, stream, passes=3)
     pt.close()
-    assert len(full) == 10 and sorted(i for s in full[:5] for i in s) == list(range(40))
+    assert len(full) == 15 and sorted(i for s in full[:5] for i in s) == list(range(40))
+    assert full[10][:4] == [33, 34, 35, 36]  # pass 3 opens at shard 3
     pt = paratrain.Parallel(global_batch=B, accumulation=2)
     model, opt = pt.setup(net := nn.Linear(1, 1), torch.optim.SGD(net.parameters(), lr=0.0))
     pt.global_step = 3
@@ -341,9 +343,38 @@ def test_a_streamed_hf_dataset_resumed_mid_epoch_gives_the_uninterrupted_samples
     pt = paratrain.Parallel(global_batch=B, accumulation=2)
     model, opt = pt.setup(net := nn.Linear(1, 1), torch.optim.SGD(net.parameters(), lr=0.0))
     pt.load_checkpoint(str(tmp_path), model, opt)
-    resumed, _ = train(pt, stream, steps=10, passes=2, num_workers=2)
+    resumed, _ = train(pt, stream, steps=15, passes=3, num_workers=2)
     assert resumed == full[3:]
     pt.close()
+
+
+class EpochInItsProcess(Counting):
+    """A stream whose ``set_epoch`` refuses to run outside the process that made it, and whose samples
+    follow the pass (``100 * epoch + i``)."""
+
+    def __init__(self, n):
+        super().__init__(n)
+        self.pid = os.getpid()
+
+    def set_epoch(self, epoch):
+        assert os.getpid() == self.pid, "set_epoch called in a DataLoader worker"
+        super().set_epoch(epoch)
+
+    def __iter__(self):
+        for i in range(self.n):
+            yield {"id": 100 * self.epochs[-1] + i, "x": torch.tensor([float(i)])}
+
+
+def test_a_stream_is_told_its_pass_before_its_workers_start_never_by_them():
+    """Each DataLoader worker called ``set_epoch``; HuggingFace's epoch is a counter in shared memory
+    that it moves by a difference, so two workers moving it at once made the second pass the third,
+    now and then, and one worker read its shards in that pass's order."""
+    pt = paratrain.Parallel(global_batch=B, accumulation=2)
+    stream = EpochInItsProcess(2 * B)
+    ids, _ = train(pt, stream, passes=2, num_workers=2)
+    pt.close()
+    assert stream.epochs == [0, 1]
+    assert ids == [list(range(B)), list(range(B, 2 * B)), list(range(100, 100 + B)), list(range(100 + B, 100 + 2 * B))]
 
 
 OPENED_SHARDS: list[int] = []  # the HF generator's shards opened by this process
