@@ -50,7 +50,19 @@ def layout_mesh(device_type: str, sizes: Mapping[str, int], dims: tuple[str, ...
     by default; a size 1 included, so every name can be indexed). A collective."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh(device_type, tuple(sizes.get(d, 1) for d in dims), mesh_dim_names=dims)
+    mesh = init_device_mesh(device_type, tuple(sizes.get(d, 1) for d in dims), mesh_dim_names=dims)
+    if all(d in dims and sizes.get(d, 1) > 1 for d in FLATTENED):
+        # One group over dp_shard x tp (torchtitan flattens its data-parallel dimensions alike): a gradient norm
+        # partial over both (clipping under fsdp + tp) is then one all-reduce, where DTensor did one a dimension and
+        # warned on every rank that the mesh should be flattened. Torch finds the flattened mesh by its layout.
+        flatten = getattr(mesh[FLATTENED], "_flatten", None)
+        if callable(flatten):
+            flatten("_".join(FLATTENED))
+    return mesh
+
+
+FLATTENED = ("dp_shard", "tp")
+"""The dimensions :func:`layout_mesh` also makes one process group of, when both split the processes."""
 
 
 def data_parallel_mesh(mesh: Any, sizes: Mapping[str, int]) -> Any:

@@ -91,8 +91,24 @@ def worker(rank: int) -> dict[str, object]:
                                                        init_module=name in INIT_MODULE)
     pt = paratrain.Parallel(mesh=LAYOUTS["hsdp"])
     out["describe"] = pt.describe()
+    out["norm"] = norm_over_dp_shard_and_tp()
     pt.close()
     return out
+
+
+def norm_over_dp_shard_and_tp() -> tuple[int, float]:
+    """The collectives and the value of a gradient norm partial over dp_shard and tp (clipping under fsdp + tp)."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from paratrain.strategies.fsdp import total_norm
+    from paratrain.strategies.mesh import layout_mesh
+
+    mesh = layout_mesh("cpu", LAYOUTS["dp_shard2_tp2"])["dp_shard", "tp"]
+    grad = distribute_tensor(torch.arange(32.0, dtype=torch.float64).view(8, 4), mesh, [Shard(0), Shard(1)])
+    with CommDebugMode() as comm:
+        norm = total_norm([grad])
+    return comm.get_total_counts(), norm.item()
 
 
 @pytest.fixture(scope="module")
@@ -113,6 +129,12 @@ def test_each_layout_equals_one_process(world4, layout, kind):
 def test_the_run_names_its_mesh(world4):
     d = world4["describe"]
     assert d["strategy"] == "mesh" and d["mesh"] == "dp_replicate=2,dp_shard=2" and d["data_parallel_size"] == 4
+
+
+def test_a_norm_over_dp_shard_and_tp_is_one_all_reduce(world4):
+    """The layout's mesh has dp_shard x tp flattened into one group too (as torchtitan's has its data-parallel
+    dimensions): DTensor reduced a norm one dimension at a time, two all-reduces, and warned on every rank."""
+    assert world4["norm"] == (1, pytest.approx(torch.arange(32.0, dtype=torch.float64).norm().item(), rel=1e-12))
 
 
 # --------------------------------------------------------------------------- the command line, the config file
