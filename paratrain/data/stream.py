@@ -64,7 +64,7 @@ class RankStream(IterableDataset):
         share = plan.global_batch // plan.world_size  # this rank's contiguous positions of each global batch
         self.positions = range(rank * share, (rank + 1) * share)
 
-    def set_epoch(self) -> None:
+    def tell_epoch(self) -> None:
         """Tell the dataset its pass (``set_epoch``, where it has one), in the process that makes the pass, before
         its DataLoader starts workers; never in the workers. They would call it at once, and HuggingFace's epoch is
         a counter in shared memory that ``set_epoch`` moves by a difference: two workers moving it together made
@@ -75,7 +75,7 @@ class RankStream(IterableDataset):
 
     def count_steps(self, limit: int) -> int:
         """How many global batches this pass holds, up to ``limit`` (reads them)."""
-        self.set_epoch()
+        self.tell_epoch()
         reader = iter(self.dataset)
         n = 0
         while n < limit and len(list(islice(reader, self.plan.global_batch))) == self.plan.global_batch:
@@ -84,7 +84,7 @@ class RankStream(IterableDataset):
 
     def __iter__(self) -> Iterator[Any]:
         worker, workers = _own_worker()
-        reader = iter(self.dataset)  # its epoch was set by the process that made this pass (set_epoch)
+        reader = iter(self.dataset)  # its epoch was told by the process that made this pass (tell_epoch)
         p, step, micro = self.plan, self.first, 0
         while True:
             batch = list(islice(reader, p.global_batch))
@@ -314,7 +314,7 @@ class StreamLoader:
             first = self._opened[1]
         stream = RankStream(self.dataset, self.plan, self.rank, skip, self._epoch,
                             self.dataloader_kwargs.get("collate_fn"), stamp=self._why_not_own is None, first=first)
-        stream.set_epoch()
+        stream.tell_epoch()
         return stream
 
     def __iter__(self) -> Iterator[Any]:

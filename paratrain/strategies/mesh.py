@@ -39,6 +39,9 @@ __all__ = ["DIMS", "MeshOptions", "Composition", "MeshStrategy", "describe", "la
 DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 """The mesh's dimensions, outermost first: the order of ``init_device_mesh``'s shape."""
 
+FLATTENED = ("dp_shard", "tp")
+"""The dimensions :func:`layout_mesh` also makes one process group of, when both split the processes."""
+
 
 def describe(sizes: dict[str, int]) -> str:
     """``"dp_replicate=2,dp_shard=2"``: the dimensions larger than 1, in mesh order (``"1"``: one process)."""
@@ -59,10 +62,6 @@ def layout_mesh(device_type: str, sizes: Mapping[str, int], dims: tuple[str, ...
         if callable(flatten):
             flatten("_".join(FLATTENED))
     return mesh
-
-
-FLATTENED = ("dp_shard", "tp")
-"""The dimensions :func:`layout_mesh` also makes one process group of, when both split the processes."""
 
 
 def data_parallel_mesh(mesh: Any, sizes: Mapping[str, int]) -> Any:
