@@ -32,10 +32,10 @@ SIZES = (2**12, 2**16, 2**20, 2**22, 2**24)
 """Bytes per measured all-reduce: 4 KiB to 16 MiB."""
 
 
-def _all_reduce_worker(rank: int, port: int, sizes: tuple[int, ...], repeats: int, out: Any) -> None:
+def _all_reduce_worker(rank: int, port: int, sizes: tuple[int, ...], repeats: int, out: Any, world: int = 2) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         result = []
         for nbytes in sizes:
@@ -55,12 +55,13 @@ def _all_reduce_worker(rank: int, port: int, sizes: tuple[int, ...], repeats: in
 
 
 def measure_all_reduce(sizes: tuple[int, ...] = SIZES, repeats: int = 15,
-                       timeout: float = 120.0) -> list[tuple[float, float]]:
-    """``(bytes, median seconds)`` of gloo all-reduces between 2 processes on this machine."""
+                       timeout: float = 120.0, world: int = 2) -> list[tuple[float, float]]:
+    """``(bytes, median seconds)`` of gloo all-reduces between ``world`` processes on this machine."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_all_reduce_worker, args=(r, port, sizes, repeats, out), daemon=True) for r in (0, 1)]
+    procs = [ctx.Process(target=_all_reduce_worker, args=(r, port, sizes, repeats, out, world), daemon=True)
+             for r in range(world)]
     for p in procs:
         p.start()
     try:
@@ -74,8 +75,9 @@ def measure_all_reduce(sizes: tuple[int, ...] = SIZES, repeats: int = 15,
                 p.kill()
 
 
-def measured_link() -> Link:
-    return fit_link(measure_all_reduce(), 2, "fitted to gloo all-reduces of 4 KiB–16 MiB between 2 local processes")
+def measured_link(samples: list[tuple[float, float]] | None = None) -> Link:
+    """The link fitted to ``samples`` of :func:`measure_all_reduce` (measured now when None)."""
+    return fit_link(measure_all_reduce() if samples is None else samples, 2, "fitted to gloo all-reduces of 4 KiB–16 MiB between 2 local processes")
 
 
 def exposed_fraction(result: BenchResult, w: Workload, link: Link) -> float | None:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import copy
+import time
 
 from .base import CheckFailed, Result, _batches, _device, _mlp, _plain_sgd, _state_rel, check
+from .flight import flight_recorder
 
 
 @check
@@ -19,6 +21,7 @@ def nccl(mode: str, budget: float) -> Result:
     from paratrain.env.devices import select_backend
     from paratrain.metrics import all_gather, reduce
 
+    t0 = time.monotonic()
     device = _device(mode)
     backend = "nccl" if mode == "gpu" else "gloo"
     if mode == "gpu":
@@ -63,6 +66,10 @@ def nccl(mode: str, budget: float) -> Result:
             raise CheckFailed(f"DDP over {backend} at world size 1 drifts from the plain loop: {key} {err:.2e} > 1e-6")
     finally:
         dist.destroy_process_group()
-    return Result(f"{backend} at world size 1: collectives exact, DDP = plain loop after 8 steps (rel. {err:.1e})"
-                  + (f"; NCCL {nccl_version}" if nccl_version else ""),
-                  {"backend": backend, "nccl": nccl_version, "ddp_rel_err": err})
+    summary = f"{backend} at world size 1: collectives exact, DDP = plain loop after 8 steps (rel. {err:.1e})"
+    flight: dict[str, object] = {}
+    if mode == "gpu":  # the CPU twin of this part is a test of the suite (tests/scripts/test_device_checks.py)
+        flight = flight_recorder(mode, budget - (time.monotonic() - t0))
+        summary += "; Flight Recorder dumped on a 3 s nccl timeout, doctor read it back"
+    return Result(summary + (f"; NCCL {nccl_version}" if nccl_version else ""),
+                  {"backend": backend, "nccl": nccl_version, "ddp_rel_err": err, "flight_recorder": flight})

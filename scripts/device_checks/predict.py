@@ -31,8 +31,8 @@ def predict_check(mode: str, budget: float) -> Result:
     batch; the link is fitted to gloo all-reduces between 2 local processes, as bench does. It records
     the error of the prediction with all communication exposed and with none; it fails only when
     something does not run."""
-    from paratrain.bench.predict import Workload, predict
-    from paratrain.bench.scaling import measured_link
+    from paratrain.bench.predict import Workload, fit_link, predict, scheme_comm_s
+    from paratrain.bench.scaling import measure_all_reduce, measured_link
     from paratrain.config import TrainConfig
 
     cores = os.cpu_count() or 1
@@ -43,7 +43,8 @@ def predict_check(mode: str, budget: float) -> Result:
         sizes, model, batch, size, epochs = [2], "mlp", 16, 1024, 1
     base = {"model": model, "data.dataset": "synthetic", "data.synthetic_size": size, "parallel.accelerator": "cpu"}
     t0 = time.monotonic()
-    link = measured_link()
+    two = measure_all_reduce()
+    link = measured_link(two)
     cell_timeout = max(30.0, budget / (2 + len(sizes)))
     compute = _bench_step_time(TrainConfig.load(None, {**base, "parallel.global_batch": batch}), "single", 1, epochs,
                                cell_timeout)
@@ -60,6 +61,22 @@ def predict_check(mode: str, budget: float) -> Result:
             (p,) = predict(Workload(compute, batch, shapes, exposed), link, ["all-reduce (ddp)"], [n])
             row[f"predicted_ms_exposed_{exposed:.0f}"] = p.step_s * 1e3
             row[f"error_pct_exposed_{exposed:.0f}"] = 100 * (p.step_s - measured) / measured
+        # the gloo all-reduce itself at n processes: the link fitted at 2 against what n measure (issue 38 item 3)
+        samples = measure_all_reduce(world=n, timeout=cell_timeout)
+        row["all_reduce"] = samples
+        row["grad_all_reduce_ms_at_2_fit"] = scheme_comm_s("all-reduce (ddp)", Workload(compute, batch, shapes, 1.0),
+                                                           n, link) * 1e3
+        try:
+            own = fit_link(samples, n)
+            row["link_fitted_at_n"] = own.describe()
+            row["grad_all_reduce_ms_at_n_fit"] = scheme_comm_s("all-reduce (ddp)", Workload(compute, batch, shapes, 1.0),
+                                                               n, own) * 1e3
+        except ValueError as e:
+            row["link_fitted_at_n"] = str(e)
+        print(f"gloo all-reduce x{n} (bytes, ms): {[(int(b), round(t * 1e3, 3)) for b, t in samples]}; the gradients' "
+              f"all-reduce by the 2-process link {row['grad_all_reduce_ms_at_2_fit']:.2f} ms, by a link fitted at "
+              f"{n}: {row.get('grad_all_reduce_ms_at_n_fit', float('nan')):.2f} ms ({row['link_fitted_at_n']})",
+              flush=True)
         rows.append(row)
         print(f"ddp x{n}: measured {measured * 1e3:.1f} ms; predicted {row['predicted_ms_exposed_1']:.1f} ms "
               f"({row['error_pct_exposed_1']:+.0f}%) all exposed, {row['predicted_ms_exposed_0']:.1f} ms "
@@ -70,7 +87,7 @@ def predict_check(mode: str, budget: float) -> Result:
                         for r in rows)
     return Result(f"{model}, {batch}/worker, gloo loopback: {summary}",
                   {"model": model, "batch_per_worker": batch, "cores": cores, "link": link.describe(),
-                   "single_ms": compute * 1e3, "rows": rows})
+                   "single_ms": compute * 1e3, "rows": rows, "all_reduce_2": two})
 
 
 CHECKS["predict"] = predict_check

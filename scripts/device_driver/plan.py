@@ -34,7 +34,8 @@ class Step:
 
 
 STEPS: tuple[Step, ...] = (
-    Step("nccl", "nccl at world size 1: collectives, all_gather/reduce, DDP = plain loop", 45, 20, 30, 10, True),
+    Step("nccl", "nccl at world size 1: collectives, all_gather/reduce, DDP = plain loop; Flight Recorder's dump on "
+         "a timeout, read back by doctor", 90, 45, 30, 10, True),
     Step("lm", "GPT-2 124M: tokens/s, MFU and memory of the plain loop, paratrain, Accelerate, Fabric "
          "(paratrain selftest --sections lm)", 300, 120, 40, 30),
     Step("fsdp_bf16", "fsdp + bf16-mixed = single + bf16-mixed, and with cpu_offload (paratrain train)",
