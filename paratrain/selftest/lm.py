@@ -192,7 +192,8 @@ def plain_steps(job: LMJob, device: torch.device, batches: list[Any]) -> Generat
 
 
 def parallel_lm_steps(job: LMJob, strategy: str, batches: list[Any]) -> Generator[Any, None, None]:
-    """The same step through ``Parallel`` (in the process group the worker joined)."""
+    """The same step through ``Parallel`` (in the process group the worker joined): nanoGPT's ``with ctx:``
+    around forward and loss becomes ``with pt.autocast():``."""
     from ..parallel import Parallel
 
     pt = Parallel(strategy=strategy, precision=job.precision, compile=job.compile, clip_grad_norm=1.0,
@@ -202,7 +203,8 @@ def parallel_lm_steps(job: LMJob, strategy: str, batches: list[Any]) -> Generato
     yield model
     while True:
         for x, y in batches:
-            loss = token_loss(model(x), y)
+            with pt.autocast():
+                loss = token_loss(model(x), y)
             pt.backward(loss)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
