@@ -113,6 +113,18 @@ def caller_of_frames(frames: Iterable[tuple[str, int]]) -> tuple[str, str]:
     return by or "", ""
 
 
+def _frame_above(depth: int) -> Any:
+    """The frame ``depth`` levels above the one that calls this, or the outermost one where the stack is
+    shorter: a hook that the autograd engine calls on its own device thread (DDP's comm hook, on CUDA)
+    has no Python caller above it, and ``sys._getframe(depth)`` would raise."""
+    frame = sys._getframe(1)
+    for _ in range(depth):
+        if frame.f_back is None:
+            break
+        frame = frame.f_back
+    return frame
+
+
 def _stack(frame: Any) -> Iterator[tuple[str, int]]:
     while frame is not None:
         yield frame.f_code.co_filename, frame.f_lineno
@@ -160,7 +172,7 @@ class Recorder:
         else:
             first, numel = (tensor, tensor.numel()) if isinstance(tensor, torch.Tensor) else (None, -1)
         dtype = str(first.dtype).replace("torch.", "") if first is not None else ""
-        found_by, where = caller_of_frames(_stack(sys._getframe(depth)))
+        found_by, where = caller_of_frames(_stack(_frame_above(depth)))
         step, micro = _position()
         with self._lock:
             seq = self.seq[name] = self.seq.get(name, 0) + 1

@@ -37,6 +37,23 @@ def test_the_ring_keeps_the_last_records_in_a_file_the_process_leaves_behind(tmp
     assert read_file(str(tmp_path / "nothing")) == [] and read_dir(str(tmp_path / "no")) == {}
 
 
+def test_a_hook_with_no_python_caller_is_recorded(tmp_path):
+    """On CUDA the autograd engine runs DDP's comm hook on its own device thread, with no Python frame
+    above the hook: the record takes the outermost frame there is (the device check's syncbn, ddp x2 on
+    an H200, failed with "call stack is not deep enough" before)."""
+    import threading
+
+    r = Recorder(0, 2, str(tmp_path / "rank-0.trace"), slots=4)
+    got = []
+    thread = threading.Thread(target=lambda: got.append(r.enter("all_reduce", None, torch.ones(2), by="DDP",
+                                                                  depth=1000)))
+    thread.start()
+    thread.join(10)
+    assert got == [0]
+    (rec,) = read_file(str(tmp_path / "rank-0.trace"))
+    assert (rec.op, rec.by, rec.numel, rec.state) == ("all_reduce", "DDP", 2, "started")
+
+
 class _Group:
     def __init__(self, name):
         self.group_name = name
