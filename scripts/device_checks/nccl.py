@@ -68,7 +68,7 @@ def nccl(mode: str, budget: float) -> Result:
         dist.destroy_process_group()
     summary = f"{backend} at world size 1: collectives exact, DDP = plain loop after 8 steps (rel. {err:.1e})"
     flight: dict[str, object] = {}
-    if mode == "gpu":  # the CPU twin of this part is a test of the suite (tests/scripts/test_device_checks.py)
+    if mode == "gpu":  # the CPU twin of this part is a test of the suite (tests/scripts/test_device_check.py)
         flight = flight_recorder(mode, budget - (time.monotonic() - t0))
         summary += "; Flight Recorder dumped on a 3 s nccl timeout, doctor read it back"
     return Result(summary + (f"; NCCL {nccl_version}" if nccl_version else ""),

@@ -255,3 +255,19 @@ def test_the_driver_knows_selftests_sections() -> None:
     from paratrain.selftest.run import SECTIONS
 
     assert dc.SELFTEST_SECTIONS == SECTIONS
+
+
+def test_the_flight_recorder_part_reads_gloos_dump_back_through_doctor() -> None:
+    """The nccl step's Flight Recorder part (issue 36 item 6) as its CPU twin: a child process with
+    Flight Recorder on writes gloo's dump after one all_reduce, and ``paratrain doctor`` reads it back
+    with the child's line. (On a GPU the child also times out an nccl collective; see the docs' H200 run.)"""
+    code = ("import json, sys; sys.path.insert(0, sys.argv[1]); from device_checks.flight import flight_recorder; "
+            "print('RESULT ' + json.dumps(flight_recorder('cpu', 60)))")
+    res = subprocess.run([sys.executable, "-c", code, str(ROOT / "scripts")], capture_output=True, text=True,
+                         timeout=scaled(120), start_new_session=True,
+                         env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    (line,) = [ln for ln in res.stdout.splitlines() if ln.startswith("RESULT ")]
+    got = json.loads(line[len("RESULT "):])
+    assert got["child_exit"] == 0 and got["on_demand"].startswith("doctor: the ranks agree"), got
+    assert "flight_child.py:9" in res.stdout, res.stdout[-2000:]
