@@ -4,11 +4,13 @@
 
 Steps, in this order (each in a process group of its own, killed at the end of its slice):
 
-* ``nccl``: nccl at world size 1: collectives, paratrain's ``all_gather``/``reduce``, DDP = plain loop;
+* ``nccl``: nccl at world size 1: collectives, paratrain's ``all_gather``/``reduce``, DDP = plain loop; a
+  one-rank collective past its timeout dumps Flight Recorder's ring, which ``paratrain doctor`` reads back;
 * ``lm``: ``paratrain selftest --sections lm``: a GPT-2 124M-shaped model, the plain loop of nanoGPT's
   ``train.py`` against ``Parallel`` single, ddp x1, fsdp x1, Accelerate and Fabric, interleaved:
   tokens/s, MFU and peak memory, bf16-mixed and fp16-mixed; its report is copied into OUT as
   ``lm.md``/``.json``;
+* ``hangs``: on 2+ GPUs, ``tests/trace/test_hangs.py`` under nccl (ranks out of step, one line each);
 * ``fsdp_bf16``: ``paratrain train --strategy fsdp --precision bf16-mixed`` = ``--strategy single``;
 * ``fp16_scaler``: a ``Parallel`` loop in fp16-mixed drives torch.amp's CUDA ``GradScaler``, follows
   fp32 and skips an inf step;
@@ -22,7 +24,7 @@ Steps, in this order (each in a process group of its own, killed at the end of i
 * ``selftest``: ``paratrain selftest --budget ...`` with the time left (without its resnet50 and lm
   sections when ``seed_table`` and ``lm`` ran them); its ``selftest.md``/``.json`` are copied into OUT.
 
-The first five need CUDA (without it they are skipped, with the reason); the checks themselves are
+The GPU-only checks need CUDA (without it they are skipped, with the reason); the checks themselves are
 in ``scripts/device_checks``. Everything goes under ``--out`` (default ``$OUT`` when set, else
 ``runs/device_check``): at the top ``device_check.json`` and ``device_check.md`` (each step ok /
 failed with its one-line reason / skipped with why: no CUDA, a package missing, the budget; the

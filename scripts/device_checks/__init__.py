@@ -13,7 +13,7 @@ of its own, with a hard time limit.
 
 from __future__ import annotations
 
-from . import compiled, fp16, fsdp, nccl, predict, syncbn  # noqa: F401 - each registers its check in CHECKS
+from . import compiled, fp16, fsdp, hangs, nccl, predict, syncbn  # noqa: F401 - each registers its check in CHECKS
 from .base import CHECKS, CheckFailed, Result, Skip, check
 
 __all__ = ["CHECKS", "CheckFailed", "Result", "Skip", "check"]

@@ -38,6 +38,8 @@ STEPS: tuple[Step, ...] = (
          "a timeout, read back by doctor", 90, 45, 30, 10, True),
     Step("lm", "GPT-2 124M: tokens/s, MFU and memory of the plain loop, paratrain, Accelerate, Fabric "
          "(paratrain selftest --sections lm)", 300, 120, 40, 30),
+    Step("hangs", "ranks out of step under nccl, one line each (tests/trace/test_hangs.py on 2+ GPUs)",
+         150, 20, 5, 1, True),
     Step("fsdp_bf16", "fsdp + bf16-mixed = single + bf16-mixed, and with cpu_offload (paratrain train)",
          90, 30, 60, 15, True),
     Step("fp16_scaler", "fp16-mixed with torch.amp's CUDA GradScaler: follows fp32, skips an inf step",

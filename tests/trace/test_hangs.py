@@ -2,7 +2,9 @@
 op, and an error inside an fsdp step, under ``paratrain.launch`` and ``paratrain run``, each with 2
 real processes over gloo. gloo aborts a rank (SIGABRT) on a size mismatch, as NCCL's watchdog aborts a
 rank whose collective timed out (simulated: a timer aborts the waiting rank); the launcher reads every
-rank's record of its collectives (``paratrain.trace``) and names the rank, the collective and the step."""
+rank's record of its collectives (``paratrain.trace``) and names the rank, the collective and the step.
+On a machine with 2 GPUs the same file runs under nccl (the job's tensors are on ``pt.device``):
+``scripts/device_check.sh``'s ``hangs`` step."""
 
 from __future__ import annotations
 
@@ -38,9 +40,9 @@ def job(rank, case, strategy="ddp", check=False):
         if pt.global_step == 3 and case == "skip" and rank == 1:
             pass  # rank 1 skips the metric's all_reduce
         elif pt.global_step == 3 and case == "mismatch":
-            dist.all_reduce(torch.ones(10 if rank == 0 else 20))  # MISMATCH_LINE
+            dist.all_reduce(torch.ones(10 if rank == 0 else 20, device=pt.device))  # MISMATCH_LINE
         elif pt.global_step == 3 and case == "other" and rank == 1:
-            dist.broadcast(torch.ones(1), src=0)  # OTHER_LINE
+            dist.broadcast(torch.ones(1, device=pt.device), src=0)  # OTHER_LINE
         elif pt.global_step == 3 and case == "watchdog" and rank == 1:
             time.sleep(120)  # frozen
         elif pt.global_step == 3 and case == "watchdog":
