@@ -16,17 +16,23 @@ says what to use, before any process starts its training.
 from __future__ import annotations
 
 import importlib.util
+import warnings
 from typing import ClassVar
 
 import torch
 from torch import nn
 
+from ..env.process import is_main_process
 from .amp import BF16Mixed
 
-__all__ = ["FP8Mixed", "MIN_CAPABILITY", "float8_unsupported", "float8_filter"]
+__all__ = ["FP8Mixed", "MIN_CAPABILITY", "PAYS_FROM", "float8_unsupported", "float8_filter"]
 
 MIN_CAPABILITY = (8, 9)
 """The first compute capability with float8 tensor cores (Ada; Hopper is 9.0)."""
+PAYS_FROM = 4096
+"""Below this width (the larger of a linear's two sizes, over every converted linear) fp8 was slower
+than bf16: GPT-2 124M's 768x3072 linears ran 0.71-0.78x on an H200 (docs/selftest.md); torchtitan's
+Float8 gains are on Llama-3 8B's 4096-wide layers."""
 HEAD_NAMES = ("lm_head", "output", "head", "classifier")
 """The last name of a model's output layer as the common models spell it: left in bf16."""
 
@@ -79,7 +85,13 @@ class FP8Mixed(BF16Mixed):
         # torch._scaled_mm wants a multiple of 16 (a short last batch, an odd sequence length): padded
         config = Float8LinearConfig(pad_inner_dim=True)
         model = convert_to_float8_training(model, module_filter_fn=float8_filter, config=config)
-        if not any(isinstance(m, Float8Linear) for m in model.modules()):
+        converted = [m for m in model.modules() if isinstance(m, Float8Linear)]
+        if not converted:
             raise ValueError("precision fp8-mixed found no nn.Linear with both sizes a multiple of 16 in the model "
                              "(the output head stays bf16): nothing would train in fp8; use bf16-mixed")
+        widest = max(max(m.in_features, m.out_features) for m in converted)
+        if widest < PAYS_FROM and is_main_process():
+            warnings.warn(f"precision fp8-mixed: the widest float8 linear is {widest} wide; below about {PAYS_FROM} the "
+                          "float8 casts cost more than the float8 matmuls save (GPT-2 124M, 768 wide, ran 0.71-0.78x "
+                          "of bf16-mixed on an H200): bf16-mixed is faster for this model", stacklevel=2)
         return model
