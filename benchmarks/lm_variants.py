@@ -3,6 +3,7 @@
 and a profile of one step of the plain loop and of paratrain single (the CUDA kernels that differ).
 
     python benchmarks/lm_variants.py [--steps 30] [--variants plain,plain_fp32_out,single,...] [--profile]
+    python benchmarks/lm_variants.py --smoke   # 2 steps a variant: checks that it runs (CI)
 
 On a GPU: GPT-2 124M, batch 8, bf16-mixed, ``torch.compile`` (as the LM rows); on the CPU: the
 rows' tiny twin, eager (that it runs, not its speed). Prints tokens/s and each variant's ratio to the
@@ -13,15 +14,16 @@ plain loop with the spread of the per-round ratios.
   computed outside it (what paratrain, Accelerate and Fabric hand to the user's loss);
 * ``plain_fp32_out_compiled``: the same with the autocast region and the cast inside one compiled function;
 * ``plain_bf16_loss_outside``: the loss outside autocast on the bf16 logits (no fp32 copy, a bf16 loss);
-* ``single``: ``Parallel(strategy="single")`` (the LM rows' paratrain single);
-* ``single_compiled_outside``: ``Parallel(compile=False)`` and the returned module compiled by the user;
-* ``single_loss_in_autocast``: ``single`` with the loss computed inside ``torch.autocast`` as well.
+* ``single``: ``Parallel(strategy="single")`` with the loss under ``pt.autocast()`` (the LM rows' paratrain single);
+* ``single_loss_outside``: the same with the loss outside autocast (the model's outputs come back in fp32);
+* ``single_compiled_outside``: that, with ``Parallel(compile=False)`` and the returned module compiled by the user.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import dataclasses
 import os
 import statistics
@@ -39,24 +41,10 @@ from paratrain.selftest.lm import (LMJob, _model, lm_job, nanogpt_adamw, paralle
                                    random_batches)
 
 
-def plain_fp32_out(job: LMJob, device: torch.device, batches: list[Any]) -> Generator[Any, None, None]:
-    model = _model(job).to(device)
-    optimizer = nanogpt_adamw(model, device.type)
-    net: Any = torch.compile(model) if job.compile else model
-    yield net
-    while True:
-        for x, y in batches:
-            with torch.autocast(device.type, dtype=job.dtype):
-                logits = net(x)
-            loss = token_loss(logits.float(), y)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            yield loss.detach()
-
-
-def plain_fp32_out_compiled(job: LMJob, device: torch.device, batches: list[Any]) -> Generator[Any, None, None]:
+def _plain(job: LMJob, device: torch.device, batches: list[Any], loss_of: Callable[[Any, Any, Any], Any],
+           cast_in_graph: bool = False) -> Generator[Any, None, None]:
+    """The plain loop with ``loss_of(net, x, y)`` as its forward and loss; ``cast_in_graph``: the compiled
+    function is autocast + forward + the fp32 cast (as Accelerate compiles its wrapped forward)."""
     model = _model(job).to(device)
     optimizer = nanogpt_adamw(model, device.type)
 
@@ -65,11 +53,12 @@ def plain_fp32_out_compiled(job: LMJob, device: torch.device, batches: list[Any]
             logits = model(x)
         return logits.float()
 
-    net: Any = torch.compile(forward) if job.compile else forward
+    fn: Any = forward if cast_in_graph else model
+    net: Any = torch.compile(fn) if job.compile else fn
     yield net
     while True:
         for x, y in batches:
-            loss = token_loss(net(x), y)
+            loss = loss_of(net, x, y)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
@@ -77,67 +66,45 @@ def plain_fp32_out_compiled(job: LMJob, device: torch.device, batches: list[Any]
             yield loss.detach()
 
 
-def plain_bf16_loss_outside(job: LMJob, device: torch.device, batches: list[Any]) -> Generator[Any, None, None]:
-    model = _model(job).to(device)
-    optimizer = nanogpt_adamw(model, device.type)
-    net: Any = torch.compile(model) if job.compile else model
-    yield net
-    while True:
-        for x, y in batches:
-            with torch.autocast(device.type, dtype=job.dtype):
-                logits = net(x)
-            loss = token_loss(logits, y)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            yield loss.detach()
-
-
-def single_compiled_outside(job: LMJob, device: torch.device, batches: list[Any]) -> Generator[Any, None, None]:
+def _paratrain(job: LMJob, batches: list[Any], under_autocast: bool,
+               compile_outside: bool = False) -> Generator[Any, None, None]:
+    """Parallel single with the loss under ``pt.autocast()`` or outside it; ``compile_outside``: the user
+    compiles the module ``setup`` returned (autocast and the fp32 cast inside the graph)."""
     from paratrain.parallel import Parallel
 
-    pt = Parallel(strategy="single", precision=job.precision, compile=False, clip_grad_norm=1.0,
-                  global_batch=job.batch, accelerator=job.accelerator, seed=0)
+    pt = Parallel(strategy="single", precision=job.precision, compile=job.compile and not compile_outside,
+                  clip_grad_norm=1.0, global_batch=job.batch, accelerator=job.accelerator, seed=0)
     model = _model(job)
     model, optimizer = pt.setup(model, nanogpt_adamw(model, pt.device.type))
-    net: Any = torch.compile(model) if job.compile else model  # autocast and the fp32 cast inside the graph
+    net: Any = torch.compile(model) if compile_outside and job.compile else model
     yield net
     while True:
         for x, y in batches:
-            loss = token_loss(net(x), y)
+            with pt.autocast() if under_autocast else contextlib.nullcontext():
+                loss = token_loss(net(x), y)
             pt.backward(loss)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             yield loss.detach()
 
 
-def single_loss_in_autocast(job: LMJob, device: torch.device, batches: list[Any]) -> Generator[Any, None, None]:
-    from paratrain.parallel import Parallel
-
-    pt = Parallel(strategy="single", precision=job.precision, compile=job.compile, clip_grad_norm=1.0,
-                  global_batch=job.batch, accelerator=job.accelerator, seed=0)
-    model = _model(job)
-    model, optimizer = pt.setup(model, nanogpt_adamw(model, pt.device.type))
-    yield model
-    while True:
-        for x, y in batches:
-            with torch.autocast(device.type, dtype=job.dtype):
-                loss = token_loss(model(x), y)
-            pt.backward(loss)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            yield loss.detach()
+def _autocast_logits(job: LMJob, device: torch.device, net: Any, x: Any) -> Any:
+    with torch.autocast(device.type, dtype=job.dtype):
+        return net(x)
 
 
 VARIANTS: dict[str, Callable[[LMJob, torch.device, list[Any]], Generator[Any, None, None]]] = {
     "plain": plain_steps,
-    "plain_fp32_out": plain_fp32_out,
-    "plain_fp32_out_compiled": plain_fp32_out_compiled,
-    "plain_bf16_loss_outside": plain_bf16_loss_outside,
+    "plain_fp32_out": lambda job, device, batches: _plain(
+        job, device, batches, lambda net, x, y: token_loss(_autocast_logits(job, device, net, x).float(), y)),
+    "plain_fp32_out_compiled": lambda job, device, batches: _plain(
+        job, device, batches, lambda net, x, y: token_loss(net(x), y), cast_in_graph=True),
+    "plain_bf16_loss_outside": lambda job, device, batches: _plain(
+        job, device, batches, lambda net, x, y: token_loss(_autocast_logits(job, device, net, x), y)),
     "single": lambda job, device, batches: parallel_lm_steps(job, "single", batches),
-    "single_compiled_outside": single_compiled_outside,
-    "single_loss_in_autocast": single_loss_in_autocast,
+    "single_loss_outside": lambda job, device, batches: _paratrain(job, batches, under_autocast=False),
+    "single_compiled_outside": lambda job, device, batches: _paratrain(job, batches, under_autocast=False,
+                                                                       compile_outside=True),
 }
 
 
@@ -169,7 +136,10 @@ def main() -> int:
     ap.add_argument("--block", type=int, default=5)
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--profile", action="store_true", help="also a kernel profile of plain and single")
+    ap.add_argument("--smoke", action="store_true", help="2 steps a variant: checks that it runs (CI)")
     args = ap.parse_args()
+    if args.smoke:
+        args.steps, args.block = 2, 1
     warnings.simplefilter("ignore")
     import torch.distributed as dist
 
