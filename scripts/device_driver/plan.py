@@ -25,6 +25,8 @@ class Step:
     gpu_only: bool = False
     packages: tuple[str, ...] = ()
     """Needed to run at all (a missing one skips the step)."""
+    no_twin: str | None = None
+    """Why the dry run has no CPU twin of it (then it is skipped there, and its dry want and need are 0)."""
 
     def want_for(self, dry: bool) -> float | None:
         return self.dry_want if dry else self.want
@@ -39,7 +41,7 @@ STEPS: tuple[Step, ...] = (
     Step("lm", "GPT-2 124M: tokens/s, MFU and memory of the plain loop, paratrain, Accelerate, Fabric "
          "(paratrain selftest --sections lm)", 300, 120, 40, 30),
     Step("hangs", "ranks out of step under nccl, one line each (tests/trace/test_hangs.py on 2+ GPUs)",
-         150, 20, 5, 1, True),
+         150, 20, 0, 0, True, no_twin="the suite runs these cases over gloo (tests/trace/test_hangs.py)"),
     Step("fsdp_bf16", "fsdp + bf16-mixed = single + bf16-mixed, and with cpu_offload (paratrain train)",
          90, 30, 60, 15, True),
     Step("fp16_scaler", "fp16-mixed with torch.amp's CUDA GradScaler: follows fp32, skips an inf step",

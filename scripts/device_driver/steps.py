@@ -290,6 +290,8 @@ def pre_skip(step: Step, ctx: Ctx, only: set[str] | None) -> str | None:
     """Why ``step`` cannot run here at all (before any budget), or None."""
     if only is not None and step.name not in only:
         return "not in --only"
+    if ctx.dry and step.no_twin:
+        return f"no CPU twin: {step.no_twin}"
     if step.gpu_only and not ctx.dry and not ctx.probe.get("cuda"):
         return f"no CUDA: torch {ctx.probe.get('torch')} sees no GPU (--dry-run runs its CPU twin)"
     if step.name == "compile" and not ctx.dry and not ctx.probe["packages"].get("triton"):
