@@ -164,3 +164,35 @@ def test_bench_flags_and_the_prediction_from_a_bench_result(tmp_path):
     assert "exposed fraction 0.50: given" in text and "1024 |" in text
     text = predict_from_bench(result, cfg, "1gbit,1ms", 0.5, str(tmp_path), 8, "300GB/s,2us")
     assert "8 workers per node joined by" in text and "--node-link 300GB/s,2us" in text
+
+
+# Recorded on one H200 machine's host (16 cores, torch 2.11.0+cu130, 2026-12-04): the device check's
+# predict step (resnet8, 32 samples a worker, loopback gloo): (bytes, median seconds) of gloo
+# all-reduces between 2, 4 and 8 processes, one worker's step alone and ddp's step at 4 and 8.
+H200_ALL_REDUCE = {
+    2: [(4096, 1.796e-4), (65536, 1.800e-4), (1048576, 4.587e-4), (4194304, 1.680e-3), (16777216, 5.779e-3)],
+    4: [(4096, 5.65e-4), (65536, 4.41e-4), (1048576, 8.24e-4), (4194304, 2.177e-3), (16777216, 7.525e-3)],
+    8: [(4096, 9.08e-4), (65536, 1.000e-3), (1048576, 1.394e-3), (4194304, 2.691e-3), (16777216, 1.1458e-2)],
+}
+H200_SINGLE_S, H200_DDP_S = 46.79e-3, {4: 55.13e-3, 8: 69.92e-3}
+H200_GRAD_ALL_REDUCE_S = {4: 0.650e-3, 8: 1.337e-3}  # resnet8's gradients by the 2-process link, as the check printed
+
+
+def test_the_2_process_link_predicts_gloos_all_reduces_at_4_and_8_recorded_on_a_16_core_host():
+    """Issue 38 item 3: the ring model with the link fitted at 2 processes against gloo's all-reduces
+    measured at 4 and 8 on one host: within 35% at every size (it over-predicts more often than not:
+    gloo's own copies and reductions cost no more at 8 than the ring's steps say)."""
+    link = fit_link(H200_ALL_REDUCE[2], 2)
+    for n in (4, 8):
+        for nbytes, measured in H200_ALL_REDUCE[n]:
+            predicted = ring_all_reduce_s(nbytes, n, link)
+            assert abs(predicted - measured) / measured < 0.35, (n, nbytes, predicted, measured)
+
+
+def test_what_the_recorded_ddp_steps_lack_is_compute_not_communication():
+    """The same run's ddp steps: even with all of the gradients' all-reduce exposed, communication
+    explains under a tenth of the gap to one worker alone; the rest is compute that slows down when 4
+    or 8 processes share the host (docs/predict.md), which the predictor leaves out."""
+    for n in (4, 8):
+        gap = H200_DDP_S[n] - H200_SINGLE_S
+        assert H200_GRAD_ALL_REDUCE_S[n] < 0.1 * gap, (n, gap)
