@@ -24,6 +24,52 @@ def _bench_step_time(cfg: Any, strategy: str, world: int, epochs: int, timeout: 
     return float(ok[0].step_time_s or 0.0)
 
 
+def _compute_worker(rank: int, base: dict[str, Any], batch: int, steps: int) -> float:
+    """One of N processes that each run the single step at once (no collective inside a step): its median
+    forward, backward and SGD step, in seconds (timed after a barrier, so the N run together)."""
+    import statistics
+
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from paratrain.config import TrainConfig
+
+    dist.init_process_group("gloo")
+    try:
+        cfg = TrainConfig.load(None, base)
+        model = cfg.build_model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        data = cfg.dataset()
+        x = torch.stack([data[i][0] for i in range(batch)])
+        y = torch.as_tensor([int(data[i][1]) for i in range(batch)])
+        times = []
+        dist.barrier()
+        for i in range(steps + 2):
+            t0 = time.perf_counter()
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            if i >= 2:
+                times.append(time.perf_counter() - t0)
+        dist.barrier()
+        return statistics.median(times)
+    finally:
+        dist.destroy_process_group()
+
+
+def concurrent_compute(base: dict[str, Any], batch: int, sizes: list[int], steps: int, timeout: float) -> dict[int, float]:
+    """The single step's compute with 1 and each of ``sizes`` processes running it at once on this host,
+    at bench's threads per process: ``{n: median seconds of the slowest process}``."""
+    from paratrain import launch
+    from paratrain.bench import quick_spec
+
+    threads = str(quick_spec().threads)
+    return {n: max(launch(_compute_worker, n, args=(base, batch, steps), timeout=timeout,
+                          env={"OMP_NUM_THREADS": threads}))
+            for n in [1, *sizes]}
+
+
 def predict_check(mode: str, budget: float) -> Result:
     """The predictor of ``paratrain bench --predict`` against ddp measured over loopback gloo on the
     CPU (weak scaling: each worker keeps the per-worker batch): world sizes 4 and 8 on a GPU
@@ -52,6 +98,10 @@ def predict_check(mode: str, budget: float) -> Result:
     shapes = tuple(tuple(p.shape) for p in cfg.build_model().parameters() if p.requires_grad)
     print(f"{model} on synthetic ({size} samples), {batch} per worker, {cores} cores; link {link.describe()}; "
           f"single {compute * 1e3:.1f} ms a step ({time.monotonic() - t0:.0f} s so far)", flush=True)
+    # compute alone and with n processes at once: what the model leaves out on one host (docs/predict.md)
+    together = concurrent_compute(base, batch, sizes, 10 if mode == "gpu" else 4, cell_timeout)
+    print(f"the step's compute with n processes at once (ms): {[(n, round(t * 1e3, 1)) for n, t in together.items()]}",
+          flush=True)
     rows = []
     for n in sizes:
         measured = _bench_step_time(TrainConfig.load(None, {**base, "parallel.global_batch": n * batch}), "ddp", n,
@@ -77,17 +127,28 @@ def predict_check(mode: str, budget: float) -> Result:
               f"all-reduce by the 2-process link {row['grad_all_reduce_ms_at_2_fit']:.2f} ms, by a link fitted at "
               f"{n}: {row.get('grad_all_reduce_ms_at_n_fit', float('nan')):.2f} ms ({row['link_fitted_at_n']})",
               flush=True)
+        # the same prediction with compute scaled by what n processes at once measured
+        slow = together[n] / together[1]
+        (q,) = predict(Workload(compute * slow, batch, shapes, 1.0), link, ["all-reduce (ddp)"], [n])
+        row["compute_slowdown"] = slow
+        row["predicted_ms_concurrent"] = q.step_s * 1e3
+        row["error_pct_concurrent"] = 100 * (q.step_s - measured) / measured
+        print(f"x{n}: compute {slow:.2f}x alone with {n} at once; predicted with it {q.step_s * 1e3:.1f} ms "
+              f"({row['error_pct_concurrent']:+.0f}%)", flush=True)
         rows.append(row)
         print(f"ddp x{n}: measured {measured * 1e3:.1f} ms; predicted {row['predicted_ms_exposed_1']:.1f} ms "
               f"({row['error_pct_exposed_1']:+.0f}%) all exposed, {row['predicted_ms_exposed_0']:.1f} ms "
               f"({row['error_pct_exposed_0']:+.0f}%) none", flush=True)
     summary = "; ".join(f"x{r['workers']}: measured {r['measured_ms']:.0f} ms, predicted "
                         f"{r['predicted_ms_exposed_1']:.0f} ms ({r['error_pct_exposed_1']:+.0f}%, exposed 1) / "
-                        f"{r['predicted_ms_exposed_0']:.0f} ms ({r['error_pct_exposed_0']:+.0f}%, exposed 0)"
+                        f"{r['predicted_ms_exposed_0']:.0f} ms ({r['error_pct_exposed_0']:+.0f}%, exposed 0) / "
+                        f"{r['predicted_ms_concurrent']:.0f} ms ({r['error_pct_concurrent']:+.0f}%, compute "
+                        f"{r['compute_slowdown']:.2f}x with {r['workers']} at once)"
                         for r in rows)
     return Result(f"{model}, {batch}/worker, gloo loopback: {summary}",
                   {"model": model, "batch_per_worker": batch, "cores": cores, "link": link.describe(),
-                   "single_ms": compute * 1e3, "rows": rows, "all_reduce_2": two})
+                   "single_ms": compute * 1e3, "rows": rows, "all_reduce_2": two,
+                   "compute_together_ms": {n: t * 1e3 for n, t in together.items()}})
 
 
 CHECKS["predict"] = predict_check
