@@ -222,11 +222,8 @@ class Parallel(process.OnProcess, tracking.TrackedRun):
 
     # --- the step (the rules: paratrain.clock) --------------------------------------------
     def autocast(self) -> ContextManager[Any]:
-        """The precision's autocast (a no-op for fp32 and the ``-true`` precisions), for the loss: ``with
-        pt.autocast(): loss = F.cross_entropy(model(x), y)``, as PyTorch's AMP recipe and nanoGPT's
-        ``with ctx:`` compute it. The model's outputs then come back as autocast made them (bf16 logits,
-        not an fp32 copy) and the loss's autocast computes in fp32 where PyTorch's lists say so: on
-        GPT-2 124M on an H200, 8% of the step saved against a loss outside autocast."""
+        """``with pt.autocast(): loss = F.cross_entropy(model(x), y)``, as PyTorch's AMP recipe: the precision's
+        autocast (none in fp32), under which outputs stay as it made them (:meth:`ParallelModule._autocast`)."""
         return self.precision.forward_context()
 
     def backward(self, loss: torch.Tensor | Callable[[int], None]) -> None:
@@ -257,11 +254,9 @@ class Parallel(process.OnProcess, tracking.TrackedRun):
         return self._clock.step(optimizer.optimizer if isinstance(optimizer, ParallelOptimizer) else optimizer)
 
     def scaled_step(self, optimizer: ParallelOptimizer, found_inf: torch.Tensor, grad_scale: Any) -> bool:
-        """:meth:`step` as the loop's own ``torch.amp.GradScaler`` drives it: ``scaler.step(optimizer)``
-        calls ``optimizer.step()`` every time, with ``found_inf`` and ``grad_scale`` (``None`` when
-        the loop called ``scaler.unscale_`` itself) set on it. Inf/NaN gradients end the global
-        batch as a skipped step (as paratrain's fp16 skips one: the data moves on, a registered
-        scheduler steps); else the gradients are unscaled and the optimizer steps."""
+        """:meth:`step` as the loop's own ``GradScaler`` drives it (``found_inf``, ``grad_scale``: None when the loop
+        unscaled): inf/NaN gradients end the global batch as a skipped step (as paratrain's fp16 skips one: the data
+        moves on, a registered scheduler steps); else the gradients are unscaled and the optimizer steps."""
         return self._clock.scaled_step(optimizer.optimizer, found_inf, grad_scale)
 
     @property
@@ -297,12 +292,9 @@ class Parallel(process.OnProcess, tracking.TrackedRun):
 
     def eval_loader(self, dataset: Dataset | DataLoader, batch_size: int | None = None,
                     transform: Callable[[torch.Tensor], torch.Tensor] | None = None, **dataloader_kwargs: Any) -> EvalLoader:
-        """This rank's shard of an evaluation set: every sample exactly once across ranks.
-
-        ``dataset`` may be your own :class:`~torch.utils.data.DataLoader`: its dataset (the part its
-        sampler selects), batch size, ``collate_fn`` and worker settings are kept, its sampler is
-        replaced by this rank's shard.
-        """
+        """This rank's shard of an evaluation set: every sample exactly once across ranks. Your own ``DataLoader``
+        keeps its dataset (the part its sampler selects), batch size, ``collate_fn`` and worker settings; its
+        sampler is replaced by this rank's shard."""
         return prepare.eval_loader(dataset, batch_size, self.plan.micro_batch * self.accumulation,
                                    self.strategy.data_parallel_size, self.strategy.data_parallel_rank, self.device,
                                    transform, **dataloader_kwargs)
