@@ -155,7 +155,7 @@ def main() -> int:
     job = lm_job("cuda" if cuda else "cpu")
     job = dataclasses.replace(job, steps=args.steps, block=args.block)
     batches = random_batches(job, device)
-    names = [n.strip() for n in args.variants.split(",") if n.strip()]
+    names = ["plain", *(n.strip() for n in args.variants.split(",") if n.strip() and n.strip() != "plain")]
     loops = {}
     for name in names:
         loop = VARIANTS[name](job, device, batches)

@@ -180,8 +180,8 @@ class ParallelModule(nn.Module):
         computed outside autocast; a call made under autocast already (``with pt.autocast():``, as
         nanoGPT's ``with ctx:`` around forward and loss) gets them as autocast made them, as plain
         PyTorch does: the loss's own autocast then reads the bf16 logits straight into fp32
-        (``log_softmax(x, dtype=float32)``) with no fp32 copy of them in between (on GPT-2 124M, 8% of
-        an H200 step)."""
+        (``log_softmax(x, dtype=float32)``) with no fp32 copy of them in between (on GPT-2 124M on an H200
+        the copy and the fp32 ``log_softmax`` it fed took 1.9 ms of a 21 ms step)."""
         if not self._precision.autocast:
             return method(*args, **kwargs)
         caller_autocast = torch.is_autocast_enabled(self._precision.device.type)
@@ -205,7 +205,7 @@ class ParallelModule(nn.Module):
 
     def mark_forward_method(self, name: str) -> None:
         """Run ``self.<name>(...)`` as :meth:`forward` runs: before-forward bookkeeping, the
-        precision's autocast, fp32 floating outputs (see :meth:`Parallel.mark_forward_method`)."""
+        precision's autocast, fp32 floating outputs outside autocast (see :meth:`Parallel.mark_forward_method`)."""
         method = getattr(self.__dict__["original"], name, None)
         if not callable(method):
             raise ValueError(f"mark_forward_method: {type(self.original).__name__} has no method {name!r}")

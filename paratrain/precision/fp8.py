@@ -30,7 +30,7 @@ __all__ = ["FP8Mixed", "MIN_CAPABILITY", "PAYS_FROM", "float8_unsupported", "flo
 MIN_CAPABILITY = (8, 9)
 """The first compute capability with float8 tensor cores (Ada; Hopper is 9.0)."""
 PAYS_FROM = 4096
-"""Below this width (the larger of a linear's two sizes, over every converted linear) fp8 was slower
+"""Below this width (the smaller of a linear's two sizes, the widest over the converted linears) fp8 was slower
 than bf16: GPT-2 124M's 768x3072 linears ran 0.71-0.78x on an H200 (docs/selftest.md); torchtitan's
 Float8 gains are on Llama-3 8B's 4096-wide layers."""
 HEAD_NAMES = ("lm_head", "output", "head", "classifier")
@@ -89,7 +89,7 @@ class FP8Mixed(BF16Mixed):
         if not converted:
             raise ValueError("precision fp8-mixed found no nn.Linear with both sizes a multiple of 16 in the model "
                              "(the output head stays bf16): nothing would train in fp8; use bf16-mixed")
-        widest = max(max(m.in_features, m.out_features) for m in converted)
+        widest = max(min(m.in_features, m.out_features) for m in converted)  # a matmul is as narrow as its narrower side
         if widest < PAYS_FROM and is_main_process():
             warnings.warn(f"precision fp8-mixed: the widest float8 linear is {widest} wide; below about {PAYS_FROM} the "
                           "float8 casts cost more than the float8 matmuls save (GPT-2 124M, 768 wide, ran 0.71-0.78x "

@@ -13,7 +13,7 @@ watchdog dump: it reads back gloo's on-demand dump (``TORCH_FR_BUFFER_SIZE``) th
 from __future__ import annotations
 
 import os
-import signal
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -35,8 +35,9 @@ if gpu:
     torch.cuda.synchronize()
     time.sleep(1.0)  # the watchdog marks it completed
 dumped = torch._C._distributed_c10d._dump_nccl_trace if gpu else torch._C._distributed_c10d._dump_fr_trace
+dump = dumped(True, True, False)
 with open(os.path.join(sys.argv[3], "nccl_trace_rank_0"), "wb") as f:
-    f.write(dumped(True, True, False))
+    f.write(dump)
 if gpu:
     torch.cuda._sleep(int(60 * 2e9))  # about a minute of spinning on the stream the collective waits for
     dist.all_reduce(torch.ones(20, device=device))  # NCCL's watchdog times this one out after 3 s
@@ -67,13 +68,14 @@ def flight_recorder(mode: str, budget: float) -> dict[str, object]:
     limit = max(20.0, budget - 15.0)
     print(f"$ {sys.executable} {script} {mode} (Flight Recorder on, timeout 3 s; limit {limit:.0f} s)", flush=True)
     t0 = time.monotonic()
+    # in this check's process group: the driver's kill at the end of the slice ends it too (its spinning kernel
+    # must not hold the GPU into the next step)
     child = subprocess.Popen([sys.executable, script, mode, str(free_port()), demand], env=env, cwd=work,
-                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                             start_new_session=True)
+                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         output, _ = child.communicate(timeout=limit)
     except subprocess.TimeoutExpired:
-        os.killpg(child.pid, signal.SIGKILL)
+        child.kill()
         output, _ = child.communicate()
     took = time.monotonic() - t0
     print(output[-3000:], f"(child: {took:.1f} s, exit {child.returncode})", sep="\n", flush=True)
@@ -81,7 +83,7 @@ def flight_recorder(mode: str, budget: float) -> dict[str, object]:
         raise CheckFailed(f"a collective past its 3 s nccl timeout did not end the process (exit {child.returncode})")
     if not gpu and child.returncode != 0:
         raise CheckFailed(f"the gloo child exited with {child.returncode}: {output.strip().splitlines()[-1:]}")
-    details: dict[str, object] = {"child_exit": child.returncode, "child_seconds": round(took, 1), "folder": work}
+    details: dict[str, object] = {"child_exit": child.returncode, "child_seconds": round(took, 1)}
     folders = [("on_demand", demand, "doctor: the ranks agree")]
     if gpu:
         folders.append(("on_timeout", timeout_dir, "still waiting: rank 0 in all_reduce #"))
@@ -89,8 +91,11 @@ def flight_recorder(mode: str, budget: float) -> dict[str, object]:
         if not os.listdir(folder):
             raise CheckFailed(f"no Flight Recorder dump was written {what.replace('_', ' ')} in {folder} "
                               f"(child exit {child.returncode})")
-        res = subprocess.run([sys.executable, "-m", "paratrain", "doctor", folder], env=env, capture_output=True,
-                             text=True, timeout=60, stdin=subprocess.DEVNULL)
+        try:
+            res = subprocess.run([sys.executable, "-m", "paratrain", "doctor", folder], env=env, capture_output=True,
+                                 text=True, timeout=60, stdin=subprocess.DEVNULL)
+        except subprocess.TimeoutExpired as e:
+            raise CheckFailed(f"paratrain doctor {folder} ran past 60 s") from e
         print(f"$ paratrain doctor {folder}  (exit {res.returncode})", res.stdout[-3000:], res.stderr[-1500:],
               sep="\n", flush=True)
         if "Flight Recorder dumps of 1 rank(s)" not in res.stdout or expect not in res.stdout \
@@ -98,4 +103,5 @@ def flight_recorder(mode: str, budget: float) -> dict[str, object]:
             raise CheckFailed(f"paratrain doctor on the {what.replace('_', ' ')} dump did not say {expect!r} with "
                               f"the child's line: {(res.stdout.strip() or res.stderr.strip()).splitlines()[:2]}")
         details[what] = res.stdout.splitlines()[1]
+    shutil.rmtree(work, ignore_errors=True)  # kept (and named in the log) only when the check failed
     return details

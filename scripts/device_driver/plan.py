@@ -27,6 +27,8 @@ class Step:
     """Needed to run at all (a missing one skips the step)."""
     no_twin: str | None = None
     """Why the dry run has no CPU twin of it (then it is skipped there, and its dry want and need are 0)."""
+    min_gpus: int = 0
+    """GPUs it needs (fewer visible: skipped before it starts)."""
 
     def want_for(self, dry: bool) -> float | None:
         return self.dry_want if dry else self.want
@@ -41,7 +43,8 @@ STEPS: tuple[Step, ...] = (
     Step("lm", "GPT-2 124M: tokens/s, MFU and memory of the plain loop, paratrain, Accelerate, Fabric "
          "(paratrain selftest --sections lm)", 300, 120, 40, 30),
     Step("hangs", "ranks out of step under nccl, one line each (tests/trace/test_hangs.py on 2+ GPUs)",
-         150, 20, 0, 0, True, no_twin="the suite runs these cases over gloo (tests/trace/test_hangs.py)"),
+         240, 20, 0, 0, True, packages=("pytest",), min_gpus=2,
+         no_twin="the suite runs these cases over gloo (tests/trace/test_hangs.py)"),
     Step("fsdp_bf16", "fsdp + bf16-mixed = single + bf16-mixed, and with cpu_offload (paratrain train)",
          90, 30, 60, 15, True),
     Step("fp16_scaler", "fp16-mixed with torch.amp's CUDA GradScaler: follows fp32, skips an inf step",
@@ -51,7 +54,7 @@ STEPS: tuple[Step, ...] = (
     Step("compile", "torch.compile (Parallel(compile=True), inductor) = eager", 100, 45, 45, 10, True),
     Step("bench_quick", "paratrain bench --quick", 75, 30, 60, 15),
     Step("dataloader", "batched loader / per-sample DataLoader, float32 (benchmarks/dataloader.py)", 45, 15, 30, 10),
-    Step("predict", "bench --predict's model vs ddp measured at 4 and 8 workers, loopback gloo", 75, 30, 60, 15),
+    Step("predict", "bench --predict's model vs ddp measured at 4 and 8 workers, loopback gloo", 120, 30, 60, 15),
     Step("seed_table", "the seed's table on ResNet-50 (paratrain selftest --sections resnet50)", 130, 50, 30, 15),
     Step("selftest", "paratrain selftest (its other sections, with the time left)", None, 90, 40, 20),
 )

@@ -296,6 +296,9 @@ def pre_skip(step: Step, ctx: Ctx, only: set[str] | None) -> str | None:
         return f"no CUDA: torch {ctx.probe.get('torch')} sees no GPU (--dry-run runs its CPU twin)"
     if step.name == "compile" and not ctx.dry and not ctx.probe["packages"].get("triton"):
         return "package missing: triton (inductor on CUDA needs it)"
+    gpus = len(ctx.probe.get("gpus") or [])
+    if not ctx.dry and gpus < step.min_gpus:
+        return f"needs {step.min_gpus} GPUs, {gpus} visible"
     missing = [p for p in step.packages if not ctx.probe["packages"].get(p)]
     if missing:
         return f"package missing: {', '.join(missing)}"

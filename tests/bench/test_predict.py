@@ -175,7 +175,6 @@ H200_ALL_REDUCE = {
     8: [(4096, 9.08e-4), (65536, 1.000e-3), (1048576, 1.394e-3), (4194304, 2.691e-3), (16777216, 1.1458e-2)],
 }
 H200_SINGLE_S, H200_DDP_S = 46.79e-3, {4: 55.13e-3, 8: 69.92e-3}
-H200_GRAD_ALL_REDUCE_S = {4: 0.650e-3, 8: 1.337e-3}  # resnet8's gradients by the 2-process link, as the check printed
 
 
 def test_the_2_process_link_predicts_gloos_all_reduces_at_4_and_8_recorded_on_a_16_core_host():
@@ -193,6 +192,12 @@ def test_what_the_recorded_ddp_steps_lack_is_compute_not_communication():
     """The same run's ddp steps: even with all of the gradients' all-reduce exposed, communication
     explains under a tenth of the gap to one worker alone; the rest is compute that slows down when 4
     or 8 processes share the host (docs/predict.md), which the predictor leaves out."""
+    from paratrain.config import TrainConfig
+
+    model = TrainConfig.load(None, {"model": "resnet8", "data.dataset": "synthetic"}).build_model()
+    w = Workload(H200_SINGLE_S, 32, tuple(tuple(p.shape) for p in model.parameters() if p.requires_grad), 1.0)
+    link = fit_link(H200_ALL_REDUCE[2], 2)
     for n in (4, 8):
+        comm = scheme_comm_s("all-reduce (ddp)", w, n, link)  # the check printed 0.65 ms at 4, 1.34 ms at 8
         gap = H200_DDP_S[n] - H200_SINGLE_S
-        assert H200_GRAD_ALL_REDUCE_S[n] < 0.1 * gap, (n, gap)
+        assert 0.3e-3 < comm < 0.1 * gap, (n, comm, gap)

@@ -87,7 +87,7 @@ def test_on_a_hopper_gpu_the_linears_become_float8_up_to_the_first_kernel(monkey
     from torchao.float8.float8_linear import Float8Linear
 
     plugin = FP8Mixed(_gpu(monkeypatch, (9, 0), "NVIDIA H200"))
-    with pytest.warns(UserWarning, match="the widest float8 linear is 128 wide; below about 4096"):
+    with pytest.warns(UserWarning, match="the widest float8 linear is 32 wide; below about 4096"):
         model = plugin.setup_model(GPT(GPTConfig(block_size=16, vocab_size=64, n_layer=2, n_head=2, n_embd=32)))
     kinds = {name: type(m) for name, m in model.named_modules() if isinstance(m, nn.Linear)}
     assert kinds["transformer.h.0.attn.c_attn"] is Float8Linear and kinds["transformer.h.1.mlp.c_proj"] is Float8Linear
