@@ -18,6 +18,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from ..precision.base import fp32_loss
+
 __all__ = ["GPT", "GPTConfig", "Block", "token_loss", "flops_per_token"]
 
 
@@ -122,6 +124,7 @@ class GPT(nn.Module):
         return self.lm_head(t["ln_f"](x))
 
 
+@fp32_loss
 def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Next-token cross-entropy of ``(batch, tokens, vocab)`` logits against ``(batch, tokens)`` ids
     (nanoGPT's: targets of -1 are ignored)."""

@@ -3,12 +3,33 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, ClassVar, ContextManager, Iterable
+from typing import Any, Callable, ClassVar, ContextManager, Iterable, TypeVar
 
 import torch
 from torch import nn
 
-__all__ = ["Precision", "FP32", "TF32"]
+__all__ = ["Precision", "FP32", "TF32", "fp32_loss", "computes_in_fp32"]
+
+_FP32_LOSSES: set[Callable[..., Any]] = {nn.functional.cross_entropy}
+
+
+LossFn = TypeVar("LossFn", bound=Callable[..., Any])
+
+
+def fp32_loss(fn: LossFn) -> LossFn:
+    """Mark ``fn`` as a loss made only of ops that autocast computes in fp32 (cross-entropy is one): the
+    built-in step runs it under the precision's autocast, which reads low-precision logits straight into
+    fp32 instead of taking an fp32 copy of them first (the same loss)."""
+    _FP32_LOSSES.add(fn)
+    return fn
+
+
+def computes_in_fp32(loss_fn: Callable[..., Any]) -> bool:
+    """Is ``loss_fn`` ``F.cross_entropy`` or marked by :func:`fp32_loss`?"""
+    try:
+        return loss_fn in _FP32_LOSSES
+    except TypeError:  # an unhashable callable
+        return False
 
 
 class Precision:

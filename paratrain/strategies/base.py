@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from typing import Any, Callable, ClassVar, Iterable, Mapping
 
@@ -15,7 +16,7 @@ from ..metrics import predictions
 from ..nn.checkpointing import apply_activation_checkpointing
 from ..nn.deferred import Held
 from ..nn.syncbn import convert_sync_batchnorm
-from ..precision import Precision, lookup as precision_class
+from ..precision import Precision, computes_in_fp32, lookup as precision_class
 
 __all__ = ["Strategy", "NotApplicable", "data_parallel_size"]
 
@@ -229,8 +230,17 @@ class Strategy:
                       backward: Callable[[torch.Tensor], None]) -> torch.Tensor:
         """Forward, loss and backward of one micro-batch ``(inputs, targets)``; returns the loss.
 
-        Strategies whose schedule runs forward and backward together (pipeline) override this.
+        Strategies whose schedule runs forward and backward together (pipeline) override this. paratrain's
+        own losses (cross-entropy, :func:`~paratrain.models.gpt.token_loss`: ``computes_in_fp32``) run with the
+        forward under the precision's autocast, which computes them in fp32 from the low-precision logits
+        without an fp32 copy of them (:meth:`~paratrain.Parallel.autocast`); a loss of your own gets fp32 outputs.
         """
+        with self.precision.forward_context() if computes_in_fp32(loss_fn) else contextlib.nullcontext():
+            loss = self._forward_loss(model, batch, loss_fn)
+        backward(loss)  # outside autocast, as PyTorch's AMP recipe runs it
+        return loss
+
+    def _forward_loss(self, model: nn.Module, batch: Any, loss_fn: Callable[..., torch.Tensor]) -> torch.Tensor:
         out = model(batch[0])
         if loss_fn is nn.functional.cross_entropy and not isinstance(out, torch.Tensor):
             # the default loss of a model returning a dict, dataclass or HuggingFace output: its logits
@@ -240,9 +250,7 @@ class Strategy:
                 raise TypeError(f"the model returned a {type(out).__name__} with no logits for cross-entropy: "
                                 "return a tensor, or an output with a 'logits' entry, or give a loss_fn")
             out = logits
-        loss = loss_fn(out, batch[1])
-        backward(loss)
-        return loss
+        return loss_fn(out, batch[1])
 
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """The whole model's state as plain CPU tensors on every rank (unsharded, all stages)."""

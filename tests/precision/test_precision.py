@@ -301,6 +301,32 @@ def test_under_pt_autocast_outputs_stay_as_autocast_made_them_and_the_loss_is_th
         assert model(x).dtype == torch.bfloat16
 
 
+def test_the_built_in_step_computes_its_own_losses_under_autocast_and_yours_in_fp32():
+    """``pt.training_step`` with cross-entropy (or token_loss, marked ``fp32_loss``) runs forward and loss under
+    the precision's autocast: the model hands bf16 logits to the loss, the loss is the one fp32 outputs give.
+    A loss of the user's own gets fp32 outputs, as before."""
+    from paratrain.precision import computes_in_fp32, fp32_loss
+    from paratrain.models.gpt import token_loss
+
+    assert computes_in_fp32(nn.functional.cross_entropy) and computes_in_fp32(token_loss)
+    assert not computes_in_fp32(lambda out, y: out.sum()) and not computes_in_fp32(nn.functional.mse_loss)
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(16, 6, generator=g), torch.randint(0, 3, (16,), generator=g)
+    seen = []
+    own = lambda out, t: (seen.append(out.dtype), nn.functional.cross_entropy(out, t))[1]  # noqa: E731
+    marked = fp32_loss(lambda out, t: (seen.append(out.dtype), nn.functional.cross_entropy(out, t))[1])
+    for fn in (nn.functional.cross_entropy, own, marked):
+        torch.manual_seed(0)
+        pt = paratrain.Parallel(strategy="single", precision="bf16-mixed", global_batch=16, seed=1)
+        model = pt.setup(tiny_model())
+        with torch.no_grad():
+            want = nn.functional.cross_entropy(model(x), y)  # fp32 outputs, the loss outside autocast
+        loss = pt.training_step(model, (x, y), fn)
+        assert model.module[0].weight.grad is not None and relative_error(loss, want) <= 1e-6
+        pt.close()
+    assert seen == [torch.float32, torch.bfloat16]  # yours: fp32 outputs; a marked one: what autocast made
+
+
 @pytest.mark.parametrize("clip", [None, 0.05])
 def test_bf16_true_is_a_bf16_model_stepped_through_fp32_masters(clip):
     run = master_weights_run("single", 5, clip=clip)
