@@ -27,13 +27,14 @@ from typing import Any, Callable, Iterable
 import torch
 
 from .data.stream import StreamState
+from .precision.base import Stepped
 from .trace.recorder import set_position
 
 __all__ = ["StepClock", "GradientWatch", "ClockCount"]
 
 # How a step is applied: (the real optimizer, whether this step ends the global batch) -> weights changed.
 # False for an optimizer that steps after the one that ended the global batch, on the same gradients.
-Apply = Callable[[torch.optim.Optimizer, bool], bool]
+Apply = Callable[[torch.optim.Optimizer, bool], "bool | Stepped"]
 
 
 class GradientWatch:
@@ -151,7 +152,7 @@ class StepClock:
         self.micro_step += 1
 
     # --- the step ------------------------------------------------------------------------
-    def step(self, optimizer: torch.optim.Optimizer) -> bool:
+    def step(self, optimizer: torch.optim.Optimizer) -> bool | Stepped:
         """``optimizer.step()`` as the loop calls it: a step at the end of a global batch (a no-op
         on earlier micro-steps). True if the weights changed."""
         if self.micro_step < self.accumulation:
@@ -170,7 +171,7 @@ class StepClock:
         self._end_global_batch(optimizer)
         return stepped
 
-    def scaled_step(self, optimizer: torch.optim.Optimizer, found_inf: torch.Tensor, grad_scale: Any) -> bool:
+    def scaled_step(self, optimizer: torch.optim.Optimizer, found_inf: torch.Tensor, grad_scale: Any) -> bool | Stepped:
         """:meth:`step` as the loop's own ``torch.amp.GradScaler`` drives it: ``found_inf`` set ends
         the global batch as a skipped step; else the gradients are unscaled by ``grad_scale`` (None:
         the loop unscaled them itself) and the optimizer steps."""
@@ -214,7 +215,7 @@ class StepClock:
             if owner is optimizer:
                 scheduler.step()
 
-    def _step_another(self, optimizer: torch.optim.Optimizer) -> bool:
+    def _step_another(self, optimizer: torch.optim.Optimizer) -> bool | Stepped:
         """The step of a second optimizer after the same backward as the one that ended the global
         batch: its gradients are complete (and clipped with the others' by that step)."""
         stepped = self.apply(optimizer, False)

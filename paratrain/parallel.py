@@ -42,7 +42,7 @@ from .env import lock, preemption, process, seeding
 from .env.provenance import provenance
 from .metrics import mapping_loss
 from .nn.deferred import Deferred
-from .precision import PrecisionName
+from .precision import PrecisionName, Stepped
 from .strategies import DDPOptions, DevicesOptions, FSDPOptions, PipelineOptions, PSOptions, StrategyName, TensorOptions
 from .guards import check_first_backward, check_setup_arguments
 from .wrappers import (ParallelModule, ParallelOptimizer, ParallelScheduler, attach_scheduler, checkpointed,
@@ -245,7 +245,7 @@ class Parallel(process.OnProcess, tracking.TrackedRun):
             return loss
         return self.strategy.training_step(model, batch, loss_fn, self.backward)
 
-    def step(self, optimizer: torch.optim.Optimizer | ParallelOptimizer) -> bool:
+    def step(self, optimizer: torch.optim.Optimizer | ParallelOptimizer) -> bool | Stepped:
         """Step at the end of a global batch (no-op on earlier micro-steps). True if weights changed.
 
         Several optimizers work as in a plain loop: each stepping after the same backward (one per
@@ -253,7 +253,7 @@ class Parallel(process.OnProcess, tracking.TrackedRun):
         own (a GAN's discriminator and generator, one global step per round; accumulation 1)."""
         return self._clock.step(optimizer.optimizer if isinstance(optimizer, ParallelOptimizer) else optimizer)
 
-    def scaled_step(self, optimizer: ParallelOptimizer, found_inf: torch.Tensor, grad_scale: Any) -> bool:
+    def scaled_step(self, optimizer: ParallelOptimizer, found_inf: torch.Tensor, grad_scale: Any) -> bool | Stepped:
         """:meth:`step` as the loop's own ``GradScaler`` drives it (``found_inf``, ``grad_scale``: None when the loop
         unscaled): inf/NaN gradients end the global batch as a skipped step (as paratrain's fp16 skips one: the data
         moves on, a registered scheduler steps); else the gradients are unscaled and the optimizer steps."""

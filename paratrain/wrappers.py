@@ -23,6 +23,7 @@ from torch import nn
 from .clock import StepClock
 from .evaluation import to_float32
 from .precision import Precision
+from .precision.base import Stepped
 
 __all__ = ["ParallelModule", "ParallelOptimizer", "ParallelScheduler", "attach_scheduler", "follow_steps",
            "registered_optimizer", "strategy_module", "checkpointed", "compiled_like", "is_compiled", "uncompiled",
@@ -275,7 +276,7 @@ class ParallelOptimizer(torch.optim.Optimizer):
     # a step it skips still ends the global batch (StepClock.scaled_step).
     _step_supports_amp_scaling = True
 
-    def step(self, closure: Any = None) -> bool:  # type: ignore[override]
+    def step(self, closure: Any = None) -> bool | Stepped:  # type: ignore[override]
         """Step at the end of a global batch (a no-op on earlier micro-steps). True if weights changed."""
         if closure is not None:
             raise ValueError("closures are not supported by paratrain's optimizer step: compute the loss in the loop")

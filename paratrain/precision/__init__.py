@@ -30,12 +30,12 @@ from typing import Literal
 import torch
 
 from .amp import BF16Mixed, FP16Mixed
-from .base import FP32, TF32, Precision, computes_in_fp32, fp32_loss
+from .base import FP32, TF32, Precision, Stepped, computes_in_fp32, fp32_loss
 from .fp8 import FP8Mixed
 from .half import BF16True, FP16True
 
 __all__ = ["Precision", "FP32", "TF32", "FP16Mixed", "BF16Mixed", "BF16True", "FP16True", "FP8Mixed", "PRECISIONS", "ALIASES",
-           "MASTER_WEIGHTS", "resolve", "lookup", "reference", "bench_defaults", "build", "PrecisionName", "fp32_loss",
+           "MASTER_WEIGHTS", "resolve", "lookup", "reference", "bench_defaults", "build", "PrecisionName", "Stepped", "fp32_loss",
            "computes_in_fp32"]
 
 PRECISIONS: dict[str, type[Precision]] = {

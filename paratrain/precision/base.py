@@ -8,7 +8,7 @@ from typing import Any, Callable, ClassVar, ContextManager, Iterable, TypeVar
 import torch
 from torch import nn
 
-__all__ = ["Precision", "FP32", "TF32", "fp32_loss", "computes_in_fp32"]
+__all__ = ["Precision", "FP32", "TF32", "Stepped", "fp32_loss", "computes_in_fp32"]
 
 _FP32_LOSSES: set[Callable[..., Any]] = {nn.functional.cross_entropy}
 
@@ -30,6 +30,35 @@ def computes_in_fp32(loss_fn: Callable[..., Any]) -> bool:
         return loss_fn in _FP32_LOSSES
     except TypeError:  # an unhashable callable
         return False
+
+
+class Stepped:
+    """Whether an optimizer step changed the weights, read from the device only when asked (``bool(it)``).
+
+    fp16-mixed with an optimizer that skips an overflowed step on the device itself (``AdamW(fused=True)``,
+    as ``torch.amp.GradScaler`` drives it) returns this instead of a ``bool``: the step does not wait for the
+    device to learn whether the gradients overflowed, as PyTorch's own AMP loop does not. It compares equal
+    to the ``bool`` it stands for."""
+
+    __slots__ = ("_found", "_value")
+
+    def __init__(self, found: torch.Tensor) -> None:
+        self._found = found  # non-zero: inf/NaN gradients, the step was skipped
+        self._value: bool | None = None
+
+    def __bool__(self) -> bool:
+        if self._value is None:
+            self._value = not bool(self._found.item())
+        return self._value
+
+    def __eq__(self, other: object) -> bool:
+        return bool(self) == bool(other) if isinstance(other, (bool, Stepped)) else NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(bool(self))
+
+    def __repr__(self) -> str:
+        return repr(bool(self))
 
 
 class Precision:
@@ -88,8 +117,8 @@ class Precision:
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
 
-    def step(self, optimizer: torch.optim.Optimizer, clip: Callable[[], Any] | None = None) -> bool:
-        """Clip (if asked) and step. Returns False when the step was skipped."""
+    def step(self, optimizer: torch.optim.Optimizer, clip: Callable[[], Any] | None = None) -> bool | Stepped:
+        """Clip (if asked) and step. Returns False (or a :class:`Stepped` that is) when the step was skipped."""
         if clip is not None:
             clip()
         optimizer.step()

@@ -17,6 +17,7 @@ from ..nn.checkpointing import apply_activation_checkpointing
 from ..nn.deferred import Held
 from ..nn.syncbn import convert_sync_batchnorm
 from ..precision import Precision, computes_in_fp32, lookup as precision_class
+from ..precision.base import Stepped
 
 __all__ = ["Strategy", "NotApplicable", "data_parallel_size"]
 
@@ -172,7 +173,7 @@ class Strategy:
         self.precision.sync_from_model()
         self.sync_from_model(module)
 
-    def step(self, optimizer: torch.optim.Optimizer, models: list[nn.Module], ends_batch: bool = True) -> bool:
+    def step(self, optimizer: torch.optim.Optimizer, models: list[nn.Module], ends_batch: bool = True) -> bool | Stepped:
         """One optimizer step: the precision's (unscale, clip, step) through :meth:`optimizer_step`.
         The step that ends a global batch clips (``max_grad_norm``) each of the precision's
         :meth:`~paratrain.precision.Precision.clip_targets` of ``models`` with :meth:`clip_grad_norm`;
@@ -272,7 +273,7 @@ class Strategy:
             return {}
         return {"": busy[0], str(getattr(dist.group.WORLD, "group_name", "")): busy[0]}
 
-    def optimizer_step(self, optimizer: torch.optim.Optimizer, local_step: Callable[[], bool]) -> bool:
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, local_step: Callable[[], bool | Stepped]) -> bool | Stepped:
         """Apply one optimizer step; ``local_step`` is the precision's (clip, unscale, step).
         True if the weights changed. A parameter server steps remotely instead."""
         return local_step()

@@ -28,6 +28,7 @@ from torch import nn
 
 from ..env.network import free_port, store_init_method
 from ..env.process import Dist
+from ..precision.base import Stepped
 from .base import Strategy
 from ..ps.dedicated import PSResult, run_parameter_server
 from ..ps.server import (MODES, SERVER, PSOptions, ServerState, abort, call_server, get_server, push_async, push_sync,
@@ -141,7 +142,7 @@ class ParameterServerStrategy(Strategy):
     def hidden_comm_bytes_per_step(self, model: nn.Module) -> int:
         return self.bytes_per_step  # RPC push + pull inside optimizer.step
 
-    def optimizer_step(self, optimizer: torch.optim.Optimizer, local_step: Callable[[], bool]) -> bool:
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, local_step: Callable[[], bool | Stepped]) -> bool:
         """Push this rank's gradient (and lr...) to the server, load the parameters it answers."""
         if not self._rpc:
             raise RuntimeError("ps: the optimizer was not set up: call pt.setup(model, optimizer)")
