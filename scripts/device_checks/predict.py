@@ -35,6 +35,10 @@ def _compute_worker(rank: int, base: dict[str, Any], batch: int, steps: int) -> 
 
     from paratrain.config import TrainConfig
 
+    from paratrain.launch.forkserver import apply_omp_threads
+
+    apply_omp_threads()  # torch was imported by the forkserver, before OMP_NUM_THREADS was set
+    started = time.monotonic()
     dist.init_process_group("gloo")
     try:
         cfg = TrainConfig.load(None, base)
@@ -45,6 +49,7 @@ def _compute_worker(rank: int, base: dict[str, Any], batch: int, steps: int) -> 
         y = torch.as_tensor([int(data[i][1]) for i in range(batch)])
         times = []
         dist.barrier()
+        ready = time.monotonic()
         for i in range(steps + 2):
             t0 = time.perf_counter()
             opt.zero_grad()
@@ -53,6 +58,9 @@ def _compute_worker(rank: int, base: dict[str, Any], batch: int, steps: int) -> 
             if i >= 2:
                 times.append(time.perf_counter() - t0)
         dist.barrier()
+        if rank == 0:
+            print(f"  {dist.get_world_size()} at once: set up in {ready - started:.1f} s, {steps + 2} steps in "
+                  f"{time.monotonic() - ready:.1f} s", flush=True)
         return statistics.median(times)
     finally:
         dist.destroy_process_group()
@@ -65,9 +73,13 @@ def concurrent_compute(base: dict[str, Any], batch: int, sizes: list[int], steps
     from paratrain.bench import quick_spec
 
     threads = str(quick_spec().threads)
-    return {n: max(launch(_compute_worker, n, args=(base, batch, steps), timeout=timeout,
-                          env={"OMP_NUM_THREADS": threads}))
-            for n in [1, *sizes]}
+    out = {}
+    for n in [1, *sizes]:
+        t0 = time.monotonic()
+        out[n] = max(launch(_compute_worker, n, args=(base, batch, steps), timeout=timeout,
+                            env={"OMP_NUM_THREADS": threads}, start_method="forkserver", preload=["torch"]))
+        print(f"  {n} at once: {out[n] * 1e3:.1f} ms a step; the launch took {time.monotonic() - t0:.1f} s", flush=True)
+    return out
 
 
 def predict_check(mode: str, budget: float) -> Result:
@@ -99,7 +111,8 @@ def predict_check(mode: str, budget: float) -> Result:
     print(f"{model} on synthetic ({size} samples), {batch} per worker, {cores} cores; link {link.describe()}; "
           f"single {compute * 1e3:.1f} ms a step ({time.monotonic() - t0:.0f} s so far)", flush=True)
     # compute alone and with n processes at once: what the model leaves out on one host (docs/predict.md)
-    together = concurrent_compute(base, batch, sizes, 10 if mode == "gpu" else 4, cell_timeout)
+    # 30 s was too short for 4 at once on the H200 machine (2026-12-04): a start-up of its own per launch
+    together = concurrent_compute(base, batch, sizes, 10 if mode == "gpu" else 4, max(cell_timeout, budget / 2))
     print(f"the step's compute with n processes at once (ms): {[(n, round(t * 1e3, 1)) for n, t in together.items()]}",
           flush=True)
     rows = []
