@@ -115,12 +115,22 @@ class Workload:
     """Fraction of the communication not hidden behind compute (0–1)."""
     powersgd_rank: int = 1
     bucket_bytes: int = BUCKET_BYTES
+    together: tuple[tuple[int, float], ...] = ()
+    """``(N, seconds)``: one worker's compute while N processes run it at once on one host (its cores and
+    memory shared), for the worker counts where it was measured; elsewhere ``compute_s``. On 16 cores
+    resnet8's step took 1.18x as long with 4 at once and 1.67x with 8 (docs/predict.md)."""
 
     def __post_init__(self) -> None:
         if self.compute_s <= 0 or self.batch_per_worker < 1:
             raise ValueError(f"compute {self.compute_s} s and batch {self.batch_per_worker} must be positive")
         if not 0 <= self.exposed <= 1:
             raise ValueError(f"exposed fraction {self.exposed} must be between 0 and 1")
+        if any(n < 1 or t <= 0 for n, t in self.together):
+            raise ValueError(f"together {self.together}: each (workers, seconds) must be positive")
+
+    def compute_at(self, workers: int) -> float:
+        """One worker's compute at ``workers``: measured with that many at once, else ``compute_s``."""
+        return dict(self.together).get(workers, self.compute_s)
 
     @classmethod
     def from_params(cls, params: int, compute_s: float, batch_per_worker: int, exposed: float = 1.0) -> "Workload":
@@ -216,7 +226,7 @@ def predict(w: Workload, link: Link, schemes: Sequence[str] = SCHEMES,
     for scheme in schemes:
         for n in workers:
             comm = scheme_comm_s(scheme, w, n, link, nodes)
-            step = w.compute_s + w.exposed * comm
+            step = w.compute_at(n) + w.exposed * comm
             out.append(Prediction(scheme, n, step, comm, n * w.batch_per_worker / step, w.compute_s / step))
     return out
 

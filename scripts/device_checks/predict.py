@@ -24,64 +24,6 @@ def _bench_step_time(cfg: Any, strategy: str, world: int, epochs: int, timeout: 
     return float(ok[0].step_time_s or 0.0)
 
 
-def _compute_worker(rank: int, base: dict[str, Any], batch: int, steps: int) -> float:
-    """One of N processes that each run the single step at once (no collective inside a step): its median
-    forward, backward and SGD step, in seconds (timed after a barrier, so the N run together)."""
-    import statistics
-
-    import torch
-    import torch.distributed as dist
-    import torch.nn.functional as F
-
-    from paratrain.config import TrainConfig
-
-    from paratrain.launch.forkserver import apply_omp_threads
-
-    apply_omp_threads()  # torch was imported by the forkserver, before OMP_NUM_THREADS was set
-    started = time.monotonic()
-    dist.init_process_group("gloo")
-    try:
-        cfg = TrainConfig.load(None, base)
-        model = cfg.build_model()
-        opt = torch.optim.SGD(model.parameters(), lr=0.01)
-        data = cfg.dataset()
-        x = torch.stack([data[i][0] for i in range(batch)])
-        y = torch.as_tensor([int(data[i][1]) for i in range(batch)])
-        times = []
-        dist.barrier()
-        ready = time.monotonic()
-        for i in range(steps + 2):
-            t0 = time.perf_counter()
-            opt.zero_grad()
-            F.cross_entropy(model(x), y).backward()
-            opt.step()
-            if i >= 2:
-                times.append(time.perf_counter() - t0)
-        dist.barrier()
-        if rank == 0:
-            print(f"  {dist.get_world_size()} at once: set up in {ready - started:.1f} s, {steps + 2} steps in "
-                  f"{time.monotonic() - ready:.1f} s", flush=True)
-        return statistics.median(times)
-    finally:
-        dist.destroy_process_group()
-
-
-def concurrent_compute(base: dict[str, Any], batch: int, sizes: list[int], steps: int, timeout: float) -> dict[int, float]:
-    """The single step's compute with 1 and each of ``sizes`` processes running it at once on this host,
-    at bench's threads per process: ``{n: median seconds of the slowest process}``."""
-    from paratrain import launch
-    from paratrain.bench import quick_spec
-
-    threads = str(quick_spec().threads)
-    out = {}
-    for n in [1, *sizes]:
-        t0 = time.monotonic()
-        out[n] = max(launch(_compute_worker, n, args=(base, batch, steps), timeout=timeout,
-                            env={"OMP_NUM_THREADS": threads}, start_method="forkserver", preload=["torch"]))
-        print(f"  {n} at once: {out[n] * 1e3:.1f} ms a step; the launch took {time.monotonic() - t0:.1f} s", flush=True)
-    return out
-
-
 def predict_check(mode: str, budget: float) -> Result:
     """The predictor of ``paratrain bench --predict`` against ddp measured over loopback gloo on the
     CPU (weak scaling: each worker keeps the per-worker batch): world sizes 4 and 8 on a GPU
@@ -111,10 +53,15 @@ def predict_check(mode: str, budget: float) -> Result:
     print(f"{model} on synthetic ({size} samples), {batch} per worker, {cores} cores; link {link.describe()}; "
           f"single {compute * 1e3:.1f} ms a step ({time.monotonic() - t0:.0f} s so far)", flush=True)
     # compute alone and with n processes at once: what the model leaves out on one host (docs/predict.md)
-    # 30 s was too short for 4 at once on the H200 machine (2026-12-04): a start-up of its own per launch
-    together = concurrent_compute(base, batch, sizes, 10 if mode == "gpu" else 4, max(cell_timeout, budget / 2))
-    print(f"the step's compute with n processes at once (ms): {[(n, round(t * 1e3, 1)) for n, t in together.items()]}",
-          flush=True)
+    # bench --predict's own measurement on one host (30 s was too short for 4 at once on the H200 machine)
+    from paratrain.bench import quick_spec
+    from paratrain.bench.scaling import concurrent_compute
+
+    t1 = time.monotonic()
+    together = {n: t for (n, _), t in concurrent_compute(cfg, [(n, batch) for n in [1, *sizes]], quick_spec().threads,
+                                                          10 if mode == "gpu" else 4, max(cell_timeout, budget / 2)).items()}
+    print(f"the step's compute with n processes at once (ms): {[(n, round(t * 1e3, 1)) for n, t in together.items()]} "
+          f"({time.monotonic() - t1:.0f} s)", flush=True)
     rows = []
     for n in sizes:
         measured = _bench_step_time(TrainConfig.load(None, {**base, "parallel.global_batch": n * batch}), "ddp", n,
@@ -142,7 +89,8 @@ def predict_check(mode: str, budget: float) -> Result:
               flush=True)
         # the same prediction with compute scaled by what n processes at once measured
         slow = together[n] / together[1]
-        (q,) = predict(Workload(compute * slow, batch, shapes, 1.0), link, ["all-reduce (ddp)"], [n])
+        (q,) = predict(Workload(compute, batch, shapes, 1.0, together=((n, compute * slow),)), link,
+                       ["all-reduce (ddp)"], [n])
         row["compute_slowdown"] = slow
         row["predicted_ms_concurrent"] = q.step_s * 1e3
         row["error_pct_concurrent"] = 100 * (q.step_s - measured) / measured
