@@ -134,11 +134,12 @@ def _ddp_cells(result: BenchResult) -> list[Any]:
             and r.cell.comm_hook == "none" and r.cell.micro_batches == 1]
 
 
-def on_this_host(result: BenchResult, cfg: TrainConfig, link: Link, threads: int, timeout: float = 120.0) -> str:
+def on_this_host(result: BenchResult, cfg: TrainConfig, shapes: tuple[tuple[int, ...], ...], link: Link, threads: int,
+                 timeout: float = 120.0) -> str:
     """The bench's ddp cells, which ran as N processes on this host's CPU over loopback gloo, predicted and
     measured: one worker's compute at its batch with N processes at once (:func:`concurrent_compute`, scaled
     to the single cell's step by the same measurement of one process at the whole batch) plus all of the
-    gradients' all-reduce over ``link``."""
+    gradients' (``shapes``) all-reduce over ``link``."""
     ref = reference(result.results)
     cells = sorted((r for r in _ddp_cells(result) if r.cell.world_size > 1), key=lambda r: r.cell.world_size)
     if ref is None or not ref.step_time_s or not cells:
@@ -148,7 +149,6 @@ def on_this_host(result: BenchResult, cfg: TrainConfig, link: Link, threads: int
         measured = concurrent_compute(cfg, runs, threads, timeout=timeout)
     except Exception as e:  # the table above stands without it
         return f"on this host: not predicted ({type(e).__name__}: {e})"
-    shapes = tuple(tuple(p.shape) for p in cfg.build_model().parameters() if p.requires_grad)
     scale = ref.step_time_s / measured[runs[0]]  # bench's step (loader, optimizer) against the bare one
     lines = ["on this host (the ddp cells ran as N processes here, over loopback gloo; one worker's compute measured "
              "with N at once, all communication exposed):",
@@ -200,7 +200,7 @@ def predict_from_bench(result: BenchResult, cfg: TrainConfig, link_text: str | N
     preds = predict(w, link, nodes=nodes)
     text = format_predictions(w, link, preds, nodes) + f"\nexposed fraction {exposed:.2f}: {how}"
     if link_text is None and not cuda_devices(cfg.parallel.accelerator):  # the cells ran here, on the CPU
-        here = on_this_host(result, cfg, link, int(result.meta.get("spec", {}).get("threads", 1)))
+        here = on_this_host(result, cfg, shapes, link, int(result.meta.get("spec", {}).get("threads", 1)))
         text += f"\n{here}" if here else ""
     chart = os.path.join(out_dir, "predict.png")
     if write_prediction_chart(preds, chart, f"{cfg.model}: {link.describe()}"):

@@ -245,9 +245,10 @@ def test_bench_predict_on_this_host_measures_n_at_once_and_sets_the_prediction_b
                                   "parallel.accelerator": "cpu"})
     single = CellResult(cell=Cell(strategy="single", global_batch=32), status="ok", step_time_s=0.004)
     ddp2 = CellResult(cell=Cell(strategy="ddp", world_size=2, global_batch=32), status="ok", step_time_s=0.0035)
-    text = on_this_host(BenchResult(meta={}, results=[single, ddp2]), cfg, Link(1e-4, 1e9), threads=1, timeout=90)
+    shapes = tuple(tuple(p.shape) for p in cfg.build_model().parameters())
+    text = on_this_host(BenchResult(meta={}, results=[single, ddp2]), cfg, shapes, Link(1e-4, 1e9), threads=1, timeout=90)
     assert text.startswith("on this host"), text
     row = text.splitlines()[-1].split("|")
     assert [c.strip() for c in row[:2]] == ["2", "16"] and row[4].strip() == "3.5 ms", text
     assert row[3].strip().endswith("ms") and row[5].strip().endswith("%"), text
-    assert on_this_host(BenchResult(meta={}, results=[single]), cfg, Link(1e-4, 1e9), threads=1) == ""
+    assert on_this_host(BenchResult(meta={}, results=[single]), cfg, shapes, Link(1e-4, 1e9), threads=1) == ""
