@@ -51,12 +51,12 @@ def explain_timeout(error: BaseException, timeout_s: float | None, step: int | N
         return CollectiveTimeoutError(f"rank {me} waited {waited_for} in a collective{at}: another rank did not arrive "
                                       "(hung, frozen or unreachable)")
     here = {"call": collective_call(error), "where": at, "records": _last_records()}
-    answered = _where_each_waited(here, grace, timeout_s)
+    answered, silent = _where_each_waited(here, grace, timeout_s)
     if not answered:  # the store did not answer (not even with this rank's own key)
         return CollectiveTimeoutError(
             f"rank {me} waited {waited_for} in a collective{at}, and the job's store on rank 0 does not "
             "answer either: rank 0 is frozen, gone or unreachable")
-    return _who_did_not_arrive(answered, world, waited_for, error)
+    return _who_did_not_arrive(answered, world, waited_for, error, silent)
 
 
 def _grace(timeout_s: float | None) -> float:
@@ -69,10 +69,11 @@ def _waited_for(timeout_s: float | None) -> str:
 
 
 def _where_each_waited(here: dict[str, Any], grace: float, timeout_s: float | None,
-                       after_others: bool = False) -> dict[int, dict[str, Any]]:
+                       after_others: bool = False) -> tuple[dict[int, dict[str, Any]], list[int]]:
     """Write where this rank waited (``here``) into the job's store and read where the others did:
-    rank -> where, for every rank that wrote once all did or the patience ran out; {} when the
-    store does not answer. ``after_others``: write only if another rank wrote first (else {}).
+    rank -> where, for every rank that wrote once all did or the patience ran out ({} when the
+    store does not answer; ``after_others``: write only if another rank wrote first, else {}), and
+    the ranks that did not write whose heartbeat stopped (:mod:`~paratrain.env.heartbeat`: silent).
 
     Each rank stays at least ``grace`` after its write, so that the others read it (rank 0's
     process may serve the store), and once all wrote, the rank that prints the line ends first.
@@ -80,14 +81,22 @@ def _where_each_waited(here: dict[str, Any], grace: float, timeout_s: float | No
     of Parallel's), a rank still missing after the grace may sit in
     another collective that it entered later (a save after writing its files; a busy machine's
     ranks fall apart): it gets the time to time out too (``timeout_s``, at most 30 s), so that
-    the line says where it waited. A plain hang is not delayed."""
+    the line says where it waited, unless every rank still missing is silent (frozen, gone, its
+    host cut off: it will never write). A plain hang is not delayed."""
+    from . import heartbeat
+
     me, world = dist.get_rank(), dist.get_world_size()
     later = min(timeout_s or 10.0, 30.0)
     said: dict[int, dict[str, Any]] = {}
     prefix = f"paratrain/waited/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+    watch = heartbeat.Watch(timeout_s)
+
+    def missing() -> list[int]:
+        return [r for r in range(world) if r not in said]
 
     def patience() -> float:
-        return grace + (later if 0 not in said or here["call"] is not None else 0.0)
+        maybe_elsewhere = 0 not in said or here["call"] is not None
+        return grace + (later if maybe_elsewhere and watch.silent(missing()) != missing() else 0.0)
 
     def read(store: Any) -> None:
         for r in range(world):
@@ -106,6 +115,7 @@ def _where_each_waited(here: dict[str, Any], grace: float, timeout_s: float | No
             start = time.monotonic()
             while True:
                 read(store)
+                watch.look(store, missing())
                 waited = time.monotonic() - start
                 if len(said) < world:
                     if waited >= patience():
@@ -130,13 +140,16 @@ def _where_each_waited(here: dict[str, Any], grace: float, timeout_s: float | No
     asking.join(grace + 5)
     if asking.is_alive() and said:  # the store answers: waiting for a rank that entered its collective later
         asking.join(later + 2)
-    return {} if asking.is_alive() or me not in said else dict(said)
+    if asking.is_alive() or me not in said:
+        return {}, []
+    return dict(said), watch.silent(missing())
 
 
 def _who_did_not_arrive(answered: dict[int, dict[str, Any]], world: int, waited_for: str,
-                        error: BaseException) -> CollectiveTimeoutError:
+                        error: BaseException, silent: list[int] | None = None) -> CollectiveTimeoutError:
     """The one line of a timeout from where each rank that timed out waited (``answered``: rank ->
-    ``{"call": Parallel's collective method or None, "where": " (op in Parallel.call) at step N"}``).
+    ``{"call": Parallel's collective method or None, "where": " (op in Parallel.call) at step N"}``),
+    and the missing ranks known ``silent`` (their heartbeat stopped).
     Said by the lowest of those ranks only (:func:`speaks`): the others compute the same line."""
     missing = [r for r in range(world) if r not in answered]
     calls = {r: said.get("call") for r, said in answered.items()}
@@ -157,6 +170,10 @@ def _who_did_not_arrive(answered: dict[int, dict[str, Any]], world: int, waited_
     if diverged is not None:  # the records name the collective each side is in
         return _said_by(min(answered), CollectiveTimeoutError(f"{diverged} (waited {waited_for})"))
     at = answered[min(answered)]["where"]
+    if missing and silent == missing:  # it never wrote and its heartbeat stopped: no hint of a mistake in the code
+        return _said_by(min(answered), CollectiveTimeoutError(
+            f"{_ranks(missing)} did not arrive at a collective{at} for {waited_for}: frozen, gone or unreachable (no "
+            f"heartbeat in the job's store); {_ranks(sorted(answered))} waited for {'them' if len(missing) > 1 else 'it'}"))
     if not missing:
         return _said_by(min(answered), CollectiveTimeoutError(
             f"every rank waited {waited_for} in a collective{at}: they wait in different collectives "
@@ -232,9 +249,9 @@ def explain_peer_loss(error: BaseException, step: int | None = None,
         # A peer whose collective timed out closes its connections too (gloo): if one wrote where it
         # waited, this rank waited elsewhere (a collective on some ranks only), not for a crash.
         here = {"call": collective_call(error), "where": at, "records": _last_records()}
-        answered = _where_each_waited(here, _grace(_joined_timeout_s), _joined_timeout_s, after_others=True)
+        answered, silent = _where_each_waited(here, _grace(_joined_timeout_s), _joined_timeout_s, after_others=True)
         if answered:
-            return _who_did_not_arrive(answered, dist.get_world_size(), _waited_for(_joined_timeout_s), error)
+            return _who_did_not_arrive(answered, dist.get_world_size(), _waited_for(_joined_timeout_s), error, silent)
     return PeerLostError(f"rank {dist.get_rank()} lost its connection to a peer in a collective{at} ({cause}): another rank "
                          "ended first; its failure is the cause")
 
@@ -307,6 +324,11 @@ def explain_failure(error: BaseException, step: int | None = None) -> Collective
     if isinstance(error, CollectiveTimeoutError):
         return None  # explained already
     return explain_timeout(error, _joined_timeout_s, step) or explain_peer_loss(error, step)
+
+
+def joined_timeout_s() -> float | None:
+    """The ``timeout_s`` this process joined its group with (:func:`remember_timeout`), if paratrain made it."""
+    return _joined_timeout_s
 
 
 def remember_timeout(timeout_s: float) -> None:

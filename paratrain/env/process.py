@@ -23,7 +23,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from . import failures
+from . import failures, heartbeat
 from .base import CollectiveTimeoutError, PeerLostError, ProcessInfo, UnavailableError, env_int
 from .failures import collective_of, explain_failure, explain_peer_loss, explain_timeout, explain_uncaught
 from .detect import detect_process
@@ -194,6 +194,9 @@ def init(
     from ..trace.recorder import start as record_collectives
 
     record_collectives(info.rank, info.world_size)  # each rank's last collectives (paratrain.trace)
+    joined_with = failures.joined_timeout_s()  # None in a group the script made: its ranks' timeouts are unknown
+    if joined_with is not None and "gloo" in str(dist.get_backend()):  # who is silent when a collective times out
+        heartbeat.start(info.rank, joined_with)  # (NCCL's watchdog aborts the process instead)
     return Dist(info, device, dist.get_backend())
 
 
@@ -298,7 +301,9 @@ def destroy(wait_for_peers: bool = False) -> None:
     if dist.is_available() and dist.is_initialized():
         if wait_for_peers:
             dist.barrier()
+            heartbeat.stop()  # every rank stops beating after the barrier: rank 0 need not wait for them
             _let_gloo_threads_finish()
+        heartbeat.stop(linger=True)
         if owns_group():
             global _created
             dist.destroy_process_group()
@@ -330,17 +335,20 @@ def _leave_at_exit(backend: str) -> None:
     DDP holding it, and gloo's threads may still be freeing its last collectives: the exit gives
     them the GIL first (:func:`_let_gloo_threads_finish`; 1 run in 10 ended with SIGABRT without)."""
     if not owns_group():  # destroyed by the script (or replaced by its own group)
+        heartbeat.stop(linger=True)
         if backend == "gloo":
             _let_gloo_threads_finish()
         return
     try:
         gloo = dist.get_backend() == "gloo"
-        if not failures.uncaught_seen() and gloo:
+        alone = failures.uncaught_seen() or not gloo  # the others may still beat (paratrain.env.heartbeat)
+        if not alone:
             try:
                 dist.monitored_barrier(timeout=timedelta(seconds=_EXIT_WAIT_S), wait_all_ranks=True)
             except RuntimeError:  # a peer failed or is still busy: leave without it
-                pass
+                alone = True
             _let_gloo_threads_finish()  # as close() does: the last collectives' works are freed before finalizing
+        heartbeat.stop(linger=alone)
         dist.destroy_process_group()
         if gloo:
             _let_gloo_threads_finish()

@@ -169,3 +169,54 @@ def test_paratrain_train_names_the_checkpoint_a_restart_continues_from(tmp_path)
     said = [ln for ln in res.stderr.splitlines() if "restart" in ln]
     assert said == ["paratrain: worker rank 1 died (SIGKILL); restart 1/2 from the checkpoint at step 4"], res.stderr[-3000:]
     assert "resumed from step 4" in res.stdout
+
+
+# --- frozen or alive elsewhere: the heartbeat tells them apart (paratrain.env.heartbeat) ---------
+
+MISSING_IN_A_CALL = """
+import os
+import signal
+import time
+
+import torch
+import paratrain
+
+pt = paratrain.Parallel(strategy="ddp", global_batch=2, timeout_s=TIMEOUT_S)
+pt.reduce(torch.ones(1))  # every rank beats by now
+if pt.rank == 1:
+    if "FAULT" == "STOP":
+        os.kill(os.getpid(), signal.SIGSTOP)  # frozen: its heartbeat stops too
+    time.sleep(3600)  # alive but elsewhere (a long computation)
+pt.reduce(torch.ones(1))  # rank 0 waits here, in a collective of Parallel's
+pt.close()
+"""
+
+
+@pytest.mark.parametrize("fault", ["STOP", "SLEEP"])
+def test_a_frozen_rank_is_named_at_once_and_an_alive_one_is_waited_for(tmp_path, fault):
+    """Rank 0 times out in ``Parallel.reduce``; rank 1 never comes. Frozen (as a host the network lost), it is
+    named after the grace, with no hint of a main-process-only mistake; alive elsewhere (it may time out in
+    another collective), rank 0 gives it ``timeout_s`` more, and the line carries the hint."""
+    import time
+
+    timeout_s = 6
+    script = tmp_path / "missing.py"
+    script.write_text(MISSING_IN_A_CALL.replace("TIMEOUT_S", str(timeout_s)).replace("FAULT", fault))
+    t0 = time.monotonic()
+    # fresh: a frozen worker forked from the test's zygote is not the agent's child, which then waits 30 s to kill it
+    res = run_cli(["run", "--nproc-per-node", "2", str(script)], timeout=150, fresh=fault == "STOP")
+    took = time.monotonic() - t0
+    last = res.stderr.strip().splitlines()[-1]
+    assert res.returncode == 1 and last.startswith(
+        "paratrain run: error: rank 1 did not arrive at a collective (all_reduce in Parallel.reduce) for 6 s "
+        "(timeout_s): "), res.stderr[-3000:]
+    if fault == "STOP":
+        assert "frozen, gone or unreachable (no heartbeat in the job's store); rank 0 waited for it" in last, last
+        assert "main process only" not in last
+        # not the timeout_s more that an alive rank gets (the product's terms, and an allowance for the machine)
+        assert took <= timeout_s + 2 + scaled(10), f"{took:.1f}s"
+    else:
+        assert last.endswith("(Parallel.reduce is a collective: does every rank call it, not the main process only?)")
+        # waited the grace and timeout_s more (explain_timeout) for rank 1 to say where it waits
+        assert took >= timeout_s + 2 + timeout_s, f"{took:.1f}s"
+    print(f"{fault}: {took:.1f}s\n{last}")
