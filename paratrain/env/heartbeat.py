@@ -46,13 +46,15 @@ def _key(rank: int | str) -> str:
 
 
 _ENDED = "ended"  # set by the rank that serves the store as its beats stop: every heartbeat stops at its next beat
+_STOPPED = "stopped"  # how many of the other ranks stopped beating: the serving rank ends once all did
 
 
 class _Beat(threading.Thread):
-    def __init__(self, rank: int, timeout_s: float) -> None:
+    def __init__(self, rank: int, world_size: int, timeout_s: float) -> None:
         super().__init__(name="paratrain-heartbeat", daemon=True)
-        self.rank, self.key, self.ended, self.every = rank, _key(rank), _key(_ENDED), interval(timeout_s)
-        self.halt = threading.Event()
+        self.rank, self.world_size, self.every = rank, world_size, interval(timeout_s)
+        self.key, self.ended, self.stopped = _key(rank), _key(_ENDED), _key(_STOPPED)
+        self.halt, self.linger = threading.Event(), False
         # rank 0 serves the job's store, unless torchrun's agent does: its process's end ends the store
         self.serves = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True)
         self.addr, self.port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
@@ -63,8 +65,9 @@ class _Beat(threading.Thread):
     def run(self) -> None:
         """Beat until halted, the store's server ends the beats or the store fails. A beat that touches a store
         that is gone makes torch log a C++ stack: so the rank that serves the store ends every beat as it stops its
-        own (at its exit), and a beat that wakes long after it was due (a frozen process, resumed to be
-        terminated, while the store may be gone) stops: that rank counts as silent from then on."""
+        own, and waits (``linger``, at most a beat) until the others stopped; a beat that wakes long after it was
+        due (a frozen process, resumed to be terminated, while the store may be gone) stops: that rank counts as
+        silent from then on."""
         try:
             store = self.store or dist.TCPStore(self.addr, self.port, None, False,
                                                 timedelta(seconds=max(5.0, 2 * self.every)), wait_for_workers=False)
@@ -77,8 +80,13 @@ class _Beat(threading.Thread):
                 if store.check([self.ended]):
                     return
                 due = time.monotonic() + self.every
-            if self.serves:
-                store.set(self.ended, "1")
+            if not self.serves:
+                store.add(self.stopped, 1)
+                return
+            store.set(self.ended, "1")
+            until = time.monotonic() + self.every
+            while self.linger and store.add(self.stopped, 0) < self.world_size - 1 and time.monotonic() < until:
+                time.sleep(0.05)
         except Exception:  # noqa: BLE001 - the store is gone or frozen: the job is ending
             pass
 
@@ -97,7 +105,7 @@ def _served_store() -> Any:
 _beat: _Beat | None = None
 
 
-def start(rank: int, timeout_s: float) -> None:
+def start(rank: int, world_size: int, timeout_s: float) -> None:
     """Beat for ``rank`` until :func:`stop`, when the job names its store (``MASTER_ADDR``/``MASTER_PORT``); once per
     process (a new group beats under its own rank). The caller stops it: ``env.process`` does as it leaves the group
     (``destroy``, or at the exit, where it knows whether the others may still beat)."""
@@ -106,22 +114,23 @@ def start(rank: int, timeout_s: float) -> None:
         return
     stop()
     _groups += 1
-    _beat = _Beat(rank, timeout_s)
+    _beat = _Beat(rank, world_size, timeout_s)
     _beat.start()
 
 
 def stop(linger: bool = False) -> None:
     """End this process's heartbeat (safe to call when there is none), before its group is destroyed. When this
     process serves the job's store, every rank's beats end too; ``linger`` (the others may still beat: this process
-    ends with an error, or without a barrier): they get a beat's time to see that before the store ends with it."""
+    ends with an error, or without a barrier): it waits until they stopped, at most a beat, before the store ends
+    with it."""
     global _beat
     beat, _beat = _beat, None
     if beat is None:
         return
+    beat.linger = linger
     beat.halt.set()
-    beat.join(timeout=0.5)  # a store that does not answer keeps it up to its own timeout: a daemon, it ends with us
-    if linger and beat.serves:
-        time.sleep(beat.every)
+    # a store that does not answer keeps it up to its own timeout: a daemon, it ends with this process
+    beat.join(timeout=0.5 + (beat.every if linger and beat.serves else 0.0))
 
 
 class Watch:

@@ -196,7 +196,7 @@ def init(
     record_collectives(info.rank, info.world_size)  # each rank's last collectives (paratrain.trace)
     joined_with = failures.joined_timeout_s()  # None in a group the script made: its ranks' timeouts are unknown
     if joined_with is not None and "gloo" in str(dist.get_backend()):  # who is silent when a collective times out
-        heartbeat.start(info.rank, joined_with)  # (NCCL's watchdog aborts the process instead)
+        heartbeat.start(info.rank, info.world_size, joined_with)  # (NCCL's watchdog aborts the process instead)
     return Dist(info, device, dist.get_backend())
 
 

@@ -18,7 +18,7 @@ def test_a_beating_rank_is_alive_and_a_stopped_one_is_silent(monkeypatch):
     monkeypatch.setenv("MASTER_PORT", str(port))
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")  # rank 0 here is not the store's server
     assert heartbeat.interval(10) == 0.5 and heartbeat.interval(600) == 5.0 and heartbeat.silent_after(10) == 2.0
-    heartbeat.start(0, 10)
+    heartbeat.start(0, 2, 10)
     try:
         alive = heartbeat.Watch(10)
         deadline = time.monotonic() + 4
