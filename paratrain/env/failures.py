@@ -51,12 +51,12 @@ def explain_timeout(error: BaseException, timeout_s: float | None, step: int | N
         return CollectiveTimeoutError(f"rank {me} waited {waited_for} in a collective{at}: another rank did not arrive "
                                       "(hung, frozen or unreachable)")
     here = {"call": collective_call(error), "where": at, "records": _last_records()}
-    answered, silent = _where_each_waited(here, grace, timeout_s)
+    answered, beats = _where_each_waited(here, grace, timeout_s)
     if not answered:  # the store did not answer (not even with this rank's own key)
         return CollectiveTimeoutError(
             f"rank {me} waited {waited_for} in a collective{at}, and the job's store on rank 0 does not "
             "answer either: rank 0 is frozen, gone or unreachable")
-    return _who_did_not_arrive(answered, world, waited_for, error, silent)
+    return _who_did_not_arrive(answered, world, waited_for, error, beats)
 
 
 def _grace(timeout_s: float | None) -> float:
@@ -69,11 +69,12 @@ def _waited_for(timeout_s: float | None) -> str:
 
 
 def _where_each_waited(here: dict[str, Any], grace: float, timeout_s: float | None,
-                       after_others: bool = False) -> tuple[dict[int, dict[str, Any]], list[int]]:
+                       after_others: bool = False) -> tuple[dict[int, dict[str, Any]], dict[int, bool]]:
     """Write where this rank waited (``here``) into the job's store and read where the others did:
     rank -> where, for every rank that wrote once all did or the patience ran out ({} when the
     store does not answer; ``after_others``: write only if another rank wrote first, else {}), and
-    the ranks that did not write whose heartbeat stopped (:mod:`~paratrain.env.heartbeat`: silent).
+    of the ranks that did not write, those whose heartbeat (:mod:`~paratrain.env.heartbeat`) goes on (True) or
+    stopped (False: silent), where known.
 
     Each rank stays at least ``grace`` after its write, so that the others read it (rank 0's
     process may serve the store), and once all wrote, the rank that prints the line ends first.
@@ -141,15 +142,15 @@ def _where_each_waited(here: dict[str, Any], grace: float, timeout_s: float | No
     if asking.is_alive() and said:  # the store answers: waiting for a rank that entered its collective later
         asking.join(later + 2)
     if asking.is_alive() or me not in said:
-        return {}, []
-    return dict(said), watch.silent(missing())
+        return {}, {}
+    return dict(said), {**{r: True for r in missing() if r in watch.moved}, **{r: False for r in watch.silent(missing())}}
 
 
 def _who_did_not_arrive(answered: dict[int, dict[str, Any]], world: int, waited_for: str,
-                        error: BaseException, silent: list[int] | None = None) -> CollectiveTimeoutError:
+                        error: BaseException, beats: dict[int, bool] | None = None) -> CollectiveTimeoutError:
     """The one line of a timeout from where each rank that timed out waited (``answered``: rank ->
     ``{"call": Parallel's collective method or None, "where": " (op in Parallel.call) at step N"}``),
-    and the missing ranks known ``silent`` (their heartbeat stopped).
+    and of the missing ranks, whether each still ``beats`` in the job's store, where known.
     Said by the lowest of those ranks only (:func:`speaks`): the others compute the same line."""
     missing = [r for r in range(world) if r not in answered]
     calls = {r: said.get("call") for r, said in answered.items()}
@@ -170,7 +171,8 @@ def _who_did_not_arrive(answered: dict[int, dict[str, Any]], world: int, waited_
     if diverged is not None:  # the records name the collective each side is in
         return _said_by(min(answered), CollectiveTimeoutError(f"{diverged} (waited {waited_for})"))
     at = answered[min(answered)]["where"]
-    if missing and silent == missing:  # it never wrote and its heartbeat stopped: no hint of a mistake in the code
+    beats = beats or {}
+    if missing and all(beats.get(r) is False for r in missing):  # never wrote, no heartbeat: no hint of a code mistake
         return _said_by(min(answered), CollectiveTimeoutError(
             f"{_ranks(missing)} did not arrive at a collective{at} for {waited_for}: frozen, gone or unreachable (no "
             f"heartbeat in the job's store); {_ranks(sorted(answered))} waited for {'them' if len(missing) > 1 else 'it'}"))
@@ -178,10 +180,14 @@ def _who_did_not_arrive(answered: dict[int, dict[str, Any]], world: int, waited_
         return _said_by(min(answered), CollectiveTimeoutError(
             f"every rank waited {waited_for} in a collective{at}: they wait in different collectives "
             f"{_some_ranks_only(error)}"))
+    alive = all(beats.get(r) for r in missing)  # it beats: neither frozen nor cut off, busy somewhere else
     if calls[min(answered)] is not None:
-        why, hint = "hung, frozen or unreachable", f" {_some_ranks_only(error, calls[min(answered)])}"
+        why = "alive (it beats in the job's store) but busy elsewhere" if alive else "hung, frozen or unreachable"
+        hint = f" {_some_ranks_only(error, calls[min(answered)])}"
     elif 0 in missing:  # alive (it serves the store that answered): busy elsewhere, often in a main-process-only call
         why, hint = "hung, or in a collective called on the main process only?", ""
+    elif alive:
+        why, hint = "hung: alive (it beats in the job's store), but it neither arrived nor timed out elsewhere", ""
     else:
         why, hint = "hung, frozen or unreachable", ""
     return _said_by(min(answered), CollectiveTimeoutError(
@@ -249,9 +255,9 @@ def explain_peer_loss(error: BaseException, step: int | None = None,
         # A peer whose collective timed out closes its connections too (gloo): if one wrote where it
         # waited, this rank waited elsewhere (a collective on some ranks only), not for a crash.
         here = {"call": collective_call(error), "where": at, "records": _last_records()}
-        answered, silent = _where_each_waited(here, _grace(_joined_timeout_s), _joined_timeout_s, after_others=True)
+        answered, beats = _where_each_waited(here, _grace(_joined_timeout_s), _joined_timeout_s, after_others=True)
         if answered:
-            return _who_did_not_arrive(answered, dist.get_world_size(), _waited_for(_joined_timeout_s), error, silent)
+            return _who_did_not_arrive(answered, dist.get_world_size(), _waited_for(_joined_timeout_s), error, beats)
     return PeerLostError(f"rank {dist.get_rank()} lost its connection to a peer in a collective{at} ({cause}): another rank "
                          "ended first; its failure is the cause")
 

@@ -216,6 +216,7 @@ def test_a_frozen_rank_is_named_at_once_and_an_alive_one_is_waited_for(tmp_path,
         # not the timeout_s more that an alive rank gets (the product's terms, and an allowance for the machine)
         assert took <= timeout_s + 2 + scaled(10), f"{took:.1f}s"
     else:
+        assert "(timeout_s): alive (it beats in the job's store) but busy elsewhere; rank 0 waited for it" in last, last
         assert last.endswith("(Parallel.reduce is a collective: does every rank call it, not the main process only?)")
         # waited the grace and timeout_s more (explain_timeout) for rank 1 to say where it waits
         assert took >= timeout_s + 2 + timeout_s, f"{took:.1f}s"
