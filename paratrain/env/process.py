@@ -23,9 +23,10 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from . import failures, heartbeat
+from . import failures, heartbeat, uncaught
 from .base import CollectiveTimeoutError, PeerLostError, ProcessInfo, UnavailableError, env_int
-from .failures import collective_of, explain_failure, explain_peer_loss, explain_timeout, explain_uncaught
+from .failures import collective_of, explain_failure, explain_peer_loss, explain_timeout
+from .uncaught import explain_uncaught
 from .detect import detect_process
 from .devices import select_backend, select_device
 from .network import free_port, gloo_interface, interface_towards, is_loopback, loopback_store, store_init_method
@@ -202,11 +203,11 @@ def init(
 
 def joined(dist_info: Dist, check_collectives: bool = False) -> None:
     """What a ``Parallel`` of a distributed job sets up once it has joined: a failed collective ends
-    with its one-line cause (:func:`~paratrain.env.failures.explain_uncaught`), and the record of
+    with its one-line cause (:func:`~paratrain.env.uncaught.explain_uncaught`), and the record of
     every collective checks each one across the ranks first when ``check_collectives`` (:mod:`paratrain.trace`)."""
     if dist_info.backend is None:
         return
-    failures.explain_uncaught()
+    explain_uncaught()
     from ..trace.recorder import active
 
     rec = active()
@@ -341,7 +342,7 @@ def _leave_at_exit(backend: str) -> None:
         return
     try:
         gloo = dist.get_backend() == "gloo"
-        alone = failures.uncaught_seen() or not gloo  # the others may still beat (paratrain.env.heartbeat)
+        alone = uncaught.uncaught_seen() or not gloo  # the others may still beat (paratrain.env.heartbeat)
         if not alone:
             try:
                 dist.monitored_barrier(timeout=timedelta(seconds=_EXIT_WAIT_S), wait_all_ranks=True)

@@ -76,7 +76,8 @@ def _run(local_rank: int, fn: Callable, env: dict[str, str], args: tuple, out_di
     try:
         result = fn(local_rank, *args)
     except BaseException as e:
-        from ..env.failures import explain_failure, mark_failed
+        from ..env.failures import explain_failure
+        from ..env.uncaught import mark_failed
 
         mark_failed()  # at exit: no barrier with peers that may never come
         why = explain_failure(e)  # a failed collective: who did not arrive, or which peer ended first

@@ -182,7 +182,7 @@ class Trackers:
                 tracker.close(ok)
 
     def _close_at_exit(self) -> None:
-        from ..env.failures import uncaught_seen
+        from ..env.uncaught import uncaught_seen
 
         # failed when the process ends with an exception (the interpreter keeps the uncaught one)
         try:
