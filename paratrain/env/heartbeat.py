@@ -27,8 +27,8 @@ __all__ = ["start", "stop", "interval", "silent_after", "Watch"]
 
 
 def interval(timeout_s: float | None) -> float:
-    """Seconds between two beats: a twentieth of the collective timeout, within [0.5, 5] (one store
-    write per rank per 5 s at the default ``timeout_s`` of 600)."""
+    """Seconds between two beats: a twentieth of the collective timeout, within [0.5, 5] (two store
+    requests per rank per 5 s at the default ``timeout_s`` of 600: the beat, and whether the job ended)."""
     return min(5.0, max(0.5, (timeout_s or 10.0) / 20))
 
 
