@@ -23,6 +23,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from .network import agent_serves_store
+
 __all__ = ["start", "stop", "interval", "silent_after", "Watch"]
 
 
@@ -56,7 +58,7 @@ class _Beat(threading.Thread):
         self.key, self.ended, self.stopped = _key(rank), _key(_ENDED), _key(_STOPPED)
         self.halt, self.linger = threading.Event(), False
         # rank 0 serves the job's store, unless torchrun's agent does: its process's end ends the store
-        self.serves = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True)
+        self.serves = rank == 0 and not agent_serves_store()
         self.addr, self.port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
         # rank 0 beats through the store it serves, which keeps its server up while the others beat, after the
         # group is destroyed too (a script's own destroy_process_group())

@@ -17,7 +17,13 @@ import torch.distributed as dist
 from .base import UnavailableError
 
 __all__ = ["free_port", "interface_towards", "default_route_interface", "gloo_interface", "is_loopback",
-           "loopback_store", "store_init_method"]
+           "loopback_store", "store_init_method", "agent_serves_store"]
+
+
+def agent_serves_store() -> bool:
+    """Whether torchrun's agent serves the job's store at ``MASTER_ADDR:MASTER_PORT`` (its own bind, outliving the
+    workers); otherwise rank 0's process does."""
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
 
 
 def _ephemeral_range() -> tuple[int, int]:
@@ -123,7 +129,7 @@ def loopback_store(host: str, port: int, rank: int, world_size: int, timeout: ti
     ``master_listen_fd`` argument takes a socket bound beforehand: rank 0 binds one to ``host``
     and hands it over; the other ranks are clients, as with ``env://``.
     """
-    if not is_loopback(host) or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True):
+    if not is_loopback(host) or agent_serves_store():
         return None  # several nodes, or torchrun's agent serves the store (its own bind)
     global _groups
     _groups += 1  # every rank counts the groups it formed in this process: their keys never meet a former group's

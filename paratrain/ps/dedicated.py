@@ -53,7 +53,7 @@ from torch.utils.data import Dataset
 from ..data.loaders import GlobalBatchLoader
 from ..data.sampler import BatchPlan, check_dataset_fits
 from ..env.detect import detect_process
-from ..env.network import store_init_method
+from ..env.network import agent_serves_store, store_init_method
 from ..env.devices import select_device
 from ..env.seeding import seed_everything
 from .server import SERVER, PSOptions, ServerState, abort, call_server, fetch, finish, push_async, push_sync, set_server
@@ -125,10 +125,9 @@ def run_parameter_server(
     # loopback only (env:// would listen on every interface).
     os.environ.setdefault("MASTER_ADDR", info.master_addr)
     os.environ.setdefault("MASTER_PORT", str(info.master_port))
-    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
     backend_options = rpc.TensorPipeRpcBackendOptions(
-        init_method="env://" if agent_store else store_init_method(os.environ["MASTER_ADDR"],
-                                                                    int(os.environ["MASTER_PORT"])),
+        init_method="env://" if agent_serves_store() else store_init_method(os.environ["MASTER_ADDR"],
+                                                                           int(os.environ["MASTER_PORT"])),
         rpc_timeout=opts.rpc_timeout_s,
         # shm/ibv need resources containers often lack; uv (TCP) works everywhere.
         _transports=["uv"],
