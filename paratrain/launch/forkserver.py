@@ -31,11 +31,17 @@ import sys
 import threading
 from typing import Mapping, Sequence
 
-__all__ = ["PRELOAD", "start_early", "wants_early_start", "ensure_running", "train_worker", "apply_omp_threads", "worker_environ"]
+__all__ = ["PRELOAD", "TRAINING_IMPORTS", "start_early", "wants_early_start", "ensure_running", "train_worker", "apply_omp_threads", "worker_environ"]
+
+TRAINING_IMPORTS = ("torch._dynamo",)
+"""What torch imports lazily in every process that trains, which a forkserver imports for its workers: the first
+optimizer (``torch.optim.Optimizer.__init__``) imports ``torch._dynamo``, 2-3 s of CPU in each worker that
+imports it itself (1.8 s of a 1.9 s ``paratrain verify`` worker on a 2-core machine)."""
 
 # What the server imports: this module (which records the server's environment) and the modules a
 # default `paratrain train` job runs, so that the workers import nothing heavy themselves.
-PRELOAD = ["paratrain.launch.forkserver", "paratrain.cli.main", "paratrain.cli.train", "paratrain.loop.train", "torch._dynamo"]
+PRELOAD = ["paratrain.launch.forkserver", "paratrain.cli.main", "paratrain.cli.train", "paratrain.loop.train",
+           *TRAINING_IMPORTS]
 
 # Variables that make this process a worker of another launcher: no workers of its own to start.
 _LAUNCHER_WORKER = ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK")
@@ -150,6 +156,15 @@ def apply_omp_threads() -> None:
         torch.set_num_threads(int(threads))
 
 
+def platform_start_method() -> None:
+    """Give this worker the ``multiprocessing`` start method of a process that python started (fork on Linux
+    before Python 3.14), as a worker of torchrun has. A process started by spawn or a forkserver inherits its
+    launcher's method (``multiprocessing.spawn.prepare``): a ``DataLoader``'s worker processes would then each
+    start a new interpreter, or a forkserver of this rank's own that imports torch again: seconds per worker at
+    every epoch, where a fork takes milliseconds."""
+    multiprocessing.set_start_method(None, force=True)  # None: the platform's default, chosen at first use
+
+
 def train_worker(argv: list[str], environ: dict[str, str]) -> None:
     """One worker of ``paratrain train`` (what ``python -m paratrain train ARGV`` would run), in a
     process forked from the server. ``environ`` is the launching command's environment: it replaces
@@ -162,8 +177,6 @@ def train_worker(argv: list[str], environ: dict[str, str]) -> None:
     os.environ.clear()
     os.environ.update(merged)  # with AGENT_PID: the worker ends with the agent (env.process.die_with_launcher)
     apply_omp_threads()
-    from .spawn import platform_start_method
-
     platform_start_method()  # a DataLoader's workers fork, as in a worker torchrun started
     sys.argv = ["paratrain", *argv]
     from ..cli.main import main

@@ -23,6 +23,7 @@ from ..env.network import free_port  # re-exported: the launch API's port picker
 from ..env.process import AGENT_PID
 from ..trace.recorder import TRACE_DIR
 from .notebook import check_fork_safe, needs_fork
+from .forkserver import TRAINING_IMPORTS, platform_start_method
 
 __all__ = ["launch", "free_port", "LaunchError"]
 
@@ -34,17 +35,6 @@ class LaunchError(RuntimeError):
 # A launcher's variables that a worker of paratrain.launch must not inherit from its caller (a
 # torchrun worker itself): its rendezvous is its own, not the caller's agent's store.
 _INHERITED = ("TORCHELASTIC_", "ROLE_", "GROUP_WORLD_SIZE")
-
-
-def platform_start_method() -> None:
-    """Give this worker the ``multiprocessing`` start method of a process that python started (fork on Linux
-    before Python 3.14), as a worker of torchrun has. A process started by spawn or a forkserver inherits its
-    launcher's method (``multiprocessing.spawn.prepare``): a ``DataLoader``'s worker processes would then each
-    start a new interpreter, or a forkserver of this rank's own that imports torch again: seconds per worker at
-    every epoch, where a fork takes milliseconds."""
-    import multiprocessing
-
-    multiprocessing.set_start_method(None, force=True)  # None: the platform's default, chosen at first use
 
 
 def _worker(local_rank: int, fn: Callable, nprocs: int, env: dict[str, str], args: tuple, out_dir: str,
@@ -143,7 +133,10 @@ def launch(
             keeps the environment it started with: ``env`` is set in each worker before ``fn``
             runs, after the preloaded modules read theirs (set thread counts in ``fn``).
         preload: modules the forkserver imports (taken when the server starts: the first
-            ``forkserver`` launch of this process).
+            ``forkserver`` launch of this process). Where it names any, the server also imports
+            what torch imports lazily in every worker that trains
+            (:data:`paratrain.launch.forkserver.TRAINING_IMPORTS`: the first optimizer's
+            ``torch._dynamo``), once, instead of each worker.
 
     Returns:
         ``fn``'s return value from each rank, in rank order.
@@ -173,7 +166,8 @@ def launch(
         check_fork_safe(fn, LaunchError)
         start_method = "fork"
     elif start_method == "forkserver" and preload:
-        mp.get_context("forkserver").set_forkserver_preload(list(preload))
+        # what any training worker imports too (the first optimizer's torch._dynamo): once in the server
+        mp.get_context("forkserver").set_forkserver_preload(list(dict.fromkeys((*preload, *TRAINING_IMPORTS))))
     deadline = None if timeout is None else time.monotonic() + timeout
     with tempfile.TemporaryDirectory(prefix="paratrain-launch-") as out_dir:
         if trace_dir is None:  # each rank's record of its collectives (paratrain.trace), read if one fails
