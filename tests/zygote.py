@@ -373,6 +373,9 @@ def _fork_workers() -> None:
 
 
 
+FORK_FAILED = "tests/zygote.py: the command's forkserver could not be forked"
+
+
 def _fork_forkserver(path: str, args: list[str], passfds: Any) -> int:
     """``multiprocessing.util.spawnv_passfds`` while the command starts its workers' forkserver
     early (one thread yet): the server is forked, not a new interpreter that imports torch again.
@@ -392,13 +395,20 @@ def _fork_forkserver(path: str, args: list[str], passfds: Any) -> int:
                     os.close(int(name))
                 except OSError:
                     pass
-        import paratrain.launch.forkserver as server
+        # not `import paratrain.launch.forkserver as server`: `paratrain.launch` is the package's launch function,
+        # and that import (which walks the attributes) failed, so every command's early server died at once and
+        # its agent started a new interpreter that imported torch again (4.5 s of CPU per command)
+        from paratrain.launch import forkserver as server
 
         server._SERVER_ENV = dict(os.environ)
         server._IMPORTED_IN = os.getpid()
         exec(args[-1], {"__name__": "__main__"})  # `python -c "from multiprocessing.forkserver import main; ..."`
-    finally:
-        os._exit(0)
+    except BaseException:  # said on the command's stderr (tests/cli/test_train_cli.py), not a silent new interpreter
+        import traceback
+
+        os.write(2, f"{FORK_FAILED}:\n{traceback.format_exc()}".encode())
+        os._exit(1)
+    os._exit(0)
 
 
 def _main() -> None:

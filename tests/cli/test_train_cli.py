@@ -7,6 +7,7 @@ import os
 
 import pytest
 
+import zygote
 from clitools import run_cli
 
 pytestmark = pytest.mark.timeout(150)
@@ -16,6 +17,8 @@ def test_ddp_on_two_processes_trains_digits(tmp_path):
     res = run_cli(["train", "--strategy", "ddp", "--nproc-per-node", "2", "--epochs", "3", "--no-progress",
                    "--log-dir", str(tmp_path), "--tensorboard"], timeout=120)
     assert res.returncode == 0, res.stderr[-3000:]
+    # the suite's own machinery: the workers' forkserver forked from the zygote, not a new interpreter
+    assert zygote.FORK_FAILED not in res.stderr, res.stderr[-3000:]
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["world_size"] == 2
     assert result["test_count"] == 359  # every test sample counted once
