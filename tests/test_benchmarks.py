@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import zygote
 from pace import scaled
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,7 +31,9 @@ def test_there_are_benchmarks() -> None:
 @pytest.mark.parametrize("script", SCRIPTS, ids=[s.stem for s in SCRIPTS])
 def test_benchmark_smoke(script: Path, tmp_path: Path) -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([sys.executable, str(script), "--smoke"], cwd=tmp_path, env=env,
+    # forked from the suite's zygote (tests/zygote.py: torch and paratrain imported once), run as python runs a script
+    popen = zygote.ZygotePopen if zygote.enabled() else subprocess.Popen
+    proc = popen([sys.executable, str(script), "--smoke"], cwd=tmp_path, env=env,
                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
