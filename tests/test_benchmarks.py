@@ -33,9 +33,8 @@ def test_benchmark_smoke(script: Path, tmp_path: Path) -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     # forked from the suite's zygote (tests/zygote.py: torch and paratrain imported once), run as python runs a script
     popen = zygote.ZygotePopen if zygote.enabled() else subprocess.Popen
-    proc = popen([sys.executable, str(script), "--smoke"], cwd=tmp_path, env=env,
-                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = popen([sys.executable, str(script), "--smoke"], cwd=tmp_path, env=env, stdin=subprocess.DEVNULL,
+                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=scaled(LIMIT_S))
     except subprocess.TimeoutExpired:

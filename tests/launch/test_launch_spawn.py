@@ -82,6 +82,24 @@ def test_forkserver_launch_gives_fresh_processes_with_preloaded_modules_and_env(
         paratrain.launch(_where, nprocs=1, start_method="fork")
 
 
+def test_a_forkserver_that_preloads_anything_imports_what_a_training_worker_imports(monkeypatch):
+    """The first optimizer imports torch._dynamo (2-3 s of CPU): paratrain.launch's server imports it once, not
+    each worker (the suite's own launches, tests/fastlaunch.py, preload it through pipelining anyway)."""
+    from paratrain.launch import spawn
+    from paratrain.launch.forkserver import TRAINING_IMPORTS
+
+    asked = []
+    monkeypatch.setattr(spawn.mp.get_context("forkserver"), "set_forkserver_preload", asked.append)
+
+    def started(*args, **kwargs):
+        raise RuntimeError("no workers in this test")
+
+    monkeypatch.setattr(spawn.mp, "start_processes", started)
+    with pytest.raises(RuntimeError, match="no workers"):
+        spawn.launch(_where, nprocs=1, start_method="forkserver", preload=["paratrain.bench.worker"])
+    assert asked == [["paratrain.bench.worker", *TRAINING_IMPORTS]] and "torch._dynamo" in TRAINING_IMPORTS
+
+
 def _own_loop_hangs_on_rank_1(local_rank):
     import time
 
