@@ -15,7 +15,7 @@
 # it reads the package sources of pip's configuration (`pip config list`: this machine's find-links
 # hold the CPU build of torch), kept in build/uv/sources.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd -P "$(dirname "$0")/.."  # -P: the checkout this script is in, also when reached through a link (a docs page's folder)
 flavour=${1:-cpu}
 editable=1
 case "$flavour" in
