@@ -17,7 +17,9 @@ at start-up, before the workers' forkserver starts. A test that asks for ``fresh
 ``PARATRAIN_TEST_ZYGOTE=0``.
 
 The docs' code blocks (``docs/_tools/run_blocks.py``) use the same server through a ``paratrain``
-shim on their ``PATH`` (:func:`write_shim`). A command whose client goes away (a killed test, pytest
+shim on their ``PATH`` (:func:`write_shim`), and a page's Python process forks from it too. So do the lab's
+hosts (``tests/lab``: the shim runs inside a host's network namespace, and the command joins the network,
+hostname and mount namespaces of its client, :func:`_enter_namespaces`). A command whose client goes away (a killed test, pytest
 process or shim) is killed with its process group.
 
 The workers of a ``paratrain run`` command that forked from the server (torchrun's agent starts each as
@@ -29,7 +31,7 @@ paratrain's own watch of ``PARATRAIN_AGENT_PID`` (``env.process.die_with_launche
 Another program (``python -c``, other flags, another interpreter) starts as always.
 
 Protocol (one Unix socket per server; one connection per command): the client sends a
-length-prefixed JSON request (argv, env, cwd) with its three stdio descriptors attached
+length-prefixed JSON request (argv, env, cwd) with its three stdio descriptors (and any ``pass_fds``) attached
 (``socket.send_fds``); the server forks a helper, which forks the command and answers with two JSON
 lines: ``{"pid": N}``, then ``{"status": CODE}`` when the command ends. The request's argv is the
 interpreter's (``-m paratrain ARGS``, ``-u SCRIPT ARGS``).
@@ -38,6 +40,8 @@ interpreter's (``-m paratrain ARGS``, ``-u SCRIPT ARGS``).
 from __future__ import annotations
 
 import atexit
+import ctypes
+import fcntl
 import json
 import multiprocessing.util
 import os
@@ -100,6 +104,16 @@ def write_shim(folder: str) -> str:
     return path
 
 
+_SHIM: list[str] = []
+
+
+def shim() -> str:
+    """This process's ``paratrain`` shim (:func:`write_shim`, in a folder of its own, written once)."""
+    if not _SHIM:
+        _SHIM.append(write_shim(tempfile.mkdtemp(prefix="paratrain-shim-")))
+    return _SHIM[0]
+
+
 def client_main() -> None:
     """The shim's ``paratrain ARGS``: the command runs in a child of the server, with this process's
     stdio, environment and directory; signals sent here reach it, and this process exits as it did."""
@@ -124,11 +138,13 @@ def client_main() -> None:
 
 
 def _request(address: str, argv: list[str], env: dict[str, str], cwd: str, fds: list[int],
-             keep: bool = False) -> socket.socket:
-    """Ask the server at ``address`` for ``python ARGV`` (``keep``: the command outlives this client)."""
+             keep: bool = False, pass_fds: list[int] | None = None) -> socket.socket:
+    """Ask the server at ``address`` for ``python ARGV`` with stdio ``fds[:3]`` (``keep``: the command outlives
+    this client); the rest of ``fds`` are ``pass_fds``, which the command has under the same numbers."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.connect(address)
-    body = json.dumps({"argv": argv, "env": env, "cwd": cwd, "keep": keep, "address": address}).encode()
+    body = json.dumps({"argv": argv, "env": env, "cwd": cwd, "keep": keep, "address": address,
+                       "namespaces_of": os.getpid(), "pass_fds": pass_fds or []}).encode()
     socket.send_fds(sock, [struct.pack("!Q", len(body))], fds)
     sock.sendall(body)
     return sock
@@ -192,7 +208,7 @@ class ZygotePopen(subprocess.Popen):
         fds = [p2cread if p2cread != -1 else 0, c2pwrite if c2pwrite != -1 else 1, errwrite if errwrite != -1 else 2]
         try:
             self._zygote = _request(start_server(env), [str(a) for a in args[1:]], env, os.fspath(cwd or os.getcwd()),
-                                    fds, self.keep)
+                                    [*fds, *pass_fds], self.keep, list(pass_fds))
             self._lines = _Lines(self._zygote)
             self.pid = int(self._message(None)["pid"])
         finally:  # the command's ends of the pipes are its own now (subprocess's own rule: not a caller's file)
@@ -226,8 +242,11 @@ class ZygotePopen(subprocess.Popen):
 # ----------------------------------------------------------------------------------------- the server
 
 
+MAX_FDS = 16  # stdio and a command's pass_fds
+
+
 def _receive(conn: socket.socket) -> tuple[dict[str, Any], list[int]]:
-    head, fds, _, _ = socket.recv_fds(conn, 8, 3)
+    head, fds, _, _ = socket.recv_fds(conn, 8, MAX_FDS)
     while len(head) < 8:
         head += conn.recv(8 - len(head))
     size = struct.unpack("!Q", head)[0]
@@ -314,11 +333,17 @@ def _become(request: dict[str, Any], fds: list[int]) -> tuple[str, str]:
     kind, target, args = parsed
     _address = request.get("address")
     os.setsid()
-    for std, fd in enumerate(fds):
+    for std, fd in enumerate(fds[:3]):
         os.dup2(fd, std)
+    numbers = request["pass_fds"]  # the others: to the numbers the client had them under, through free ones
+    moved = [fcntl.fcntl(fd, fcntl.F_DUPFD, max([2, *fds, *numbers]) + 1) for fd in fds[3:]]
     for fd in set(fds):
         if fd > 2:
             os.close(fd)
+    for number, fd in zip(numbers, moved):
+        os.dup2(fd, number)
+        os.close(fd)
+    _enter_namespaces(request["namespaces_of"])  # before the directory: a mount namespace has its own
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
@@ -351,6 +376,32 @@ def _become(request: dict[str, Any], fds: list[int]) -> tuple[str, str]:
         finally:
             multiprocessing.util.spawnv_passfds = _spawnv_passfds
     return kind, target
+
+
+NAMESPACES = ("net", "uts", "mnt")
+"""The namespaces a command takes from its client: a lab host's (``scripts/lab/hosts.py``: ``ip netns exec``, which
+also bind-mounts the host's /etc/hosts, then ``unshare --uts`` for its hostname)."""
+
+
+def _enter_namespaces(pid: int) -> None:
+    """In the forked command (one thread: ``setns`` into a mount namespace needs that): join the namespaces of
+    :data:`NAMESPACES` where the client ``pid`` is in another one than the server, as a command the client
+    started itself would be. A lab host's ``paratrain`` (the shim) so forks from the server too."""
+    libc: ctypes.CDLL | None = None
+    for kind in NAMESPACES:
+        theirs = f"/proc/{pid}/ns/{kind}"
+        if os.stat(theirs).st_ino == os.stat(f"/proc/self/ns/{kind}").st_ino:
+            continue
+        if libc is None:
+            libc = ctypes.CDLL(None, use_errno=True)
+        fd = os.open(theirs, os.O_RDONLY)
+        try:
+            if libc.setns(fd, 0) != 0:
+                err = ctypes.get_errno()
+                raise SystemExit(f"tests/zygote.py: cannot join the client's {kind} namespace ({theirs}): "
+                                 f"{os.strerror(err)}: start that command as a new process")
+        finally:
+            os.close(fd)
 
 
 class _WorkerPopen(ZygotePopen):

@@ -47,6 +47,8 @@ from pathlib import Path
 from blocks import ROOT, Block, DocError, check_parse, commands, parse_blocks  # the pages' blocks: what they are
 
 SHIMS: list[str] = []  # folders put first on the blocks' PATH (main: the zygote's `paratrain`)
+POPEN: type[subprocess.Popen] = subprocess.Popen
+"""How a page's Python process (``page_python.py``) starts (main: forked from the zygote, tests/zygote.py)."""
 NOT_COPIED = {"runs", "build", "bench_out", ".pytest_cache"}
 PYTHON_TIMEOUT = 120
 COMMAND_TIMEOUT = 90
@@ -94,23 +96,10 @@ class Page:
 
     def _start_python(self) -> None:
         r, w = os.pipe()
-        driver = (
-            "import json, os, sys, traceback\n"
-            f"out = os.fdopen({w}, 'w')\n"
-            "ns = {'__name__': '__main__'}\n"
-            "for line in sys.stdin:\n"
-            "    req = json.loads(line)\n"
-            "    try:\n"
-            "        exec(compile('\\n' * (req['line'] - 1) + req['code'], req['file'], 'exec'), ns)\n"
-            "        res = {'ok': True}\n"
-            "    except BaseException:\n"
-            "        res = {'ok': False, 'error': traceback.format_exc()}\n"
-            "    sys.stdout.flush(); sys.stderr.flush()\n"
-            "    out.write(json.dumps(res) + '\\n'); out.flush()\n"
-        )
-        self.python = subprocess.Popen(
-            [sys.executable, "-c", driver], cwd=self.dir, env=self.env, stdin=subprocess.PIPE, stdout=self.log,
-            stderr=subprocess.STDOUT, text=True, start_new_session=True, pass_fds=[w],
+        self.python = POPEN(
+            [sys.executable, str(Path(__file__).with_name("page_python.py")), str(w)], cwd=self.dir, env=self.env,
+            stdin=subprocess.PIPE, stdout=self.log, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+            pass_fds=[w],
         )
         os.close(w)
         self.result_fd = r
@@ -294,7 +283,9 @@ def main(argv: list[str] | None = None) -> int:
         # the blocks' `paratrain` commands fork from one process that imported torch (tests/zygote.py):
         # about 2 s of CPU less for each; PARATRAIN_TEST_ZYGOTE=0 starts a new interpreter for each
         os.environ["PARATRAIN_ZYGOTE"] = zygote.start_server(dict(os.environ, MPLBACKEND="Agg", TQDM_DISABLE="1"))
-        SHIMS.append(os.path.dirname(zygote.write_shim(tempfile.mkdtemp(prefix="paratrain-shim-"))))
+        SHIMS.append(os.path.dirname(zygote.shim()))
+        global POPEN
+        POPEN = zygote.ZygotePopen
     # the pages with the most to run first, so that the last one to finish is a short one
     order = sorted(files, key=lambda p: -sum(b.mode == "run" for b in parse_blocks(p)))
     with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:

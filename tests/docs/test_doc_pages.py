@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -37,19 +36,11 @@ def test_the_pages_run_nearly_every_block(capsys):
 def test_every_block_of_the_page_runs(page, monkeypatch):
     if zygote.enabled():  # the page's `paratrain` commands fork from the session's zygote (torch imported once)
         monkeypatch.setenv("PARATRAIN_ZYGOTE", zygote.start_server(dict(os.environ)))
-        monkeypatch.setattr(run_blocks, "SHIMS", [str(Path(zygote.write_shim(str(_shim_dir()))).parent)])
+        monkeypatch.setattr(run_blocks, "SHIMS", [os.path.dirname(zygote.shim())])
+        monkeypatch.setattr(run_blocks, "POPEN", zygote.ZygotePopen)  # and its Python blocks' process
     monkeypatch.setattr(run_blocks, "ROOM", scaled(1.0))
     try:
         run_blocks.run_page(page, run_blocks.Tally(), list_only=False)
     except run_blocks.DocError as e:
         pytest.fail(str(e), pytrace=False)
 
-
-_SHIM: list[Path] = []
-
-
-def _shim_dir() -> Path:
-    """One folder for the shim per pytest process."""
-    if not _SHIM:
-        _SHIM.append(Path(tempfile.mkdtemp(prefix="paratrain-shim-")))
-    return _SHIM[0]

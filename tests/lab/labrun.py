@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -9,14 +10,37 @@ import time
 from pathlib import Path
 
 import pytest
+import zygote
 
 from clitools import cli_env, killpg
 
 
 def start(lab, host: int, args: list[str], **env: str) -> subprocess.Popen:
     """``python -m paratrain ARGS`` on lab host ``host``, in a new process group."""
-    return subprocess.Popen(lab.exec_argv(host, [sys.executable, "-m", "paratrain", *args]), env=cli_env(**env),
+    environ = cli_env(**env)
+    return subprocess.Popen(lab.exec_argv(host, paratrain(environ, args)), env=environ,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def paratrain(env: dict[str, str], args: list[str]) -> list[str]:
+    """The command line of ``python -m paratrain ARGS`` on a lab host (or a launcher's task): the zygote's shim
+    (tests/zygote.py: the command forks from the session's server, torch imported once, into the host's network,
+    hostname and mount namespaces), given ``env`` names the server; a new interpreter while
+    ``PARATRAIN_TEST_ZYGOTE=0``."""
+    if not zygote.enabled():
+        return [sys.executable, "-m", "paratrain", *args]
+    env["PARATRAIN_ZYGOTE"] = zygote.start_server(env)
+    return [zygote.shim(), *args]
+
+
+def paratrain_on_path(env: dict[str, str]) -> dict[str, str]:
+    """``env`` whose ``PATH`` finds ``paratrain`` (a Slurm job script's): the zygote's shim as in :func:`paratrain`,
+    else the venv's own command."""
+    folders = [os.path.dirname(sys.executable)]
+    if zygote.enabled():
+        folders.insert(0, os.path.dirname(paratrain(env, [])[0]))
+    env["PATH"] = os.pathsep.join([*folders, env.get("PATH", "")])
+    return env
 
 
 def finish_all(procs: list[subprocess.Popen], timeout: float) -> list[subprocess.CompletedProcess]:

@@ -14,13 +14,14 @@ import torch.distributed as dist
 from paratrain.env.process import free_port
 
 from clitools import ROOT, cli_env, killpg
-from labrun import TRAIN_ARGS, assert_same_run
+from labrun import TRAIN_ARGS, assert_same_run, paratrain
 
 
 def mpirun(lab_mpi, args, timeout, *, options=(), kind="openmpi"):
     # mpirun does not choose a rendezvous address: rank 0's host is loopback here, the port a free one
     env = cli_env(MASTER_PORT=str(free_port()))
-    p = subprocess.Popen([*lab_mpi.mpirun(2, kind), *options, sys.executable, *args], env=env, cwd=ROOT, stdout=subprocess.PIPE,
+    command = paratrain(env, args[2:]) if args[:2] == ["-m", "paratrain"] else [sys.executable, *args]
+    p = subprocess.Popen([*lab_mpi.mpirun(2, kind), *options, *command], env=env, cwd=ROOT, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         out, err = p.communicate(timeout=timeout)

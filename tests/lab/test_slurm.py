@@ -5,7 +5,6 @@ examples/slurm.sbatch`` (``srun paratrain run``) trains like one plain-PyTorch p
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -14,14 +13,13 @@ import pytest
 import torch
 
 from clitools import ROOT, cli_env, finish, killpg, start_cli
-from labrun import TRAIN_ARGS, assert_same_run
+from labrun import TRAIN_ARGS, assert_same_run, paratrain_on_path
 from parity import assert_same_state
 
 
 def slurm_cmd(lab_slurm, argv, timeout, **extra):
     """Run a Slurm client command in its own process group; past ``timeout`` kill it and fail."""
-    env = {**cli_env(), "SLURM_CONF": str(lab_slurm.conf_path()),
-           "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"], **extra}  # `paratrain` for sbatch
+    env = paratrain_on_path({**cli_env(), "SLURM_CONF": str(lab_slurm.conf_path()), **extra})  # `paratrain` for sbatch
     p = subprocess.Popen(argv, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          start_new_session=True)
     try:
@@ -43,7 +41,7 @@ def test_srun_two_tasks_read_slurm_and_train_like_nproc_per_node_2(lab_slurm, np
     assert [(i["rank"], i["world_size"], i["local_rank"], i["source"]) for i in infos] == [
         (0, 2, 0, "slurm"), (1, 2, 1, "slurm")]
     assert infos[0]["master_addr"] == infos[1]["master_addr"] == socket.gethostname()  # SLURM_NODELIST's first
-    r = slurm_cmd(lab_slurm, ["srun", "-n", "2", sys.executable, "-m", "paratrain", "train", *TRAIN_ARGS,
+    r = slurm_cmd(lab_slurm, ["srun", "-n", "2", "paratrain", "train", *TRAIN_ARGS,
                               "--log-dir", str(tmp_path)], 150)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "ddp on 2 process(es)" in r.stdout + r.stderr
@@ -73,7 +71,7 @@ def test_sbatch_script_calling_paratrain_train_is_not_rank_0_of_its_tasks(lab_sl
     process has SLURM_PROCID=0 and SLURM_NTASKS=2 but is no task of a step, so it trains as one
     process instead of waiting for a rank 1 that never starts."""
     r = slurm_cmd(lab_slurm, ["sbatch", "--wait", "--ntasks", "2", f"--output={tmp_path}/job.out", "--wrap",
-                              f"{sys.executable} -m paratrain train --max-steps 2 --no-progress --log-dir {tmp_path}/run"],
+                              f"paratrain train --max-steps 2 --no-progress --log-dir {tmp_path}/run"],
                   150)
     log = (tmp_path / "job.out").read_text() if (tmp_path / "job.out").exists() else ""
     assert r.returncode == 0, r.stderr + log[-3000:]
