@@ -367,14 +367,12 @@ def _become(request: dict[str, Any], fds: list[int]) -> tuple[str, str]:
         importlib.import_module("sitecustomize")
     if enabled() and os.environ.get("PARATRAIN_TEST_ZYGOTE_WORKERS", "1") != "0":
         _fork_workers()
+    # every forkserver the command starts (paratrain train's, early; verify's, bench's, selftest's when they launch)
+    multiprocessing.util.spawnv_passfds = _fork_forkserver  # type: ignore[assignment]
     if (kind, target) == ("module", "paratrain"):
         from paratrain.launch.forkserver import start_early
 
-        multiprocessing.util.spawnv_passfds = _fork_forkserver  # type: ignore[assignment]
-        try:
-            start_early()  # what `import paratrain` does first in a new `python -m paratrain`
-        finally:
-            multiprocessing.util.spawnv_passfds = _spawnv_passfds
+        start_early()  # what `import paratrain` does first in a new `python -m paratrain`
     return kind, target
 
 
@@ -428,17 +426,23 @@ FORK_FAILED = "tests/zygote.py: the command's forkserver could not be forked"
 
 
 def _fork_forkserver(path: str, args: list[str], passfds: Any) -> int:
-    """``multiprocessing.util.spawnv_passfds`` while the command starts its workers' forkserver
-    early (one thread yet): the server is forked, not a new interpreter that imports torch again.
-    Like the exec'd one, it keeps stdio and the descriptors it is passed, and runs its ``-c`` code
-    in a process whose environment is the command's (``paratrain.launch.forkserver`` records it as
+    """``multiprocessing.util.spawnv_passfds`` in a command: a workers' forkserver (``paratrain train``'s, started
+    early; the one ``paratrain verify``, ``bench`` or ``selftest`` starts when it launches) is forked, not a new
+    interpreter that imports torch again (6 s of CPU each on a slow 2-core machine), while the command has one
+    thread (a fork copies no other; with more, a new interpreter as always). Like the exec'd one, it keeps stdio
+    and the descriptors it is passed, has the default handler of every signal the command caught, and runs its
+    ``-c`` code in a process whose environment is the command's (``paratrain.launch.forkserver`` records it as
     the server's, as its import in a new server would)."""
-    if "multiprocessing.forkserver import main" not in args[-1]:
+    if "multiprocessing.forkserver import main" not in args[-1] or len(os.listdir("/proc/self/task")) > 1:
         return _spawnv_passfds(path, args, passfds)  # the resource tracker: a new interpreter, as always
     pid = os.fork()
     if pid != 0:
         return pid
     try:
+        for sig in signal.valid_signals():  # what exec does: a caught signal's handler is the default again
+            handler = signal.getsignal(sig)
+            if callable(handler) and handler is not signal.default_int_handler:
+                signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
         keep = {0, 1, 2, *map(int, passfds)}
         for name in os.listdir("/proc/self/fd"):
             if int(name) not in keep:
