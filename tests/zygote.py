@@ -137,15 +137,15 @@ def client_main() -> None:
     sys.exit(status)
 
 
-def _request(address: str, argv: list[str], env: dict[str, str], cwd: str, fds: list[int],
-             keep: bool = False, pass_fds: list[int] | None = None) -> socket.socket:
-    """Ask the server at ``address`` for ``python ARGV`` with stdio ``fds[:3]`` (``keep``: the command outlives
-    this client); the rest of ``fds`` are ``pass_fds``, which the command has under the same numbers."""
+def _request(address: str, argv: list[str], env: dict[str, str], cwd: str, stdio: list[int],
+             keep: bool = False, pass_fds: tuple[int, ...] = ()) -> socket.socket:
+    """Ask the server at ``address`` for ``python ARGV`` with ``stdio`` (``keep``: the command outlives this
+    client), and ``pass_fds``, which the command has under the same numbers."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.connect(address)
     body = json.dumps({"argv": argv, "env": env, "cwd": cwd, "keep": keep, "address": address,
-                       "namespaces_of": os.getpid(), "pass_fds": pass_fds or []}).encode()
-    socket.send_fds(sock, [struct.pack("!Q", len(body))], fds)
+                       "namespaces_of": os.getpid(), "pass_fds": list(pass_fds)}).encode()
+    socket.send_fds(sock, [struct.pack("!Q", len(body))], [*stdio, *pass_fds])
     sock.sendall(body)
     return sock
 
@@ -208,7 +208,7 @@ class ZygotePopen(subprocess.Popen):
         fds = [p2cread if p2cread != -1 else 0, c2pwrite if c2pwrite != -1 else 1, errwrite if errwrite != -1 else 2]
         try:
             self._zygote = _request(start_server(env), [str(a) for a in args[1:]], env, os.fspath(cwd or os.getcwd()),
-                                    [*fds, *pass_fds], self.keep, list(pass_fds))
+                                    fds, self.keep, tuple(pass_fds))
             self._lines = _Lines(self._zygote)
             self.pid = int(self._message(None)["pid"])
         finally:  # the command's ends of the pipes are its own now (subprocess's own rule: not a caller's file)

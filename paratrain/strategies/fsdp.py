@@ -300,16 +300,11 @@ def total_norm(grads: Iterable[torch.Tensor], norm_type: float = 2.0) -> torch.T
 
 @torch.no_grad()
 def scale_grads_(grads: Iterable[torch.Tensor], total: torch.Tensor, max_norm: float) -> None:
-    """Scale ``grads`` (their norm ``total``) to a norm of at most ``max_norm``, as ``clip_grad_norm_`` does.
-
-    A DTensor's local part is scaled in place, whatever its placement (scaling is linear: a Partial sum scales
-    with its parts): DTensor's dispatch of one ``_foreach_mul_`` over a model's gradients works out a sharding
-    for each of them the first time (a third of a few-step DTensor run's CPU), and computes the same."""
-    from torch.distributed.tensor import DTensor
-
+    """Scale ``grads`` (their norm ``total``) to a norm of at most ``max_norm``, as ``clip_grad_norm_`` does: each
+    DTensor's local part in place (linear, so right for any placement), without DTensor's sharding dispatch."""
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for group in _by_mesh(grads).values():
-        local = [g.to_local() if isinstance(g, DTensor) else g for g in group]
+    for mesh, group in _by_mesh(grads).items():  # mesh None: plain tensors
+        local = group if mesh is None else [g.to_local() for g in group]  # type: ignore[attr-defined]  # DTensors
         torch._foreach_mul_(local, coef.to(local[0].device))
 
 
