@@ -78,11 +78,13 @@ def _failure_line(err: Any, prefix: str, records: Any) -> tuple[str, int]:
     rank, failure = culprits[0], err.failures[culprits[0]]
     who = f"rank {rank}" if len(culprits) == 1 else f"ranks {', '.join(map(str, sorted(culprits)))} (first: rank {rank})"
     code = int(failure.exitcode)
+    root = _message(failure)  # the worker recorded its exception (``@record``, or paratrain's excepthook)
+    if code == -signal.SIGTERM and root:  # the agent stopped it on its way out (its exit handlers, a busy machine)
+        code = 1  # after it recorded its error: that error ended it, as Python's exit status says
     if code < 0:  # killed by a signal: report like a shell does
         how, rc = f"killed by {_signal_name(-code)}", 128 - code
     else:
         how, rc = f"exit code {code}", code or 1
-    root = _message(failure)  # the worker recorded its exception (``@record``, or paratrain's excepthook)
     kind, sep, text = root.partition(": ")
     said = None if kind == "CollectiveTimeoutError" else _records_say(records, rank, root)  # it compared them
     if said is not None and said[1]:  # the ranks went different ways: that is the cause, whoever ended first

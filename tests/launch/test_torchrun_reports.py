@@ -53,6 +53,17 @@ def test_a_rank_that_only_lost_its_peer_is_not_named(tmp_path):
     assert _failure_line(_Failed(failures), "x:") == ("x: worker rank 1 failed (killed by SIGKILL)", 137)
 
 
+def test_a_rank_stopped_by_the_agent_after_it_recorded_its_error_ended_by_that_error(tmp_path):
+    # on a busy machine rank 0 was still in its exit handlers when rank 1's failure made the agent SIGTERM it
+    timeout = "CollectiveTimeoutError: rank 1 did not arrive at a collective (broadcast) for 5 s (timeout_s)"
+    failures = {0: _failure(tmp_path, 0, -signal.SIGTERM, timeout, timestamp=99),
+                1: _failure(tmp_path, 1, 1, "CollectiveTimeoutError: rank 0 did not arrive")}
+    assert _failure_line(_Failed(failures), "x:") == ("x: rank 1 did not arrive at a collective (broadcast) for 5 s "
+                                                      "(timeout_s)", 1)
+    failures = {0: _failure(tmp_path, 0, -signal.SIGTERM, "ValueError: bad batch")}
+    assert _failure_line(_Failed(failures), "x:") == ("x: worker rank 0 failed (exit code 1): ValueError: bad batch", 1)
+
+
 def test_ranks_that_each_failed_on_their_own_are_all_named(tmp_path):
     failures = {1: _failure(tmp_path, 1, 1, "KeyError: 'a'", timestamp=101), 0: _failure(tmp_path, 0, 1, "KeyError: 'b'"),
                 2: _failure(tmp_path, 2, -signal.SIGTERM, None)}
