@@ -41,13 +41,15 @@ want() {  # does this run include step $1 (wheel, floor, or the main ones: main)
     floor) [ "$only" = floor ] || { [ -z "$only" ] && [ "${PARATRAIN_SKIP_FLOOR:-0}" != 1 ]; } ;;
   esac
 }
-# the pytest runs use both cores (pytest-xdist; tests/conftest.py says what shares one worker: the lab's
+# the pytest runs use every core (pytest-xdist; tests/conftest.py says what shares one worker: the lab's
 # tests, a module's tests that share a trained fixture); PARATRAIN_TEST_WORKERS=0 runs them in one process.
-# Two workers, one per core: three (many tests wait on a signal, a timeout or a rendezvous) gained
-# nothing in CI, where the cores are busy 94% of the run (process accounting: 3,425 of 3,656 core-s).
-# With more workers than cores each test's real time limits get the share it has (tests/pace.py: share)
-workers=(-n "${PARATRAIN_TEST_WORKERS:-2}")
-[ "${PARATRAIN_TEST_WORKERS:-2}" = 0 ] && workers=(-p no:xdist)
+# One worker per core computes, and one more runs only the tests marked `waits` (a timeout or a signal waited out:
+# ~300 s of a worker's time for ~40 core-s), beside them: with two workers, both waiting at once left the cores
+# idle for minutes of the run. Three that all took any test gained nothing: each compute-bound test got 2/3 of a
+# core. The tests' real time limits get the share each has (tests/pace.py: share)
+nworkers=${PARATRAIN_TEST_WORKERS:-$(($(nproc) + 1))}
+workers=(-n "$nworkers")
+[ "$nworkers" = 0 ] && workers=(-p no:xdist)
 stages=()  # "name seconds", printed at the end, failed or not
 stage_start=$SECONDS
 stage() {  # the stage that ends now took the time since the last call

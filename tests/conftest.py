@@ -63,21 +63,18 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: unknown where xdist is absent or -p no:xdist
 def pytest_xdist_make_scheduler(config, log):
-    """``-n 2`` (``scripts/test.sh``): xdist's load-scope scheduler over :func:`work_unit` (largest
+    """``-n 3`` (``scripts/test.sh``): xdist's load-scope scheduler over :func:`work_unit` (largest
     units first). pytest-xdist's own ``--dist loadgroup`` cannot be used: it renames a test's
-    ``_nodeid``, which pytest 9.2 no longer reads, so its groups are silently ignored."""
-    from xdist.scheduler import LoadScopeScheduling
+    ``_nodeid``, which pytest 9.2 no longer reads, so its groups are silently ignored.
 
+    Workers beyond the cores (:func:`pace.waiters`) run only the units whose tests are all marked
+    ``waits`` (a timeout or a signal waited out, a few core-seconds in many real ones): beside the workers
+    that compute, not in their place. The others take those units too once their own are done."""
     if config.getvalue("dist") not in ("load", "loadgroup", "loadscope"):
         return None  # --dist each, loadfile, worksteal: as asked
+    from workunits import scheduler
 
-    from workunits import work_unit
-
-    class WorkUnits(LoadScopeScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            return work_unit(nodeid)
-
-    return WorkUnits(config, log)
+    return scheduler(config, log)
 
 
 @pytest.fixture(autouse=True)

@@ -8,10 +8,10 @@ interpreter that imports torch; :data:`PACE` is that time over the reference mac
 below 1. :func:`scaled` gives a limit room in proportion. The measurement is handed to pytest-xdist's
 workers and to every child process through ``PARATRAIN_TEST_PACE`` (set it to skip the measurement).
 
-The suite may also run more tests at once than the machine has cores (``scripts/test.sh``: three
-pytest-xdist workers on two cores, as many tests wait on a signal, a timeout or a rendezvous). Then
-each test gets ``cores / workers`` of the machine while the others compute: :func:`share` is that
-oversubscription (never below 1), and :func:`scaled` gives it room too.
+The suite also runs more tests at once than the machine has cores (``scripts/test.sh``: three
+pytest-xdist workers on two cores; the third runs only the tests that mostly wait on a signal or a
+timeout, :func:`waiters`). Such a test gets ``cores / workers`` of the machine while the others
+compute: :func:`share` is that oversubscription (never below 1), and :func:`scaled` gives it room too.
 
 A limit that states what the product promises (e.g. "the job ends within timeout_s + 15 s") keeps
 its product term and scales only the allowance for the machine.
@@ -47,12 +47,25 @@ def pace() -> float:
     return float(os.environ[ENV])
 
 
+def cores() -> int:
+    """The cores this process may use."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def waiters(workers: int) -> set[str]:
+    """The pytest-xdist workers (their ids) beyond the cores, of ``workers`` in all: they run only tests marked
+    ``waits`` (``tests/conftest.py``'s scheduler), beside one worker per core that computes."""
+    return {f"gw{i}" for i in range(cores(), workers)}
+
+
 def share() -> float:
-    """How many tests run at once per core, never below 1: pytest-xdist's worker count (in its workers)
-    over the cores this process may use."""
+    """How many tests run at once per core, as this test sees it, never below 1. A worker that computes shares
+    its core with none (the workers beyond the cores mostly wait); one of those beyond them (:func:`waiters`)
+    shares the machine with every worker."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1.0, workers / max(1, cores))
+    if os.environ.get("PYTEST_XDIST_WORKER", "") not in waiters(workers):
+        workers = min(workers, cores())
+    return max(1.0, workers / max(1, cores()))
 
 
 def scaled(seconds: float) -> float:

@@ -221,6 +221,7 @@ def test_resume_of_a_finished_run_changes_nothing(finished_mlp_run: Path) -> Non
     assert _files(finished_mlp_run) == before  # not one byte or timestamp changed
 
 
+@pytest.mark.waits
 @pytest.mark.timeout(200)
 def test_restart_after_the_final_checkpoint_finishes_the_run(tmp_path: Path) -> None:
     """A worker killed after the last checkpoint: the restarted group evaluates and writes a full
@@ -257,6 +258,7 @@ def test_summary_files_are_written_atomically(tmp_path: Path, monkeypatch: pytes
 
 # --- bench checks its names before any cell runs ---------------------------------------------
 
+@pytest.mark.waits
 def test_bench_rejects_bad_names_at_once(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     from paratrain.cli.main import main
 
@@ -280,6 +282,7 @@ def test_bench_rejects_bad_names_at_once(tmp_path: Path, capsys: pytest.CaptureF
 
 # --- hangs: who did not arrive, and how soon the job ends --------------------------------------
 
+@pytest.mark.waits
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="needs /proc (Linux)")
 @pytest.mark.parametrize("fault", ["HANG", "STOP"])  # rank 1 sleeps before a collective / is frozen (SIGSTOP)
 def test_a_rank_that_does_not_arrive_is_named_and_ends_the_job_within_timeout_plus_15s(
@@ -306,6 +309,7 @@ def test_a_rank_that_does_not_arrive_is_named_and_ends_the_job_within_timeout_pl
     assert ended <= timeout_s + scaled(15), f"the job took {ended:.1f}s to end after the fault (timeout_s={timeout_s})"
 
 
+@pytest.mark.waits
 def test_a_rank_that_never_starts_is_one_line_at_start_up(tmp_path: Path) -> None:
     """Rank 0 of a world of 2 whose rank 1 never starts: after timeout_s, one line saying the group
     could not form, where, and what to check (not torch's 30-line store traceback)."""

@@ -192,6 +192,7 @@ pt.reduce(torch.tensor(1.0), "sum")
 '''
 
 
+@pytest.mark.waits
 def test_own_script_collective_timeout_ends_with_its_cause(tmp_path):
     """A script's own loop under `paratrain run`: nothing of paratrain is on the stack when its
     all-reduce times out, yet the worker ends with one line naming the rank that did not arrive

@@ -95,6 +95,7 @@ def test_own_loop_stops_through_should_stop_and_resumes_bit_exact(tmp_path, unin
     _assert_equal(torch.load(tmp_path / "out.pt"), uninterrupted_loop)
 
 
+@pytest.mark.waits
 def test_a_save_past_the_grace_period_leaves_the_previous_checkpoint_newest(tmp_path):
     """The save after the signal at step 5 takes 60 s, the grace is 3 s: the workers end
     without it; step 4 stays the newest complete checkpoint and loads."""

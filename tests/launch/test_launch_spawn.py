@@ -54,6 +54,7 @@ def _hang(local_rank):
     time.sleep(600)
 
 
+@pytest.mark.waits
 def test_timeout_kills_workers():
     with pytest.raises(LaunchError, match="timed out"):
         paratrain.launch(_hang, nprocs=2, timeout=3)
@@ -110,6 +111,7 @@ def _own_loop_hangs_on_rank_1(local_rank):
     return pt.reduce(torch.tensor(1.0), "sum")
 
 
+@pytest.mark.waits
 def test_own_loop_collective_timeout_names_the_rank_and_the_collective():
     """Your own loop, not paratrain train: a rank that never arrives is named, with the collective
     the others waited in, in the one line the launch raises (rank 0's error)."""
@@ -130,6 +132,7 @@ def _saves_on_the_main_process_only(local_rank, directory):
     pt.save_checkpoint(directory, model, opt)
 
 
+@pytest.mark.waits
 def test_a_collective_method_called_on_one_rank_is_named(tmp_path):
     with pytest.raises(LaunchError, match=r"rank 1 did not arrive at a collective \(\w+ in Parallel\.save_checkpoint\).*"
                                           r"Parallel\.save_checkpoint is a collective: does every rank call it"):

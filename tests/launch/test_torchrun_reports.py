@@ -121,6 +121,7 @@ pt.close()
 """
 
 
+@pytest.mark.waits
 @pytest.mark.parametrize("late_rank", [0, 1])
 def test_a_collective_called_on_the_main_process_only_names_the_ranks_that_never_arrived(tmp_path, late_rank):
     """Rank 0 waits in save_checkpoint, rank 1 in the next step's gradient reduction: both time out.

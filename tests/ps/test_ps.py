@@ -71,6 +71,7 @@ def test_failing_worker_fails_the_job_with_its_rank():
         paratrain.launch(ps_worker, nprocs=3, args=("sync", PROBLEM.steps, "raise"), timeout=60)
 
 
+@pytest.mark.waits
 def test_hanging_worker_times_out_instead_of_hanging():
     # Worker 2 never pushes: worker 1's sync step (or the server's wait) hits rpc_timeout_s, well before launch's limit.
     with pytest.raises(LaunchError, match="rpc_timeout_s=4"):

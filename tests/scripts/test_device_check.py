@@ -171,6 +171,7 @@ def test_skip_reasons_without_cuda_and_for_the_budget(tmp_path: Path) -> None:
     assert s["packages_missing"] == {"torchvision": dc.OPTIONAL["torchvision"]}
 
 
+@pytest.mark.waits
 def test_a_step_past_its_slice_is_killed_with_what_it_started(tmp_path: Path) -> None:
     pidfile = tmp_path / "child.pid"
     py = fake_python(tmp_path, f"sleep 300 & echo $! > {pidfile}; wait")

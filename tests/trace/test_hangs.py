@@ -91,6 +91,7 @@ def _ends_in_time(t0: float) -> None:
     assert time.monotonic() - t0 < TIMEOUT_S + 15 + scaled(15)
 
 
+@pytest.mark.waits
 @pytest.mark.parametrize("case", ["skip", "mismatch", "other", "watchdog"])
 def test_launch_names_the_rank_the_collective_and_the_step(case):
     t0 = time.monotonic()
