@@ -5,6 +5,7 @@ import types
 
 import pace
 import pytest
+import workunits
 from workunits import scheduler, waits, work_unit
 
 
@@ -28,6 +29,11 @@ def test_the_waits_mark_is_read_from_the_source_and_a_waiting_test_is_a_unit_of_
     # in a module whose other tests share a trained fixture
     grace = "tests/env/test_preemption.py::test_a_save_past_the_grace_period_leaves_the_previous_checkpoint_newest"
     assert waits(grace) and work_unit(grace) == grace
+
+
+def test_a_waiting_test_of_a_group_stays_in_its_group(monkeypatch):
+    monkeypatch.setitem(workunits._waits, "tests/lab/test_slurm.py", frozenset({"test_a"}))
+    assert waits("tests/lab/test_slurm.py::test_a") and work_unit("tests/lab/test_slurm.py::test_a") == "lab"
 
 
 def test_the_worker_beyond_the_cores_takes_only_waiting_tests_and_the_others_take_them_last(monkeypatch):

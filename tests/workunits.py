@@ -19,14 +19,14 @@ up); the package's builds, which write build/ and paratrain.egg-info/ in the che
 def work_unit(nodeid: str) -> str:
     """What one pytest-xdist worker runs as a whole: a group of :data:`_ONE_WORKER`, a module with a
     module-scoped fixture (a trained reference run, a built wheel: split across two workers, each
-    would build it), or else the test alone. A test marked ``waits`` is a unit of its own (one that uses a module's
-    fixture would build it again in the worker that runs it)."""
-    if waits(nodeid):
-        return nodeid
+    would build it), or else the test alone. Outside a group, a test marked ``waits`` is a unit of its own (one that
+    uses a module's fixture would build it again in the worker that runs it)."""
     path = nodeid.replace("\\", "/").split("::")[0]
     group = next((g for g, prefix in _ONE_WORKER.items() if path.startswith(prefix)), None)
     if group is not None:
         return group
+    if waits(nodeid):
+        return nodeid
     return path if _has_module_fixture(path) else nodeid
 
 
@@ -84,9 +84,18 @@ def scheduler(config, log=None):
         def _split_scope(self, nodeid: str) -> str:
             return work_unit(nodeid)
 
+        def __init__(self, config, log=None) -> None:
+            super().__init__(config, log)
+            self._waiting: dict[str, bool] = {}  # scope -> all its tests are marked waits
+
+        def _waits(self, scope: str) -> bool:
+            if scope not in self._waiting:
+                self._waiting[scope] = all(map(waits, self.workqueue[scope]))
+            return self._waiting[scope]
+
         def _assign_work_unit(self, node) -> None:
             waiter = node.gateway.id in pace.waiters(self.numnodes)
-            scope = next((s for s, unit in self.workqueue.items() if all(map(waits, unit)) == waiter), None)
+            scope = next((s for s in self.workqueue if self._waits(s) == waiter), None)
             if scope is None and not waiter:
                 scope = next(iter(self.workqueue))  # the waiting units left, once nothing computes
             if scope is None:
