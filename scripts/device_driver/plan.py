@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = ["DEFAULT_BUDGET", "DEFAULT_DRY_BUDGET", "Step", "STEPS", "SELFTEST_SECTIONS", "OPTIONAL", "plan_slice",
-           "inner_budget"]
+           "inner_budget", "kill_room"]
 
 DEFAULT_BUDGET = 540.0
 DEFAULT_DRY_BUDGET = 180.0
@@ -94,3 +94,11 @@ def inner_budget(slice_s: float) -> float:
     """What a step that keeps its own budget (selftest) is told: its slice less the time to start
     and to write its report (15%, 10-30 s)."""
     return max(slice_s / 2, slice_s - min(30.0, max(10.0, 0.15 * slice_s)))
+
+
+def kill_room(budget: float, dry: bool) -> float:
+    """How many times its slice a step may run before it is killed: a dry run's budget above
+    :data:`DEFAULT_DRY_BUDGET` is a slower or busier machine's (CI gives it the machine's pace), and its steps get
+    that much room; what a step does within its slice is its own budget, as planned. 1 for a GPU run, whose
+    budget is the device time to spend."""
+    return max(1.0, budget / DEFAULT_DRY_BUDGET) if dry else 1.0

@@ -136,6 +136,14 @@ def test_inner_budget_leaves_time_to_report() -> None:
     assert dc.inner_budget(12) == 6
 
 
+def test_a_dry_run_given_more_than_its_budget_kills_a_step_that_much_later_past_its_slice() -> None:
+    # CI's floor gives the dry run 180 s times the machine's pace: a slower machine's step is not killed at the
+    # quiet machine's slice; a GPU run's budget is device time, and its slices are its kill times
+    assert dc.kill_room(2 * dc.DEFAULT_DRY_BUDGET, dry=True) == 2
+    assert dc.kill_room(dc.DEFAULT_DRY_BUDGET / 2, dry=True) == 1
+    assert dc.kill_room(2 * dc.DEFAULT_BUDGET, dry=False) == 1
+
+
 # --------------------------------------------------------------------------- the orchestration
 
 
