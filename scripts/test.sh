@@ -21,7 +21,7 @@
 # PARATRAIN_SKIP_CUDA_WHEEL=1) skips step 4, PARATRAIN_SKIP_FLOOR=1 step 5;
 # `bash scripts/test.sh wheel [pytest arguments]` runs the set-up and step 4 alone, `bash scripts/test.sh
 # floor` the set-up and step 5.
-# Each pytest run has a hard limit (the full suite takes about 12-22 minutes on 2 cores, the lab included): a hang ends
+# Each pytest run has a hard limit (the full suite takes about 14-15 minutes on 2 cores, the lab included): a hang ends
 # as a failure with every thread's stack (tests/conftest.py), never as a stuck CI. `--foreground`
 # keeps pytest in the caller's process group (a terminal's foreground group stays its own), and its
 # stdin is /dev/null: nothing it starts (mpirun forwards stdin) may wait on input.
@@ -184,7 +184,7 @@ if [ "$only" = floor ]; then
   exit 0
 fi
 
-echo "== static checks (ruff; mypy runs beside the suite: one core for a minute, mostly reading torch)"
+echo "== static checks (ruff; mypy runs beside the suite: one core for ~35 s, mostly reading torch)"
 "$venv/bin/ruff" check paratrain tests scripts benchmarks docs
 mlog=$(mktemp); tmps+=("$mlog")
 "$venv/bin/mypy" paratrain >"$mlog" 2>&1 </dev/null &
