@@ -81,12 +81,12 @@ def scheduler(config, log=None):
     from xdist.scheduler import LoadScopeScheduling
 
     class WorkUnits(LoadScopeScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            return work_unit(nodeid)
-
         def __init__(self, config, log=None) -> None:
             super().__init__(config, log)
             self._waiting: dict[str, bool] = {}  # scope -> all its tests are marked waits
+
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid)
 
         def _waits(self, scope: str) -> bool:
             if scope not in self._waiting:
